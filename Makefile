@@ -1,0 +1,32 @@
+# Two commands for a fresh clone (python3 + make are all you need):
+#   make up     run the local gateway stack (4 simulated workers + router + Envoy) on :8080
+#   make test   run the test suite
+# Both create .venv and install the project into it on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+WORKERS ?= 4
+PORT ?= 8080
+
+.PHONY: up test bench install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+up: $(VENV)/.installed
+	$(BIN)/prefix-router up --sim-workers $(WORKERS) --port $(PORT)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(BIN)/prefix-router bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
