@@ -1,0 +1,94 @@
+"""The one small interface every routing policy implements.
+
+Like sgl-router's policies: a policy gets the request and the candidate workers (healthy, with
+their in-flight counts, reported load and, for policies that need tokens, how many leading blocks
+of the prompt each one holds) in one context, and returns a ranking. Optional hooks default to
+nothing. Policies never do I/O: the router gathers inputs, the policy decides.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from extproc.workers import Worker
+
+__all__ = ["Candidate", "Decision", "Policy", "PolicyError", "RoutingRequest", "WorkerLoad"]
+
+
+class PolicyError(ValueError):
+    """Bad policy name or options (reported at start-up, not per request)."""
+
+
+@dataclass
+class WorkerLoad:
+    """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_used_tokens: int = 0
+    max_total_num_tokens: int | None = None
+    token_usage: float = 0.0
+    age_s: float = 0.0  # seconds since it was polled
+
+
+@dataclass
+class RoutingRequest:
+    """One request as policies see it."""
+
+    model: str
+    path: str
+    prompt_text: str = ""  # rendered prompt; character-based peer policies match on it
+    token_ids: list[int] | None = None
+    block_keys: list[int] = field(default_factory=list)  # full pages only
+    block_size: int = 16
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else len(self.prompt_text) // 4
+
+
+@dataclass
+class Candidate:
+    """One healthy worker with everything a policy may weigh."""
+
+    worker: Worker
+    in_flight: int = 0
+    load: WorkerLoad | None = None
+    matched_blocks: int = 0  # leading blocks of the prompt this worker holds (index + speculative)
+    index_state: str = "synced"  # synced | unknown (events lost; matched_blocks from own record)
+
+
+@dataclass
+class Decision:
+    """Workers best first (primary, then fallbacks), why, and per-worker figures for the span."""
+
+    ranked: list[Worker]
+    reason: str
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """Base class: set ``name``; override ``select``; hooks are optional."""
+
+    name: ClassVar[str]
+    needs_tokens: ClassVar[bool] = False  # True: the router tokenizes and fills matched_blocks
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    @abstractmethod
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """Rank ``candidates`` (never empty) for ``request``."""
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        """Called after a decision is sent to Envoy (update own state)."""
+
+    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
+        """Called when the request's ext_proc stream ends (response fully sent)."""
+
+    def remove_worker(self, worker: Worker) -> None:
+        """Called when a worker leaves the set for good."""
