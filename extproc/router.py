@@ -7,7 +7,7 @@ response has been completely sent: that brackets the router's in-flight count pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.config import RouterConfig
 from extproc.policies import Candidate, Decision, RoutingRequest, create_policy
@@ -29,6 +29,8 @@ class RouteOutcome:
     decision: Decision
     worker: Worker
     finished: bool = False
+    # Headers the server must set on the upstream request (e.g. W3C ``traceparent`` of the decision span).
+    upstream_headers: dict[str, str] = field(default_factory=dict)
 
     def endpoints(self, fallbacks: int) -> list[str]:
         """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention)."""
