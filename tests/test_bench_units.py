@@ -1,0 +1,189 @@
+"""Unit tests of the benchmark's pure parts: workloads, oracle, metrics, report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.metrics import RequestResult, distribution, failed, max_over_mean, percentile, summarize
+from benchmarks.oracle import PooledCache, oracle_hit_rate
+from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
+from benchmarks.workloads import (TraceError, TraceWindow, block_text, gsp_workload, iter_token_ids,
+                                  multiturn_workload, prefix_hash, read_trace, trace_workload, word_vocabulary)
+from extproc.tokenization import load_tokenizer
+
+SHARED_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake-conversation.jsonl"
+
+
+def test_block_text_is_exactly_n_tokens_and_concatenates() -> None:
+    tok = load_tokenizer()
+    a, b = block_text("t", 1, 512), block_text("t", 2, 100)
+    assert len(tok.encode_text(a, add_special_tokens=False)) == 512
+    assert len(tok.encode_text(b, add_special_tokens=False)) == 100
+    # No BPE merge crosses a block boundary: tokens of a+b are tokens of a then tokens of b.
+    assert tok.encode_text(a + b, add_special_tokens=False) == (
+        tok.encode_text(a, add_special_tokens=False) + tok.encode_text(b, add_special_tokens=False))
+    assert block_text("t", 1, 512) == a and block_text("t", 3, 512) != a
+    assert len(word_vocabulary()) > 1000
+
+
+def test_gsp_groups_share_their_system_prompt_and_are_deterministic() -> None:
+    w = gsp_workload(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=1)
+    again = gsp_workload(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=1)
+    assert [r.messages for r in w.requests] == [r.messages for r in again.requests]
+    assert [r.arrival_s for r in w.requests] == [r.arrival_s for r in again.requests]
+    assert len(w.requests) == 12
+    systems = {r.messages[0]["content"] for r in w.requests}
+    assert len(systems) == 3
+    assert len({r.messages[1]["content"] for r in w.requests}) == 12
+    assert all(r.max_tokens == 5 for r in w.requests)
+    arrivals = [r.arrival_s for r in w.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    other = gsp_workload(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=2)
+    assert other.requests[0].messages != w.requests[0].messages or other.requests[1].messages != w.requests[1].messages
+
+
+def test_multiturn_history_grows_and_repeats_earlier_turns() -> None:
+    w = multiturn_workload(sessions=2, turns=3, system_prompt_len=16, question_len=8, answer_len=8, output_len=4,
+                           turn_interval_s=1.0, rate=5.0, seed=0)
+    assert len(w.requests) == 6
+    by_session: dict[str, list] = {}
+    for r in w.requests:
+        by_session.setdefault(r.session or "", []).append(r)
+    for turns in by_session.values():
+        assert [len(t.messages) for t in turns] == [2, 4, 6]
+        # Turn k+1 starts with all of turn k's messages (plus the assistant answer).
+        for prev, nxt in zip(turns, turns[1:]):
+            assert nxt.messages[: len(prev.messages)] == prev.messages
+            assert nxt.arrival_s == pytest.approx(prev.arrival_s + 1.0)
+
+
+def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 0, "input_length": 40, "output_length": 3, "hash_ids": [0, 1, 2]},
+        {"timestamp": 500, "input_length": 30, "output_length": 9, "hash_ids": [0, 1]},
+        {"timestamp": 2000, "input_length": 20, "output_length": 1, "hash_ids": [0, 5]},
+    ]) + "\n")
+    w = trace_workload(trace, block_size=16, window=TraceWindow(time_scale=2.0, max_output=5))
+    assert [r.arrival_s for r in w.requests] == [0.0, 0.25, 1.0]
+    assert [r.max_tokens for r in w.requests] == [3, 5, 1]
+    tok = load_tokenizer()
+    texts = [r.messages[0]["content"] for r in w.requests]
+    assert [len(tok.encode_text(t, add_special_tokens=False)) for t in texts] == [40, 30, 20]
+    assert texts[1] == texts[0][: len(texts[1])]  # shares ids 0,1 (second block cut to 14 tokens)
+    assert texts[2][: len(texts[2]) // 2] != texts[0][len(texts[2]) // 2:]
+    poisson = trace_workload(trace, block_size=16, window=TraceWindow(rate=1.0, start=1, max_requests=1))
+    assert len(poisson.requests) == 1 and poisson.requests[0].messages == w.requests[1].messages
+
+
+def test_trace_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot read trace"):
+        read_trace(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with pytest.raises(TraceError, match="bad.jsonl:1: not a Mooncake record"):
+        read_trace(bad)
+
+
+def test_real_conversation_trace_window_when_present() -> None:
+    if not SHARED_TRACE.is_file():
+        pytest.skip(f"shared trace not present at {SHARED_TRACE}")
+    w = trace_workload(SHARED_TRACE, window=TraceWindow(start=10, max_requests=5, time_scale=10.0))
+    assert len(w.requests) == 5
+    first = [r.messages[0]["content"][:200] for r in w.requests]
+    assert len(set(first)) == 1  # every conversation request starts with hash id 0
+
+
+def test_prefix_hash_depends_only_on_leading_chars() -> None:
+    assert prefix_hash("a" * 10 + "x", 10) == prefix_hash("a" * 10 + "y", 10)
+    assert prefix_hash("b" * 10, 10) != prefix_hash("a" * 10, 10)
+
+
+def test_oracle_counts_leading_pages_and_evicts_lru() -> None:
+    cache = PooledCache(capacity_tokens=64, page_size=4)
+    a = list(range(16))
+    assert cache.access(a) == 0
+    assert cache.access(a + [99, 98]) == 16  # all four pages of a
+    assert cache.access(a) == 15  # fully cached: the last token is always computed
+    b = list(range(100, 164))  # 16 pages: evicts everything of a
+    cache.access(b)
+    assert cache.access(a) == 0
+    assert cache.hit_rate == pytest.approx((16 + 15) / (16 + 18 + 16 + 64 + 16))
+
+
+def test_oracle_evicts_leaves_before_shared_roots() -> None:
+    cache = PooledCache(capacity_tokens=16, page_size=4)  # four pages
+    root = [1, 2, 3, 4]
+    cache.access(root + [10, 11, 12, 13])
+    cache.access(root + [20, 21, 22, 23])
+    cache.access(root + [30, 31, 32, 33])  # over capacity: an old leaf goes, the shared root stays
+    assert cache.access(root + [40, 41, 42, 43]) == 4
+
+
+def test_oracle_on_gsp_matches_the_closed_form() -> None:
+    w = gsp_workload(groups=2, prompts_per_group=4, system_prompt_len=256, question_len=16, output_len=4,
+                     rate=10, seed=3)
+    tokens = list(iter_token_ids(w.requests))
+    rate = oracle_hit_rate(tokens, capacity_tokens=1_000_000, page_size=16)
+    # Each group's 2nd..4th request hits the system prompt's full pages (template header included).
+    assert 0.6 < rate < 0.75
+    assert oracle_hit_rate(tokens, capacity_tokens=0, page_size=16) == 0.0
+
+
+def test_percentiles_and_summary() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    d = distribution([0.1, 0.2, 0.3])
+    assert d["p50"] == pytest.approx(0.2) and d["mean"] == pytest.approx(0.2)
+    results = [RequestResult(index=0, sent_s=0.0, ttft_s=0.1, e2e_s=1.0, prompt_tokens=100, cached_tokens=50,
+                             output_tokens=10),
+               RequestResult(index=1, sent_s=0.5, ttft_s=0.3, e2e_s=1.5, prompt_tokens=100, cached_tokens=0,
+                             output_tokens=10),
+               RequestResult(index=2, sent_s=1.0, error="HTTP 503: x")]
+    s = summarize("x", 2.0, results, {"w1": 2, "w2": 0}, workers=2)
+    assert (s.requests, s.errors) == (3, 1)
+    assert s.hit_rate == pytest.approx(0.25)
+    assert s.output_tok_s == pytest.approx(20 / 2.0)
+    assert s.max_mean_requests == pytest.approx(2.0)
+    assert s.ttft_s["p50"] == pytest.approx(0.2)
+    assert s.error_samples == ["HTTP 503: x"]
+    assert max_over_mean({"a": 3}, workers=3) == pytest.approx(3.0)  # idle workers count
+
+
+def test_report_table_json_and_plots(tmp_path: Path) -> None:
+    def row(name: str, ttft: float, rate: float) -> RequestResult:
+        return RequestResult(index=0, sent_s=0.0, ttft_s=ttft, e2e_s=ttft + 1, prompt_tokens=10, cached_tokens=5,
+                             output_tokens=3)
+
+    summaries, ttfts = [], {}
+    for rate in (1.0, 2.0):
+        for name, ttft in (("envoy-rr", 0.4), ("sgl-router", 0.2), ("ours:prefix-aware", 0.1)):
+            summaries.append(summarize(name, rate, [row(name, ttft * rate, rate)], {"w": 1}, workers=1))
+            ttfts[(name, rate)] = [ttft * rate]
+    summaries.append(failed("envoy-lr", 2.0, "boom"))
+    report = BenchReport("gsp", {}, {1.0: 0.8, 2.0: 0.8}, summaries, ttfts, {})
+    table = markdown_table(report)
+    assert "| ours:prefix-aware | 1 | 0 | 100 |" in table
+    assert "| 0.25 | 0.25 | 0.50 | 0.50 |" in table  # ratios to envoy-rr and sgl-router
+    assert "envoy-lr | did not start: boom" in table
+    out = tmp_path / "r.json"
+    write_json(report, out)
+    data = json.loads(out.read_text())
+    assert data["oracle_hit_rate"] == 0.8
+    names = [c["name"] for c in data["contenders"]]
+    assert names.count("ours:prefix-aware") == 2 and "envoy-lr" in names
+    ours = data["contenders"][2]
+    assert set(ours["ttft_s"]) == {"p50", "p90", "p99", "mean"}
+    assert ours["vs_round_robin"]["ttft_p50"] == pytest.approx(0.25)
+    assert ours["hit_rate_vs_oracle"] == pytest.approx(0.5 / 0.8)
+    assert data["contenders"][-1]["start_error"] == "boom" and data["contenders"][-1]["hit_rate"] is None
+    paths = plot_ttft_cdf(report, tmp_path)
+    sweep = plot_ttft_vs_load(report, tmp_path)
+    assert len(paths) == 2 and sweep is not None
+    for p in [*paths, sweep]:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
