@@ -1,0 +1,168 @@
+"""Start simulated workers as real child processes on free loopback ports.
+
+Tests, benchmarks and ``prefix-router up`` all need the same thing: N sim-workers listening on
+ports nobody else uses, healthy before the caller goes on, and killed for sure afterwards::
+
+    with start_sim_worker(page_size=16, profile="instant") as worker:
+        httpx.post(worker.url + "/generate", ...)
+        zmq_sub.connect(worker.kv_events_endpoint)
+
+Keyword options map one-to-one onto ``prefix-router sim-worker`` flags (``page_size=4`` ->
+``--page-size 4``; ``True`` -> a bare flag such as ``no_kv_events=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SimWorkerError", "SimWorkerProcess", "free_ports", "start_sim_worker", "start_sim_workers"]
+
+
+class SimWorkerError(RuntimeError):
+    """A sim-worker process failed to start; the message carries the end of its log."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the OS reports free right now (bound together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class SimWorkerProcess:
+    """A running ``prefix-router sim-worker`` child process."""
+
+    host: str
+    port: int
+    kv_events_port: int
+    replay_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.kv_events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.replay_port}"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise SimWorkerError(f"sim-worker exited with {self.process.returncode}:\n{self.log()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise SimWorkerError(f"sim-worker not healthy after {timeout:.0f}s:\n{self.log()[-2000:]}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it does not exit within ``timeout``; idempotent."""
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+    def __enter__(self) -> SimWorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _flags(opts: dict[str, Any]) -> list[str]:
+    args: list[str] = []
+    for key, value in opts.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWorkerProcess:
+    port, kv_port, replay_port = free_ports(3, host)
+    args = [sys.executable, "-m", "extproc", "sim-worker", "--host", host, "--port", str(port),
+            "--kv-events-host", host, "--kv-events-port", str(kv_port), "--kv-replay-port", str(replay_port),
+            *_flags(opts)]
+    fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
+    with os.fdopen(fd, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **(env or {})})
+    return SimWorkerProcess(host, port, kv_port, replay_port, process, Path(log_name), args)
+
+
+def start_sim_workers(count: int, *, host: str = "127.0.0.1", startup_timeout: float = 30.0,
+                      env: dict[str, str] | None = None, **opts: Any) -> list[SimWorkerProcess]:
+    """Start ``count`` workers in parallel and wait until all answer ``/health`` with 200.
+
+    A worker that loses a port race (another process took a port between the check and the bind)
+    is started again on new ports, up to three times.
+    """
+    workers = [_spawn(host, opts, env) for _ in range(count)]
+    try:
+        for i in range(count):
+            for attempt in range(3):
+                try:
+                    workers[i].wait_healthy(startup_timeout)
+                    break
+                except SimWorkerError as exc:
+                    workers[i].stop()
+                    if attempt == 2 or "in use" not in str(exc).lower():
+                        raise
+                    workers[i] = _spawn(host, opts, env)
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+    return workers
+
+
+def start_sim_worker(*, host: str = "127.0.0.1", startup_timeout: float = 30.0,
+                     env: dict[str, str] | None = None, **opts: Any) -> SimWorkerProcess:
+    """Start one worker on free ports and wait until it is healthy (usable as a context manager)."""
+    return start_sim_workers(1, host=host, startup_timeout=startup_timeout, env=env, **opts)[0]

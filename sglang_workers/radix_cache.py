@@ -1,0 +1,231 @@
+"""SGLang's radix cache over token ids, without tensors, publishing the same KV events.
+
+The tree follows ``sglang.srt.mem_cache.radix_cache.RadixCache`` (0.5.23) step for step, because what
+a router learns from the events is only right if the tree splits, matches and evicts like SGLang's:
+
+* keys are cut to whole pages; a child is found by its first page (plus the cache salt namespace);
+  a partial trailing page is never cached nor published.
+* ``match_prefix`` splits a node when the match ends inside it (which publishes nothing) and refreshes
+  access times; ``insert`` does the same and creates one new leaf for the unmatched rest, which is one
+  ``BlockStored`` carrying all of its pages.
+* ``evict`` pops the least recently used unlocked leaves from a heap, pushing a parent once its last
+  child went, until at least ``num_tokens`` are freed; each leaf is one ``BlockRemoved``.
+* ``lock`` / ``unlock`` (SGLang's ``inc_lock_ref`` / ``dec_lock_ref``) pin the path of a running request.
+* ``reset`` (construction, ``/flush_cache``) publishes ``AllBlocksCleared``.
+
+Time is a logical clock: every place SGLang reads ``time.monotonic()`` takes the next tick, so LRU
+order matches SGLang's without depending on clock resolution.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from .kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    hash_to_int64,
+    merge_events,
+    page_digest,
+    salt_prior,
+)
+
+__all__ = ["RadixCache", "TreeNode"]
+
+
+class TreeNode:
+    """One edge of the tree: a run of whole pages with their chained digests."""
+
+    __slots__ = ("children", "parent", "key", "digests", "lock_ref", "last_access", "id", "salt")
+
+    _ids = itertools.count()
+
+    def __init__(self, parent: TreeNode | None, key: list[int], digests: list[bytes], tick: int,
+                 salt: str | None) -> None:
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.digests = digests
+        self.lock_ref = 0
+        self.last_access = tick
+        self.id = next(TreeNode._ids)
+        self.salt = salt
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap tie-break, like SGLang's TreeNode.__lt__
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+
+class RadixCache:
+    """Prefix tree of cached pages; sizes are in tokens; events queue until ``take_events``."""
+
+    def __init__(self, page_size: int, enable_events: bool = True) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.enable_events = enable_events
+        self._events: list[KVEvent] = []
+        self._clock = itertools.count(1)
+        self.reset()
+
+    # -- public API --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop everything (SGLang ``reset``: construction and ``/flush_cache``)."""
+        self.root = TreeNode(None, [], [], next(self._clock), None)
+        self.root.lock_ref = 1
+        self._evictable_leaves: set[TreeNode] = set()
+        self.evictable_size = 0
+        self.protected_size = 0
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+
+    @property
+    def total_size(self) -> int:
+        """Tokens held by the tree (evictable + locked)."""
+        return self.evictable_size + self.protected_size
+
+    def page_align(self, length: int) -> int:
+        return length // self.page_size * self.page_size
+
+    def match_prefix(self, key: Sequence[int], salt: str | None = None) -> tuple[int, TreeNode]:
+        """Longest cached whole-page prefix of ``key``: (length in tokens, last node)."""
+        key = list(key[: self.page_align(len(key))])
+        node = self.root
+        tick = next(self._clock)
+        node.last_access = tick
+        matched = 0
+        while key:
+            child = node.children.get(self._child_key(key, salt))
+            if child is None:
+                break
+            child.last_access = tick
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split(child, n)
+                matched += n
+                break
+            matched += n
+            node = child
+            key = key[n:]
+        return matched, node
+
+    def insert(self, key: Sequence[int], salt: str | None = None) -> int:
+        """Cache ``key`` (cut to whole pages); returns how many of its tokens were already cached."""
+        key = list(key[: self.page_align(len(key))])
+        node = self.root
+        tick = next(self._clock)
+        node.last_access = tick
+        total = 0
+        while key:
+            child = node.children.get(self._child_key(key, salt))
+            if child is None:
+                break
+            child.last_access = tick
+            n = self._match_len(child.key, key)
+            total += n
+            key = key[n:]
+            node = self._split(child, n) if n < len(child.key) else child
+        if key:
+            prior = node.digests[-1] if node.digests else (salt_prior(salt) if salt is not None else None)
+            digests = []
+            for start in range(0, len(key), self.page_size):
+                prior = page_digest(prior, key[start:start + self.page_size])
+                digests.append(prior)
+            leaf = TreeNode(node, key, digests, next(self._clock), salt)
+            node.children[self._child_key(key, salt)] = leaf
+            self.evictable_size += len(key)
+            self._update_leaf_status(node)
+            self._update_leaf_status(leaf)
+            if self.enable_events:
+                parent_hash = hash_to_int64(node.digests[-1]) if node.digests else None
+                self._events.append(BlockStored(
+                    block_hashes=[hash_to_int64(d) for d in digests], parent_block_hash=parent_hash,
+                    token_ids=list(key), block_size=self.page_size, cache_salt=salt))
+        return total
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` (if possible) from unlocked leaves, LRU first; returns tokens freed."""
+        heap = list(self._evictable_leaves)
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            evicted += len(leaf.key)
+            self._delete_leaf(leaf)
+            parent = leaf.parent
+            assert parent is not None
+            if not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+            if self.enable_events:
+                self._events.append(BlockRemoved([hash_to_int64(d) for d in leaf.digests]))
+        return evicted
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors (a running request uses them)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            self._update_leaf_status(node)
+            assert node.parent is not None
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node.lock_ref -= 1
+            self._update_leaf_status(node)
+            assert node.parent is not None
+            node = node.parent
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, merged as SGLang publishes them in one batch."""
+        events, self._events = self._events, []
+        return merge_events(events)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _child_key(self, key: Sequence[int], salt: str | None) -> Any:
+        plain = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return plain if salt is None else (salt, plain)
+
+    def _match_len(self, a: Sequence[int], b: Sequence[int]) -> int:
+        n = min(len(a), len(b))
+        i = 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        return self.page_align(i) if self.page_size > 1 else i
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child`` after ``split_len`` tokens; the new upper node takes a fresh access tick."""
+        pages = split_len // self.page_size
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(parent, child.key[:split_len], child.digests[:pages], next(self._clock), child.salt)
+        upper.lock_ref = child.lock_ref
+        parent.children[self._child_key(child.key, child.salt)] = upper
+        child.key = child.key[split_len:]
+        child.digests = child.digests[pages:]
+        child.parent = upper
+        upper.children[self._child_key(child.key, child.salt)] = child
+        return upper
+
+    def _delete_leaf(self, leaf: TreeNode) -> None:
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[self._child_key(leaf.key, leaf.salt)]
+        self.evictable_size -= len(leaf.key)
+        self._evictable_leaves.discard(leaf)
+        self._update_leaf_status(parent)
+
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        if node is self.root or node.lock_ref > 0 or node.children:
+            self._evictable_leaves.discard(node)
+        else:
+            self._evictable_leaves.add(node)

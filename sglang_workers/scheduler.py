@@ -1,0 +1,435 @@
+"""Continuous batching as SGLang's scheduler does it, on a simulated clock.
+
+One asyncio task runs the loop of ``sglang.srt.managers.scheduler.Scheduler.event_loop_normal``:
+each iteration first tries to form a prefill batch from the waiting queue (``PrefillAdder``), and
+only when none can be formed runs one decode step of the running batch, so long prefills stall
+decodes exactly as they do in SGLang without ``--enable-mixed-chunk``. A step's duration comes from
+the timing profile and is slept (divided by ``--speedup``); its KV events are published at its end.
+
+Admission follows ``PrefillAdder``: queue order (``fcfs``, or ``lpm`` = longest cached prefix first,
+which falls back to fcfs above 128 waiting requests), then per request the running-requests cap, the
+KV budget (free + evictable tokens minus what running requests may still need: remaining
+``max_new_tokens`` clipped to 4096 x ``new_token_ratio``), the ``--max-prefill-tokens`` budget and the
+``--chunked-prefill-size`` budget; a request that does not fit the chunk budget is chunked (cut to
+whole pages) and continues first in the next prefill batch. A request's prompt enters the radix
+cache right after its prefill (so others can match it), and prompt + output when it finishes.
+When decode runs out of KV, the requests with the fewest output tokens are retracted to the queue.
+
+The memory pool is counted in tokens: tree tokens (evictable or locked) plus each request's private
+tokens (computed but not yet in the tree: the partial last page and, until finished, its output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SimWorkerConfig
+from .kv_events import KVEventPublisher
+from .radix_cache import RadixCache, TreeNode
+from .timing import TimingProfile
+
+__all__ = ["Request", "Scheduler", "SchedulerStats"]
+
+CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
+LPM_FALLBACK_QUEUE = 128  # lpm turns into fcfs above this many waiting requests
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+RETRACT_DECODE_STEPS = 20
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
+               0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
+               150.0, 200.0, 250.0, 300.0, 350.0, 500.0, 1000.0)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler tracks it."""
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    cache_salt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = -1  # prefix found in the cache at first admission (-1: not admitted yet)
+    kv_len: int = 0  # tokens whose KV exists (in the tree or private)
+    tree_len: int = 0  # tokens of the locked tree path
+    last_node: TreeNode | None = None
+    chunk_prefix: int = 0  # cached context of the chunk being prefilled
+    chunk_len: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
+    rng: random.Random | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def private_tokens(self) -> int:
+        return self.kv_len - self.tree_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+
+class Histogram:
+    """Cumulative Prometheus histogram (buckets, sum, count)."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+
+@dataclass
+class SchedulerStats:
+    """Counters behind /metrics and /v1/loads."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    num_retractions: int = 0
+    prefill_batches: int = 0
+    decode_steps: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    recent_hits: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=64))
+    recent_tokens: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=512))
+
+
+class Scheduler:
+    """Waiting queue, running batch, radix cache and KV pool of one simulated worker."""
+
+    def __init__(self, config: SimWorkerConfig, profile: TimingProfile, cache: RadixCache,
+                 publisher: KVEventPublisher | None, vocab: Sequence[int]) -> None:
+        if not vocab:
+            raise ValueError("empty output vocabulary")
+        self.config = config
+        self.profile = profile
+        self.cache = cache
+        self.publisher = publisher
+        self.vocab = list(vocab)
+        self.capacity = config.capacity_tokens or profile.kv_pool_tokens
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.chunked: Request | None = None
+        self.prefilling: list[Request] = []  # the prefill batch in flight
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._rids = itertools.count()
+        self._publish()  # the AllBlocksCleared of cache construction, as SGLang publishes it
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # -- requests ----------------------------------------------------------------------------------
+    def submit(self, input_ids: list[int], max_new_tokens: int, cache_salt: str | None = None,
+               rid: str | None = None) -> Request:
+        """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished)."""
+        req = Request(rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt)
+        seed_material = f"{self.config.seed}:{cache_salt}:".encode() + b",".join(b"%d" % t for t in input_ids)
+        req.rng = random.Random(hashlib.sha256(seed_material).digest())
+        self.waiting.append(req)
+        self.stats.num_requests += 1
+        self._wakeup.set()
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Drop a request whose client went away (SGLang aborts it the same way)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.finished_at = time.monotonic()
+        elif not req.finished:
+            req.max_new_tokens = min(req.max_new_tokens, max(len(req.output_ids), 1))
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.prefilling or self.chunked)
+
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: only when no request is queued or running."""
+        if not self.idle:
+            return False
+        self.cache.reset()
+        self._publish()
+        return True
+
+    # -- pool accounting ---------------------------------------------------------------------------
+    @property
+    def private_tokens(self) -> int:
+        total = sum(r.private_tokens for r in self.running) + sum(r.private_tokens for r in self.prefilling)
+        if self.chunked is not None and self.chunked not in self.prefilling:
+            total += self.chunked.private_tokens
+        return total
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity - self.cache.total_size - self.private_tokens
+
+    @property
+    def used_tokens(self) -> int:
+        """SGLang's num_used: the pool minus free and evictable tokens."""
+        return self.capacity - self.free_tokens - self.cache.evictable_size
+
+    def _ensure_free(self, tokens: int) -> bool:
+        shortfall = tokens - self.free_tokens
+        if shortfall > 0:
+            self.cache.evict(shortfall)
+        return self.free_tokens >= tokens
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            if self.idle:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch = self._next_prefill_batch()
+            if batch:
+                duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
+                await self._sleep(duration)
+                self._finish_prefill(batch)
+            elif self.running:
+                context = sum(r.kv_len for r in self.running) + len(self.running)
+                await self._sleep(self.profile.decode_time(len(self.running), context))
+                self._decode_step()
+            else:
+                # Nothing fits right now (e.g. KV budget); wait for a request or a change.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            self._publish()
+
+    async def _sleep(self, simulated: float) -> None:
+        # sleep(0) still yields, so HTTP handlers run between steps even with the instant profile.
+        await asyncio.sleep(simulated / self.config.speedup if simulated > 0 else 0)
+
+    def _publish(self) -> None:
+        events = self.cache.take_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    # -- prefill -----------------------------------------------------------------------------------
+    def _ordered_waiting(self) -> list[Request]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE:
+            prefix = {id(r): self.cache.match_prefix(r.fill_ids[:-1], r.cache_salt)[0] for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: -prefix[id(r)])
+        return list(self.waiting)
+
+    def _reserved_for_running(self) -> float:
+        return sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
+                   for r in self.running) * self.new_token_ratio
+
+    def _next_prefill_batch(self) -> list[Request]:
+        if not self.waiting and self.chunked is None:
+            return []
+        cfg = self.config
+        rem_chunk = cfg.chunked_prefill_size
+        rem_input = cfg.max_prefill_tokens
+        offset = self._reserved_for_running()
+        batch = self.prefilling = []
+
+        if self.chunked is not None:  # an unfinished chunked prefill always continues first
+            req = self.chunked
+            remaining = len(req.fill_ids) - req.kv_len
+            take = remaining if remaining <= rem_chunk else self.cache.page_align(rem_chunk)
+            if take > 0 and self._ensure_free(take):
+                req.chunk_prefix, req.chunk_len = req.kv_len, take
+                req.kv_len += take
+                rem_chunk -= take
+                rem_input -= take
+                batch.append(req)
+                if take < remaining:
+                    return batch
+                self.chunked = None
+            else:
+                return batch
+
+        if len(self.running) + len(batch) >= cfg.max_running_requests:
+            return batch
+        for req in self._ordered_waiting():
+            if len(self.running) + len(batch) >= cfg.max_running_requests or rem_chunk <= 0:
+                break
+            fill = req.fill_ids
+            prefix_len, node = self.cache.match_prefix(fill[:-1], req.cache_salt)
+            extend = len(fill) - prefix_len
+            self.cache.lock(node)  # lock first: a locked prefix no longer counts as evictable
+            budget = self.free_tokens + self.cache.evictable_size - offset
+            if extend + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) >= budget or (
+                    extend > rem_input and batch):
+                self.cache.unlock(node)
+                break
+            take = extend if extend <= rem_chunk else self.cache.page_align(rem_chunk)
+            if take <= 0 or not self._ensure_free(take):
+                self.cache.unlock(node)
+                break
+            self.waiting.remove(req)
+            req.last_node, req.tree_len = node, prefix_len
+            req.kv_len = prefix_len + take
+            req.chunk_prefix, req.chunk_len = prefix_len, take
+            if req.cached_tokens < 0:
+                req.cached_tokens = prefix_len
+                self.stats.prompt_tokens += len(req.input_ids)
+                self.stats.cached_tokens += prefix_len
+                self.stats.queue_time.observe(time.monotonic() - req.arrival)
+            batch.append(req)
+            rem_chunk -= take
+            rem_input -= take
+            if take < extend:
+                self.chunked = req
+                break
+            offset += take + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+        return batch
+
+    def _finish_prefill(self, batch: list[Request]) -> None:
+        self.prefilling = []
+        self.stats.prefill_batches += 1
+        computed = sum(r.chunk_len for r in batch)
+        cached = sum(r.chunk_prefix for r in batch)
+        self.stats.recent_hits.append((cached, computed + cached))
+        now = time.monotonic()
+        for req in batch:
+            if req is self.chunked:  # chunk done, more to come: cache what exists so far
+                self._cache_unfinished(req)
+                continue
+            if req.max_new_tokens > 0:
+                self._emit(req, now)
+            if len(req.output_ids) >= req.max_new_tokens:
+                self._cache_finished(req, now)
+            else:
+                self._cache_unfinished(req)
+                self.running.append(req)
+
+    # -- decode ------------------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        if not self._ensure_free(len(self.running)):
+            self._retract()
+            if not self.running:
+                return
+        self.stats.decode_steps += 1
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        now = time.monotonic()
+        still: list[Request] = []
+        for req in self.running:
+            req.kv_len += 1
+            self._emit(req, now)
+            if len(req.output_ids) >= req.max_new_tokens:
+                self._cache_finished(req, now)
+            else:
+                still.append(req)
+        self.running = still
+
+    def _retract(self) -> None:
+        """Out of KV for the next decode step: requeue the requests that lose least (SGLang order)."""
+        self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        while self.running and not self._ensure_free(len(self.running)):
+            req = self.running.pop()
+            if req.last_node is not None:
+                self.cache.unlock(req.last_node)
+            req.last_node, req.kv_len, req.tree_len = None, 0, 0
+            self.waiting.insert(0, req)
+            self.stats.num_retractions += 1
+        total_max_new = sum(r.max_new_tokens for r in self.running) or 1
+        decoded = sum(len(r.output_ids) for r in self.running)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / total_max_new)
+
+    # -- radix cache hand-off ----------------------------------------------------------------------
+    def _cache_unfinished(self, req: Request) -> None:
+        """Insert what the request has computed so far and move its lock to the new path."""
+        tokens = req.fill_ids[: req.kv_len]
+        aligned = self.cache.page_align(len(tokens))
+        self.cache.insert(tokens[:aligned], req.cache_salt)
+        _, node = self.cache.match_prefix(tokens[:aligned], req.cache_salt)
+        self.cache.lock(node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node, req.tree_len = node, aligned
+
+    def _cache_finished(self, req: Request, now: float) -> None:
+        tokens = req.fill_ids[: req.kv_len]
+        self.cache.insert(tokens[: self.cache.page_align(len(tokens))], req.cache_salt)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node, req.kv_len, req.tree_len = None, 0, 0
+        req.finished_at = now
+        self.stats.e2e.observe(now - req.arrival)
+        req.updates.put_nowait(None)
+        self._wakeup.set()
+
+    def _emit(self, req: Request, now: float) -> None:
+        """Sample the next token (seeded, so the same prompt always gets the same output)."""
+        assert req.rng is not None
+        token = self.vocab[req.rng.randrange(len(self.vocab))]
+        req.output_ids.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.stats.ttft.observe(now - req.arrival)
+        elif req.last_token_at is not None:
+            self.stats.itl.observe(now - req.last_token_at)
+        req.last_token_at = now
+        self.stats.generation_tokens += 1
+        self.stats.recent_tokens.append((now, 1))
+        req.updates.put_nowait([token])
+
+    # -- load reports ------------------------------------------------------------------------------
+    def cache_hit_rate(self) -> float:
+        cached = sum(c for c, _ in self.stats.recent_hits)
+        total = sum(t for _, t in self.stats.recent_hits)
+        return cached / total if total else 0.0
+
+    def gen_throughput(self, window: float = 5.0) -> float:
+        now = time.monotonic()
+        tokens = sum(n for t, n in self.stats.recent_tokens if now - t <= window)
+        return tokens / window
+
+    def load(self) -> dict[str, Any]:
+        """One DP rank's load, with SGLang's field names."""
+        used = self.used_tokens
+        return {
+            "dp_rank": self.config.dp_rank,
+            "num_running_reqs": len(self.running) + len(self.prefilling) + (
+                1 if self.chunked is not None and self.chunked not in self.prefilling else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "num_used_tokens": used,
+            "num_total_tokens": self.capacity,
+            "max_total_num_tokens": self.capacity,
+            "token_usage": round(used / self.capacity, 4),
+            "cache_hit_rate": round(self.cache_hit_rate(), 4),
+            "gen_throughput": round(self.gen_throughput(), 2),
+            "evictable_tokens": self.cache.evictable_size,
+        }

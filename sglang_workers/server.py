@@ -1,0 +1,500 @@
+"""The simulated worker's HTTP API, shaped like SGLang's (``sglang.srt.entrypoints.http_server``).
+
+Routers, benchmarks and users talk to it exactly as to SGLang: native ``/generate``, the OpenAI
+``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming ending in ``data: [DONE]``, ``usage``
+with ``prompt_tokens_details.cached_tokens`` as under ``--enable-cache-report``), ``/v1/models``,
+health and readiness, ``/server_info`` with the ``kv_events`` block a router reads to subscribe,
+``/model_info``, ``/v1/loads``, ``/metrics``, ``/flush_cache``. Errors are OpenAI-style JSON bodies
+(``{"object": "error", "message", "type", "param", "code"}``) and never a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from aiohttp import web
+
+from extproc.tokenization import ChatTemplateError, ModelTokenizer, TokenizerLoadError, load_tokenizer
+
+from .config import SimWorkerConfig
+from .kv_events import KVEventPublisher
+from .metrics import render_metrics
+from .radix_cache import RadixCache
+from .scheduler import Request, Scheduler
+from .timing import get_profile
+
+__all__ = ["SimWorker", "SGLANG_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"  # the SGLang release whose wire behaviour this simulator reproduces
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class ApiError(Exception):
+    """A client-visible error: becomes an OpenAI-style JSON body with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    body = {"object": "error", "message": message, "type": _ERROR_TYPES.get(status, "Error"),
+            "param": param, "code": status}
+    return web.json_response(body, status=status)
+
+
+def output_vocabulary(tokenizer: ModelTokenizer) -> list[int]:
+    """Ids the simulated model 'generates': plain lower-case words, so outputs read as text.
+
+    Special and added tokens are never produced (a real model emits them only to stop).
+    """
+    special = set(tokenizer.tokenizer.get_added_tokens_decoder())
+    vocab = tokenizer.tokenizer.get_vocab()
+    words = sorted(i for tok, i in vocab.items()
+                   if i not in special and re.fullmatch(r"(Ġ|▁)[a-z]{3,}", tok))
+    if len(words) >= 64:
+        return words
+    return sorted(i for i in vocab.values() if i not in special)
+
+
+class SimWorker:
+    """One simulated SGLang worker: tokenizer, radix cache, scheduler, KV-event publisher, HTTP app."""
+
+    def __init__(self, config: SimWorkerConfig) -> None:
+        self.config = config
+        self.profile = get_profile(config.profile)
+        try:
+            self.tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
+        except TokenizerLoadError as exc:
+            raise ValueError(str(exc)) from exc
+        self.ready = False
+        self.publisher: KVEventPublisher | None = None
+        self.scheduler: Scheduler | None = None
+        self.started_at = time.time()
+        self._runner: web.AppRunner | None = None
+        self.bound_port: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.kv_events:
+            self.publisher = KVEventPublisher(
+                host=cfg.kv_events_host, port=cfg.kv_events_port, replay_port=cfg.replay_port,
+                topic=cfg.kv_topic, buffer_steps=cfg.kv_buffer_steps, dp_rank=cfg.dp_rank,
+                event_format=cfg.event_format, replay_format=cfg.replay_format)
+            self.publisher.start()
+        cache = RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+        self.scheduler = Scheduler(cfg, self.profile, cache, self.publisher, output_vocabulary(self.tokenizer))
+        self.scheduler.start()
+        app = self.build_app()
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port, reuse_address=True)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = sockets[0].getsockname()[1] if sockets else cfg.port
+        self.ready = True
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # -- app ---------------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_get("/v1/models", self.models)
+        for path in ("/health", "/health_generate", "/ready"):
+            r.add_get(path, self.health)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/v1/loads", self.loads)
+        r.add_get("/get_load", self.get_load)
+        r.add_get("/metrics", self.metrics)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc.status, exc.message, exc.param)
+        except web.HTTPNotFound:
+            return error_response(404, f"Not Found: {request.method} {request.path}")
+        except web.HTTPMethodNotAllowed:
+            return error_response(405, f"Method Not Allowed: {request.method} {request.path}")
+        except web.HTTPException:
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # never leak a traceback to clients
+            logger.exception("internal error on %s", request.path)
+            return error_response(500, f"internal error: {type(exc).__name__}")
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _require_ready(self) -> Scheduler:
+        if not self.ready or self.scheduler is None:
+            raise ApiError(503, "The server is not ready yet.")
+        return self.scheduler
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError as exc:
+            raise ApiError(400, f"Invalid JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        return body
+
+    def _check_input_ids(self, ids: Any, field: str) -> list[int]:
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise ApiError(400, f"'{field}' must be a non-empty list of non-negative token ids.", field)
+        return ids
+
+    def _check_length(self, input_ids: list[int], max_new_tokens: int) -> None:
+        limit = self.config.context_length
+        total = len(input_ids) + max_new_tokens
+        if total > limit:
+            raise ApiError(413, (
+                f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
+                f"You requested a total of {total} tokens: {len(input_ids)} tokens from the input messages "
+                f"and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                f"the input messages or the completion to fit within the limit."))
+        capacity = self._require_ready().capacity
+        if len(input_ids) + min(max_new_tokens, 4096) >= capacity:
+            raise ApiError(413, f"The input ({len(input_ids)} tokens) plus output does not fit the KV cache "
+                                f"pool of {capacity} tokens.")
+
+    @staticmethod
+    def _max_tokens(value: Any, field: str, default: int) -> int:
+        if value is None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ApiError(400, f"'{field}' must be a non-negative integer.", field)
+        return value
+
+    @staticmethod
+    def _cache_salt(body: dict[str, Any]) -> str | None:
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError(400, "'cache_salt' must be a string.", "cache_salt")
+        return salt or None
+
+    def _submit(self, input_ids: list[int], max_new_tokens: int, salt: str | None, rid: str | None) -> Request:
+        scheduler = self._require_ready()
+        self._check_length(input_ids, max_new_tokens)
+        return scheduler.submit(input_ids, max_new_tokens, salt, rid)
+
+    async def _tokens(self, req: Request) -> AsyncIterator[list[int]]:
+        """The request's tokens as the scheduler produces them; aborts it if the client goes away."""
+        try:
+            while True:
+                item = await req.updates.get()
+                if item is None:
+                    return
+                yield item
+        except (asyncio.CancelledError, ConnectionResetError):
+            assert self.scheduler is not None
+            self.scheduler.abort(req)
+            raise
+
+    async def _wait(self, req: Request) -> None:
+        async for _ in self._tokens(req):
+            pass
+
+    @staticmethod
+    def _finish_reason(req: Request) -> dict[str, Any]:
+        return {"type": "length", "length": req.max_new_tokens}
+
+    def _meta(self, req: Request, finished: bool) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "id": req.rid,
+            "finish_reason": self._finish_reason(req) if finished else None,
+            "prompt_tokens": len(req.input_ids),
+            "weight_version": "default",
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": max(req.cached_tokens, 0),
+            "e2e_latency": round(now - req.arrival, 6),
+        }
+
+    def _usage(self, req: Request) -> dict[str, Any]:
+        prompt, completion = len(req.input_ids), len(req.output_ids)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                "prompt_tokens_details": {"cached_tokens": max(req.cached_tokens, 0)}}
+
+    @staticmethod
+    async def _sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    @staticmethod
+    async def _send(resp: web.StreamResponse, data: Any) -> None:
+        payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await resp.write(f"data: {payload}\n\n".encode())
+
+    # -- /generate ---------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise ApiError(400, "Either 'text' or 'input_ids' must be provided (not both).")
+        batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
+        prompts: list[list[int]]
+        if text is not None:
+            texts = text if isinstance(text, list) else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, "'text' must be a string or a list of strings.", "text")
+            prompts = [self.tokenizer.encode_text(t) for t in texts]
+            if not all(prompts):
+                raise ApiError(400, "'text' encodes to no tokens.", "text")
+        else:
+            prompts = [self._check_input_ids(p, "input_ids") for p in (ids if batch else [ids])]
+        params = body.get("sampling_params") or {}
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
+            raise ApiError(400, "'sampling_params' must be an object (or one per prompt).", "sampling_params")
+        max_new = [self._max_tokens(p.get("max_new_tokens"), "max_new_tokens", self.config.default_max_new_tokens)
+                   for p in params_list]
+        salt = self._cache_salt(body)
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        stream = bool(body.get("stream", False))
+        if stream and batch:
+            raise ApiError(400, "Streaming is not supported for batched /generate requests.", "stream")
+        for p, n in zip(prompts, max_new):
+            self._check_length(p, n)
+        reqs = [self._submit(p, n, salt, rid if not batch else None) for p, n in zip(prompts, max_new)]
+
+        if not stream:
+            await asyncio.gather(*(self._wait(r) for r in reqs))
+            out = [{"text": self.tokenizer.decode(r.output_ids), "output_ids": list(r.output_ids),
+                    "meta_info": self._meta(r, True)} for r in reqs]
+            return web.json_response(out if batch else out[0])
+
+        req = reqs[0]
+        resp = await self._sse(request)
+        async for _ in self._tokens(req):
+            await self._send(resp, {"text": self.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids),
+                                    "meta_info": self._meta(req, req.finished)})
+        if not req.output_ids or not req.finished:
+            await self._send(resp, {"text": self.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids),
+                                    "meta_info": self._meta(req, True)})
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    # -- OpenAI ------------------------------------------------------------------------------------
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # SGLang serves a one-element batch as a single prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_text(prompt)
+            if not ids:
+                raise ApiError(400, "'prompt' encodes to no tokens.", "prompt")
+            return ids
+        if isinstance(prompt, list):
+            return self._check_input_ids(prompt, "prompt")
+        raise ApiError(400, "'prompt' must be a string or a list of token ids.", "prompt")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        if "prompt" not in body:
+            raise ApiError(400, "Missing required field 'prompt'.", "prompt")
+        input_ids = self._completion_prompt(body["prompt"])
+        max_new = self._max_tokens(body.get("max_tokens"), "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        req = self._submit(input_ids, max_new, self._cache_salt(body), None)
+        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        if not body.get("stream"):
+            await self._wait(req)
+            return web.json_response({
+                "id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": self.tokenizer.decode(req.output_ids), "logprobs": None,
+                             "finish_reason": "length", "matched_stop": None}],
+                "usage": self._usage(req), "metadata": {"weight_version": "default"}})
+
+        resp = await self._sse(request)
+        async for tokens in self._tokens(req):
+            await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [{"index": 0, "text": self.tokenizer.decode(tokens), "logprobs": None,
+                                                 "finish_reason": None, "matched_stop": None}]})
+        await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                                             "matched_stop": None}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [], "usage": self._usage(req)})
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty list of objects with a 'role'.", "messages")
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        try:
+            input_ids = self.tokenizer.encode_chat(messages, tools)
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"Cannot apply the chat template: {exc}", "messages") from None
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_new = self._max_tokens(limit, "max_tokens", self.config.default_max_new_tokens)
+        req = self._submit(input_ids, max_new, self._cache_salt(body), None)
+        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        if not body.get("stream"):
+            await self._wait(req)
+            return web.json_response({
+                "id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": self.tokenizer.decode(req.output_ids),
+                                                     "reasoning_content": None, "tool_calls": None},
+                             "logprobs": None, "finish_reason": "length", "matched_stop": None}],
+                "usage": self._usage(req), "metadata": {"weight_version": "default"}})
+
+        def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                                 "matched_stop": None}]}
+
+        resp = await self._sse(request)
+        await self._send(resp, chunk({"role": "assistant", "content": ""}, None))
+        async for tokens in self._tokens(req):
+            await self._send(resp, chunk({"content": self.tokenizer.decode(tokens)}, None))
+        await self._send(resp, chunk({}, "length"))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await self._send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "choices": [], "usage": self._usage(req)})
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "sglang",
+            "root": self.config.model, "parent": None, "max_model_len": self.config.context_length}]})
+
+    # -- health and info ---------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        scheduler = self._require_ready()
+        if request.path == "/health_generate":
+            # Like SGLang: push a one-token request through the scheduler and wait for it.
+            req = scheduler.submit([0], 1, None, f"HEALTH_CHECK_{uuid.uuid4().hex}")
+            try:
+                await asyncio.wait_for(self._wait(req), timeout=20)
+            except asyncio.TimeoutError:
+                raise ApiError(503, "health_generate timed out") from None
+        return web.Response(status=200)
+
+    def kv_events_info(self) -> dict[str, Any] | None:
+        cfg = self.config
+        if not cfg.kv_events:
+            return None
+        return {"publisher": "zmq", "endpoint_host": cfg.kv_events_host, "endpoint_port_base": cfg.kv_events_port,
+                "topic": cfg.kv_topic, "block_size": cfg.page_size, "dp_size": 1,
+                "replay_endpoint_port_base": cfg.replay_port}
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        scheduler = self.scheduler
+        kv_cfg = None
+        if cfg.kv_events:
+            kv_cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://{cfg.kv_events_host}:{cfg.kv_events_port}",
+                                 "topic": cfg.kv_topic, "replay_endpoint": f"tcp://{cfg.kv_events_host}:{cfg.replay_port}",
+                                 "buffer_steps": cfg.kv_buffer_steps})
+        load = scheduler.load() if scheduler else {}
+        return web.json_response({
+            "model_path": cfg.model, "tokenizer_path": cfg.tokenizer or "built-in default",
+            "served_model_name": cfg.model, "host": cfg.host, "port": self.bound_port or cfg.port,
+            "skip_tokenizer_init": False, "context_length": cfg.context_length, "page_size": cfg.page_size,
+            "chunked_prefill_size": cfg.chunked_prefill_size, "max_prefill_tokens": cfg.max_prefill_tokens,
+            "max_running_requests": cfg.max_running_requests, "schedule_policy": cfg.schedule_policy,
+            "max_total_num_tokens": scheduler.capacity if scheduler else None,
+            "tp_size": 1, "dp_size": 1, "enable_dp_attention": False, "disable_radix_cache": False,
+            "enable_metrics": True, "enable_cache_report": True, "kv_events_config": kv_cfg,
+            "kv_events": self.kv_events_info(),
+            "internal_states": [{"last_gen_throughput": load.get("gen_throughput", 0.0),
+                                 "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0}}],
+            "version": SGLANG_VERSION,
+            "simulator": {"profile": cfg.profile, "speedup": cfg.speedup, "seed": cfg.seed,
+                          "event_format": cfg.event_format, "replay_format": cfg.replay_format},
+        })
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.config.model, "tokenizer_path": self.config.tokenizer or "built-in default",
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"]})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        scheduler = self._require_ready()
+        load = scheduler.load()
+        include = request.query.get("include", "all")
+        if include == "core":
+            load = {k: load[k] for k in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                                         "num_total_tokens", "max_total_num_tokens", "token_usage",
+                                         "cache_hit_rate", "gen_throughput")}
+        return web.json_response({
+            "timestamp": datetime.now(timezone.utc).isoformat(), "version": SGLANG_VERSION, "dp_rank_count": 1,
+            "loads": [load],
+            "aggregate": {"total_running_reqs": load["num_running_reqs"],
+                          "total_waiting_reqs": load["num_waiting_reqs"],
+                          "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                          "avg_token_usage": load["token_usage"], "avg_throughput": load["gen_throughput"]}})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        load = self._require_ready().load()
+        return web.json_response([{"dp_rank": load["dp_rank"],
+                                   "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                                   "num_waiting_reqs": load["num_waiting_reqs"],
+                                   "num_tokens": load["num_used_tokens"]}])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        scheduler = self._require_ready()
+        return web.Response(text=render_metrics(scheduler, self.config.model),
+                            content_type="text/plain", charset="utf-8")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "POST"):
+            raise ApiError(405, f"Method Not Allowed: {request.method} /flush_cache")
+        if self._require_ready().flush_cache():
+            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                     "(When there are running or waiting requests, the operation will not be performed.)\n")
+        raise ApiError(400, "Cache not flushed because there are pending requests.")

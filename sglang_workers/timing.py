@@ -1,0 +1,78 @@
+"""How long a simulated step takes on real hardware: named profiles of a two-part timing model.
+
+The model is the one simulators such as DistServe's and Dynamo's mocker use, which matches the
+published H100/H200 figures collected in ``docs/sim-worker.md``:
+
+* a prefill batch whose requests compute ``L`` new tokens each on ``P`` cached ones takes
+  ``c0 + sum(a*L + b*(L*L + 2*P*L))``: a linear part (weights: 2 x params FLOPs per token) and an
+  attention part that grows with the context each new token attends to (quadratic in L, linear in P);
+* a decode step over ``B`` sequences holding ``C`` KV tokens in total takes ``d0 + d1*B + d2*C``
+  (weight streaming, per-sequence overhead, KV reads).
+
+Times are in seconds of the simulated GPU; the scheduler divides them by ``--speedup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["PROFILES", "TimingProfile", "get_profile"]
+
+
+@dataclass(frozen=True)
+class TimingProfile:
+    """Constants of one model on one GPU setup (seconds, tokens)."""
+
+    name: str
+    description: str
+    c0: float  # prefill batch floor (launch, scheduling, sampling)
+    a: float  # per new prefill token
+    b: float  # attention, per token^2
+    d0: float  # decode step base
+    d1: float  # per sequence in the decode batch
+    d2: float  # per KV token read in a decode step
+    kv_pool_tokens: int  # KV pool size SGLang allocates at its default --mem-fraction-static
+
+    def prefill_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """One prefill batch; ``chunks`` holds (new tokens L, cached context P) per request."""
+        work = 0.0
+        any_chunk = False
+        for new, cached in chunks:
+            any_chunk = True
+            work += self.a * new + self.b * (new * new + 2.0 * cached * new)
+        return self.c0 + work if any_chunk else 0.0
+
+    def decode_time(self, batch_size: int, context_tokens: int) -> float:
+        """One decode step producing one token for each of ``batch_size`` sequences."""
+        if batch_size <= 0:
+            return 0.0
+        return self.d0 + self.d1 * batch_size + self.d2 * context_tokens
+
+
+# Constants derived in ../shared/reference/sglang-performance.md and docs/sim-worker.md (BF16,
+# FlashAttention-3): a from 2 x params FLOPs at ~650 TFLOPS effective, b from 4 x layers x d_model
+# attention FLOPs per token pair, decode from weight + KV bytes over HBM bandwidth (H100 3.35 TB/s,
+# H200 4.8 TB/s), floors from published batch-1 TTFT / ITL.
+PROFILES: dict[str, TimingProfile] = {
+    p.name: p
+    for p in (
+        TimingProfile("llama-3.1-8b-h100", "Llama-3.1-8B BF16 on 1x H100 80GB",
+                      c0=0.015, a=23e-6, b=0.52e-9, d0=0.007, d1=0.06e-3, d2=49e-9, kv_pool_tokens=417_000),
+        TimingProfile("llama-3.1-8b-h200", "Llama-3.1-8B BF16 on 1x H200 141GB",
+                      c0=0.015, a=22e-6, b=0.50e-9, d0=0.006, d1=0.05e-3, d2=34e-9, kv_pool_tokens=915_000),
+        TimingProfile("llama-3.1-70b-tp4-h100", "Llama-3.1-70B BF16 on 4x H100 80GB (TP4)",
+                      c0=0.030, a=67e-6, b=0.66e-9, d0=0.019, d1=0.11e-3, d2=31e-9, kv_pool_tokens=414_000),
+        TimingProfile("llama-3.1-70b-tp4-h200", "Llama-3.1-70B BF16 on 4x H200 141GB (TP4)",
+                      c0=0.030, a=64e-6, b=0.64e-9, d0=0.0145, d1=0.09e-3, d2=22e-9, kv_pool_tokens=1_210_000),
+        TimingProfile("instant", "No simulated time at all (overhead benchmarks, functional tests)",
+                      c0=0.0, a=0.0, b=0.0, d0=0.0, d1=0.0, d2=0.0, kv_pool_tokens=1_000_000),
+    )
+}
+
+
+def get_profile(name: str) -> TimingProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown timing profile {name!r}; choose one of: {', '.join(PROFILES)}") from None
