@@ -4,16 +4,29 @@ Only the three generation APIs are parsed (``/v1/chat/completions``, ``/v1/compl
 ``/generate``); anything else passes through to ordinary routing. Errors carry the HTTP status and
 an OpenAI-style message so the server can answer with an ImmediateResponse instead of forwarding
 garbage to a worker.
+
+The body is parsed once with orjson (validates UTF-8 and JSON in one pass, ~3x faster than the
+stdlib) and never re-serialized: Envoy forwards the client's bytes untouched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ParsedRequest", "RequestError", "RequestKind"]
+import orjson
+
+__all__ = ["GENERATION_PATHS", "ParsedRequest", "RequestError", "RequestKind", "generation_kind", "parse_request"]
 
 RequestKind = Literal["chat", "completion", "generate"]
+
+# Path (without query string) -> kind. Only POSTs to these are parsed and routed by the policy.
+GENERATION_PATHS: dict[str, RequestKind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/generate": "generate",
+}
 
 
 class RequestError(Exception):
@@ -44,3 +57,102 @@ class ParsedRequest:
     cache_salt: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # lower-cased request headers
     body_bytes: int = 0
+
+
+def generation_kind(method: str, path: str) -> RequestKind | None:
+    """The kind of a generation request, or None when the request passes through unparsed."""
+    if method != "POST":
+        return None
+    return GENERATION_PATHS.get(path.split("?", 1)[0])
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _optional_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(400, f"'{key}' must be a string", param=key)
+    return value
+
+
+def _parse_chat(body: dict[str, Any], parsed: ParsedRequest) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError(400, "'messages' is a required property", param="messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise RequestError(400, "'messages' must be a non-empty array of message objects", param="messages")
+    parsed.messages = messages
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RequestError(400, "'tools' must be an array", param="tools")
+        parsed.tools = tools
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        parsed.chat_template_kwargs = kwargs
+
+
+def _parse_completion(body: dict[str, Any], parsed: ParsedRequest) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise RequestError(400, "'prompt' is a required property", param="prompt")
+    # OpenAI also allows a batch (list of strings / list of id lists); route on the first item,
+    # since every item of a batch goes to the same worker.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        parsed.prompt_text = prompt
+    elif _is_token_ids(prompt):
+        parsed.input_ids = prompt
+    else:
+        raise RequestError(400, "'prompt' must be a string or an array of token ids", param="prompt")
+
+
+def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise RequestError(400, "one of 'text' or 'input_ids' is required", param="text")
+    if isinstance(text, list) and text:  # SGLang batch form: route on the first prompt
+        text = text[0]
+    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        input_ids = input_ids[0]
+    if input_ids is not None:
+        if not _is_token_ids(input_ids):
+            raise RequestError(400, "'input_ids' must be a non-empty array of token ids", param="input_ids")
+        parsed.input_ids = input_ids
+    elif isinstance(text, str):
+        parsed.prompt_text = text
+    else:
+        raise RequestError(400, "'text' must be a string", param="text")
+
+
+_PARSERS = {"chat": _parse_chat, "completion": _parse_completion, "generate": _parse_generate}
+
+
+def parse_request(kind: RequestKind, path: str, body: bytes, headers: Mapping[str, str] | None = None,
+                  max_body_bytes: int | None = None) -> ParsedRequest:
+    """Parse a generation request body; raise RequestError (400/413) for anything a worker must not see."""
+    if max_body_bytes is not None and len(body) > max_body_bytes:
+        raise RequestError(413, f"request body is {len(body)} bytes; the limit is {max_body_bytes} bytes",
+                           type_="request_too_large")
+    if not body:
+        raise RequestError(400, "request body is empty; expected a JSON object")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if "UTF-8" in str(exc):
+            raise RequestError(400, "request body is not valid UTF-8") from None
+        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    parsed = ParsedRequest(path=path.split("?", 1)[0], kind=kind, headers=dict(headers or {}), body_bytes=len(body))
+    _PARSERS[kind](data, parsed)
+    parsed.model = _optional_str(data, "model")
+    parsed.stream = data.get("stream") is True
+    parsed.lora = _optional_str(data, "lora_path") or _optional_str(data, "lora")
+    parsed.cache_salt = _optional_str(data, "cache_salt")
+    return parsed

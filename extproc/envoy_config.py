@@ -1,0 +1,336 @@
+"""``prefix-router envoy-config``: the Envoy pieces that put the router in front of a worker fleet.
+
+Built as plain dicts and printed as YAML: Envoy's own schema is the contract, and ``envoy --mode
+validate`` (run by the tests) is the checker, so no typed config library is needed here.
+
+The pieces, in request order:
+
+1. ``header_mutation`` filter removes any client-sent ``x-gateway-destination-endpoint``. It runs
+   before ext_proc, so a client can never pick the upstream, not even while the router is down and
+   ext_proc fails open (measured: without it, Envoy proxies to any ``ip:port`` the client names).
+2. ``ext_proc`` filter: request headers SEND, body BUFFERED, responses SKIP (streams flow through
+   unbuffered), ``failure_mode_allow`` (fail open), ``envoy.lb`` metadata accepted.
+3. Routes: with the destination header (only the router can have set it) -> ORIGINAL_DST cluster that
+   connects to that ``ip:port``; without it (pass-through paths, router down or slow) -> an ordinary
+   least-request cluster of the same workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE
+from extproc.workers import parse_worker_url
+
+__all__ = [
+    "EXTPROC_CLUSTER",
+    "FAILOPEN_CLUSTER",
+    "ORIGINAL_DST_CLUSTER",
+    "GatewaySpec",
+    "bootstrap",
+    "clusters",
+    "configure",
+    "http_filters",
+    "local_reply_config",
+    "main",
+    "pieces",
+    "routes",
+    "split_host_port",
+]
+
+EXTPROC_CLUSTER = "prefix_router_extproc"
+ORIGINAL_DST_CLUSTER = "prefix_router_picked"
+FAILOPEN_CLUSTER = "prefix_router_workers"
+UPSTREAM_HOST_HEADER = "x-upstream-host"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # same default as ServerConfig.max_body_bytes
+
+
+def split_host_port(value: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or a URL -> (host, port)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(parse_worker_url(value))
+    port = parts.port or default_port
+    if not parts.hostname or port is None:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return parts.hostname, port
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class GatewaySpec:
+    """Everything the generated config depends on."""
+
+    workers: list[tuple[str, int]]
+    extproc: tuple[str, int] | None = ("127.0.0.1", 9002)  # None: no router (plain least-request Envoy)
+    listen: tuple[str, int] = ("127.0.0.1", 8080)
+    admin: tuple[str, int] = ("127.0.0.1", 9901)
+    timeout_ms: int = 500
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    upstream_host_header: bool = False
+    access_log: bool = False
+    tls_ca: Path | None = None  # verify the router's certificate with this CA
+    tls_cert: Path | None = None  # client certificate (mTLS) ...
+    tls_key: Path | None = None  # ... and its key
+    tls_sni: str | None = None
+    extra_clusters: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def buffer_limit_bytes(self) -> int:
+        """Envoy's buffer must exceed the router's limit, so that the router (with a JSON error) answers 413."""
+        return 2 * self.max_body_bytes
+
+
+def http_filters(spec: GatewaySpec) -> list[dict[str, Any]]:
+    """The HTTP filter chain up to and including the router filter."""
+    strip = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+        },
+    }
+    chain = [strip]
+    if spec.extproc is not None:
+        chain.append({
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                "failure_mode_allow": True,
+                "message_timeout": f"{spec.timeout_ms / 1000:.3f}s",
+                "processing_mode": {
+                    "request_header_mode": "SEND",
+                    "request_body_mode": "BUFFERED",
+                    "request_trailer_mode": "SKIP",
+                    "response_header_mode": "SKIP",
+                    "response_body_mode": "NONE",
+                    "response_trailer_mode": "SKIP",
+                },
+                "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+            },
+        })
+    chain.append({"name": "envoy.filters.http.router",
+                  "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+    return chain
+
+
+def _http2() -> dict[str, Any]:
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }}
+
+
+def _tls_socket(spec: GatewaySpec) -> dict[str, Any]:
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if spec.tls_ca is not None:
+        common["validation_context"] = {"trusted_ca": {"filename": str(spec.tls_ca)}}
+    if spec.tls_cert is not None and spec.tls_key is not None:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": str(spec.tls_cert)},
+                                       "private_key": {"filename": str(spec.tls_key)}}]
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if spec.tls_sni:
+        context["sni"] = spec.tls_sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
+    """ext_proc (HTTP/2, optional TLS), ORIGINAL_DST (the router's pick) and the fail-open cluster."""
+    out: list[dict[str, Any]] = []
+    if spec.extproc is not None:
+        host, port = spec.extproc
+        extproc: dict[str, Any] = {
+            "name": EXTPROC_CLUSTER,
+            "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+            "connect_timeout": "0.25s",
+            "typed_extension_protocol_options": _http2(),
+            "load_assignment": {"cluster_name": EXTPROC_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}]},
+        }
+        if spec.tls_ca is not None or spec.tls_cert is not None:
+            extproc["transport_socket"] = _tls_socket(spec)
+        out.append(extproc)
+    out.append({
+        "name": ORIGINAL_DST_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "1s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    })
+    all_ips = all(_is_ip(h) for h, _ in spec.workers)
+    out.append({
+        "name": FAILOPEN_CLUSTER,
+        "type": "STATIC" if all_ips else "STRICT_DNS",
+        "lb_policy": "LEAST_REQUEST",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": FAILOPEN_CLUSTER, "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in spec.workers]}]},
+        # Fail-open must not send traffic to a dead worker: Envoy checks /health itself.
+        "health_checks": [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
+                           "http_health_check": {"path": "/health"}}],
+    })
+    return out + spec.extra_clusters
+
+
+def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
+    """Header present (set by the router) -> ORIGINAL_DST; otherwise -> least-request (fail-open)."""
+    action: dict[str, Any] = {"timeout": "0s"}  # generations may stream for minutes; idle timeout still applies
+    extra: dict[str, Any] = {}
+    if spec.upstream_host_header:
+        extra["response_headers_to_add"] = [{"header": {"key": UPSTREAM_HOST_HEADER, "value": "%UPSTREAM_HOST%"},
+                                             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    # Match on the router's metadata as well as its header: a client cannot set dynamic metadata, and a
+    # route cached before ext_proc ran (filters look up per-route config) must be the fail-open one.
+    picked = {"name": "router-picked",
+              "match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+                        "dynamic_metadata": [{"filter": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}],
+                                              "value": {"present_match": True}}]},
+              "route": {"cluster": ORIGINAL_DST_CLUSTER, **action}, **extra}
+    failopen = {"name": "fail-open", "match": {"prefix": "/"},
+                "route": {"cluster": FAILOPEN_CLUSTER, **action}, **extra}
+    return [picked, failopen] if spec.extproc is not None else [failopen]
+
+
+def local_reply_config() -> dict[str, Any]:
+    """Envoy's own error replies (its 413 past the buffer limit, 503 no healthy upstream...) as OpenAI JSON.
+
+    The router's ImmediateResponses are local replies too; they already are OpenAI JSON and carry
+    the details ``prefix_router``, so the mappers leave them alone.
+    """
+    def mapper(condition: str, type_: str) -> dict[str, Any]:
+        expression = f"!response.code_details.startsWith('prefix_router') && {condition}"
+        return {
+            "filter": {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": expression}}},
+            "body_format_override": {"json_format": {"error": {
+                "message": "%LOCAL_REPLY_BODY%", "type": type_, "param": None, "code": "%RESPONSE_CODE%"}}},
+        }
+
+    return {"mappers": [mapper("response.code < 500", "invalid_request_error"),
+                        mapper("response.code >= 500", "service_unavailable")]}
+
+
+def pieces(spec: GatewaySpec) -> dict[str, Any]:
+    """The drop-in parts for a user's own Envoy."""
+    return {"http_filters": http_filters(spec), "clusters": clusters(spec), "routes": routes(spec),
+            "local_reply_config": local_reply_config()}
+
+
+def bootstrap(spec: GatewaySpec) -> dict[str, Any]:
+    """A complete single-listener Envoy bootstrap around the pieces."""
+    hcm: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "gateway",
+        "codec_type": "AUTO",
+        "route_config": {"name": "gateway", "virtual_hosts": [{"name": "gateway", "domains": ["*"],
+                                                               "routes": routes(spec)}]},
+        "http_filters": http_filters(spec),
+        "local_reply_config": local_reply_config(),
+    }
+    if spec.access_log:
+        hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+            "log_format": {"text_format_source": {"inline_string":
+                "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms\n"}}}}]
+    return {
+        "admin": {"address": _address(*spec.admin)},
+        "static_resources": {
+            "listeners": [{
+                "name": "gateway",
+                "address": _address(*spec.listen),
+                "per_connection_buffer_limit_bytes": spec.buffer_limit_bytes,
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}],
+            }],
+            "clusters": clusters(spec),
+        },
+    }
+
+
+def dump(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", required=True,
+                        help="A worker (host:port or URL); repeat for each. Used by the fail-open cluster.")
+    parser.add_argument("--extproc", default="127.0.0.1:9002", metavar="HOST:PORT",
+                        help="Where `prefix-router serve` listens.")
+    parser.add_argument("--timeout-ms", type=int, default=500,
+                        help="ext_proc message timeout; a slower router is bypassed (fail-open).")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="The router's body limit; Envoy's buffer limit is set to twice this.")
+    parser.add_argument("--upstream-host-header", action="store_true",
+                        help="Add an x-upstream-host response header naming the worker that served.")
+    parser.add_argument("--tls-ca", type=Path, help="Talk TLS to the router, verifying it with this CA bundle.")
+    parser.add_argument("--tls-cert", type=Path, help="Client certificate for mTLS to the router.")
+    parser.add_argument("--tls-key", type=Path, help="Private key of --tls-cert.")
+    parser.add_argument("--tls-sni", help="SNI / expected name of the router's certificate.")
+    parser.add_argument("--bootstrap", action="store_true",
+                        help="Print a complete Envoy bootstrap instead of the drop-in pieces.")
+    parser.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+                        help="Listener address (with --bootstrap).")
+    parser.add_argument("--admin", default="127.0.0.1:9901", metavar="HOST:PORT",
+                        help="Admin address (with --bootstrap).")
+    parser.add_argument("--access-log", action="store_true", help="Log each request and its upstream (with --bootstrap).")
+    parser.add_argument("-o", "--output", type=Path, help="Write to this file instead of stdout.")
+
+
+def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return GatewaySpec(
+        workers=[split_host_port(w) for w in args.worker],
+        extproc=split_host_port(args.extproc),
+        listen=split_host_port(args.listen),
+        admin=split_host_port(args.admin),
+        timeout_ms=args.timeout_ms,
+        max_body_bytes=args.max_body_bytes,
+        upstream_host_header=args.upstream_host_header,
+        access_log=args.access_log,
+        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_sni=args.tls_sni,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        spec = spec_from_args(args)
+    except ValueError as exc:
+        print(f"prefix-router envoy-config: {exc}", file=sys.stderr)
+        return 2
+    if args.bootstrap:
+        text = "# Envoy bootstrap generated by `prefix-router envoy-config --bootstrap`.\n" + dump(bootstrap(spec))
+    else:
+        text = ("# Drop-in pieces generated by `prefix-router envoy-config` (see docs/gateway.md).\n"
+                "# http_filters: your HCM's filter chain (header_mutation and ext_proc go before the router filter).\n"
+                "# clusters: add to static_resources.clusters. routes: your virtual host's routes, in this order.\n"
+                "# local_reply_config (optional): your HCM's; makes Envoy's own errors OpenAI-style JSON.\n"
+                + dump(pieces(spec)))
+    if args.output:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,91 @@
+"""ext_proc replies: routing header mutations and OpenAI-style immediate error responses.
+
+Builders only (no gRPC): the servicer picks one per Envoy message. The destination travels twice,
+as the ``x-gateway-destination-endpoint`` header (read by Envoy's ORIGINAL_DST cluster, set with
+OVERWRITE so a client copy can never win) and as dynamic metadata ``envoy.lb`` (the Endpoint Picker
+convention; other filters and access logs read it there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "LB_METADATA_NAMESPACE",
+    "continue_body",
+    "continue_headers",
+    "error_body",
+    "error_response",
+    "route_response",
+]
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE = "envoy.lb"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+                503: "service_unavailable"}
+
+# Replies that never change are built once: they go out on every pass-through request.
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+def continue_headers() -> pb.ProcessingResponse:
+    """Let the request headers through unchanged."""
+    return _CONTINUE_HEADERS
+
+
+def continue_body() -> pb.ProcessingResponse:
+    """Let the request body through unchanged (pass-through paths)."""
+    return _CONTINUE_BODY
+
+
+def route_response(endpoints: Sequence[str], extra_headers: Mapping[str, str] | None = None,
+                   phase: str = "request_body") -> pb.ProcessingResponse:
+    """Send the request to ``endpoints`` (primary first): header + ``envoy.lb`` metadata + route-cache clear.
+
+    The header carries the primary only: Envoy's ORIGINAL_DST cluster parses one ``ip:port`` and
+    answers 503 for a comma-separated list (measured with Envoy 1.40). The ``envoy.lb`` metadata
+    carries the whole list, primary first, as the Endpoint Picker convention has it, for data planes
+    that retry on fallbacks.
+
+    ``phase`` is the message being answered (``request_body``, or ``request_headers`` for a bodiless
+    request); Envoy applies header mutations only in the reply to the phase it is waiting on.
+    """
+    set_headers = [base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoints[0].encode()),
+        append_action=_OVERWRITE)]
+    for key, header_value in (extra_headers or {}).items():
+        set_headers.append(base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=key, raw_value=header_value.encode()), append_action=_OVERWRITE))
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
+    metadata = struct_pb2.Struct()
+    metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = ",".join(endpoints)
+    if phase == "request_headers":
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> bytes:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return orjson.dumps({"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "api_error"),
+                                   "param": param, "code": status}})
+
+
+def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
+                   details: str = "prefix_router") -> pb.ProcessingResponse:
+    """End the request from the router with an OpenAI-style JSON error (no worker sees it)."""
+    headers = pb.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+                                   append_action=_OVERWRITE)])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=headers,
+        body=error_body(status, message, type_, param), details=details))

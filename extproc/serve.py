@@ -1,0 +1,145 @@
+"""``prefix-router serve``: run the ext_proc routing service for an Envoy.
+
+Wires the pieces and owns the process lifecycle: config (file < env < flags), worker registry with
+health checks, the router, the gRPC server (ext_proc + health) and the Prometheus endpoint. SIGTERM
+or Ctrl-C marks the health service NOT_SERVING and gives in-flight streams ``grace_period_s`` to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from extproc.config import ConfigError, RouterConfig, load_config
+from extproc.policies import PolicyError
+from extproc.router import Router
+from extproc.server import ExtProcServicer, add_services, mark_serving
+from extproc.workers import HealthChecker, WorkerRegistry, parse_worker_url
+
+__all__ = ["build_config", "configure", "main", "run"]
+
+log = logging.getLogger("prefix_router")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="YAML config file (see docs/configuration.md); flags override it.")
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+                        help="Worker base URL or host:port; repeat for each worker (added to the config's workers).")
+    parser.add_argument("--host", help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy).")
+    parser.add_argument("--port", type=int, help="gRPC port for ext_proc + health (default 9002).")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9102; 0 disables).")
+    parser.add_argument("--policy", help="Routing policy, e.g. prefix-aware, least-load, round-robin.")
+    parser.add_argument("--max-body-bytes", type=int, help="Larger request bodies are answered 413 (default 8 MiB).")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate: serve the gRPC port over TLS.")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert.")
+    parser.add_argument("--tls-client-ca", type=Path, help="Require client certificates signed by this CA (mTLS).")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_config(args: argparse.Namespace) -> RouterConfig:
+    """Flags -> ``load_config`` overrides (only the ones given, so file and env values survive)."""
+    server: dict[str, Any] = {}
+    for flag, key in (("host", "host"), ("port", "port"), ("max_body_bytes", "max_body_bytes"),
+                      ("tls_cert", "tls_cert"), ("tls_key", "tls_key"), ("tls_client_ca", "tls_client_ca")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            server[key] = value
+    if args.metrics_port is not None:
+        server["metrics_port"] = args.metrics_port or None
+    overrides: dict[str, Any] = {"server": server} if server else {}
+    if args.policy:
+        overrides["policy"] = {"name": args.policy}
+    config = load_config(args.config, overrides)
+    if args.worker:
+        from extproc.config import WorkerConfig
+
+        config.workers = [*config.workers, *(WorkerConfig(url=parse_worker_url(w)) for w in args.worker)]
+    if (config.server.tls_cert is None) != (config.server.tls_key is None):
+        raise ConfigError("server.tls_cert and server.tls_key must be given together")
+    if config.server.tls_client_ca is not None and config.server.tls_cert is None:
+        raise ConfigError("server.tls_client_ca needs server.tls_cert and server.tls_key")
+    return config
+
+
+def _credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
+    server = config.server
+    if server.tls_cert is None or server.tls_key is None:
+        return None
+    try:
+        key, cert = server.tls_key.read_bytes(), server.tls_cert.read_bytes()
+        client_ca = server.tls_client_ca.read_bytes() if server.tls_client_ca else None
+    except OSError as exc:
+        raise ConfigError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT when running as the main program)."""
+    stop = stop or asyncio.Event()
+    registry = WorkerRegistry.from_configs(config.workers)
+    health = HealthChecker(registry, config.health)
+    router = Router(config, registry)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_servicer = add_services(server, ExtProcServicer(config, router))
+    address = f"{config.server.host}:{config.server.port}"
+    credentials = _credentials(config)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc}") from exc
+    if not bound:
+        raise ConfigError(f"cannot listen on {address}")
+    if config.server.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.server.metrics_port, addr=config.server.host)
+    await health.start()
+    await router.start()
+    await server.start()
+    await mark_serving(health_servicer, True)
+    healthy = sum(w.healthy for w in registry.workers)
+    log.info("ext_proc listening on %s (%s, policy %s, %d/%d workers healthy)", address,
+             "TLS" if credentials else "plaintext", config.policy.name, healthy, len(registry.workers))
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: %.1fs grace for in-flight requests", config.server.grace_period_s)
+        await mark_serving(health_servicer, False)
+        await server.stop(config.server.grace_period_s)
+        await router.stop()
+        await health.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    if not config.workers:
+        print("prefix-router serve: no workers; give --worker URL (repeatable) or 'workers:' in --config",
+              file=sys.stderr)
+        return 2
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run(config, stop)
+
+    try:
+        asyncio.run(_main())
+    except (ConfigError, PolicyError, ValueError, OSError) as exc:
+        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    return 0

