@@ -206,11 +206,17 @@ class TraceRecord:
 class TraceWindow:
     """Which part of a trace to replay and how fast.
 
-    ``start`` skips that many records; ``max_requests`` keeps at most that many. ``time_scale``
-    divides inter-arrival gaps (2.0 = twice as fast); ``rate``, when set, replaces the timestamps
-    with Poisson arrivals at that rate (the prefix structure and order are kept).
+    ``sample`` keeps that fraction of prefix families (whole conversations): a record is kept when
+    xxh64 of its second hash id (its first id when it has one block) falls in the fraction. In the
+    Mooncake conversation trace the first id is a system prompt every request shares and the second
+    one starts a conversation, so sampling shrinks the trace to fit a small cluster while every kept
+    conversation keeps all its turns (and so its reuse). ``start`` then skips that many of the kept
+    records; ``max_requests`` keeps at most that many. ``time_scale`` divides inter-arrival gaps (2.0 =
+    twice as fast); ``rate``, when set, replaces the timestamps with Poisson arrivals at that rate (the
+    prefix structure and order are kept).
     """
 
+    sample: float = 1.0
     start: int = 0
     max_requests: int | None = None
     time_scale: float = 1.0
@@ -218,19 +224,26 @@ class TraceWindow:
     max_output: int | None = None  # cap output_length (long decodes cost client CPU, not routing insight)
 
 
-def read_trace(path: str | Path, start: int = 0, limit: int | None = None) -> list[TraceRecord]:
-    """Records ``start .. start+limit`` of a Mooncake JSONL trace; clear errors for bad lines."""
+def _family_kept(hash_ids: Sequence[int], sample: float) -> bool:
+    if sample >= 1.0:
+        return True
+    family = hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
+    return xxhash.xxh64_intdigest(str(family).encode()) % 1_000_000 < sample * 1_000_000
+
+
+def read_trace(path: str | Path, start: int = 0, limit: int | None = None, sample: float = 1.0) -> list[TraceRecord]:
+    """Records ``start .. start+limit`` of a Mooncake JSONL trace (after family sampling, see
+    ``TraceWindow``); clear errors for bad lines."""
     path = Path(path)
     try:
         handle = path.open()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from exc
     records: list[TraceRecord] = []
+    skipped = 0
     with handle:
         for lineno, line in enumerate(handle, 1):
             if not line.strip():
-                continue
-            if lineno - 1 < start:
                 continue
             if limit is not None and len(records) >= limit:
                 break
@@ -243,6 +256,11 @@ def read_trace(path: str | Path, start: int = 0, limit: int | None = None) -> li
                                  "timestamp, input_length, output_length, hash_ids") from exc
             if record.input_length <= 0 or not record.hash_ids:
                 raise TraceError(f"{path}:{lineno}: input_length and hash_ids must be non-empty")
+            if not _family_kept(record.hash_ids, sample):
+                continue
+            if skipped < start:
+                skipped += 1
+                continue
             records.append(record)
     if not records:
         raise TraceError(f"{path}: no records in the selected window (start={start})")
@@ -281,7 +299,9 @@ def trace_workload(path: str | Path, *, block_size: int = 512, window: TraceWind
         raise ValueError("trace block size must be positive")
     if window.time_scale <= 0:
         raise ValueError("time scale must be positive")
-    records = read_trace(path, window.start, window.max_requests)
+    if not 0.0 < window.sample <= 1.0:
+        raise ValueError("trace sample must be in (0, 1]")
+    records = read_trace(path, window.start, window.max_requests, window.sample)
     if window.rate is not None:
         arrivals = poisson_arrivals(len(records), window.rate, random.Random(seed))
     else:
@@ -295,7 +315,8 @@ def trace_workload(path: str | Path, *, block_size: int = 512, window: TraceWind
             out = min(out, window.max_output)
         requests.append(BenchRequest(index=i, arrival_s=t, max_tokens=out,
                                      messages=[{"role": "user", "content": trace_prompt(record, block_size, ns)}]))
-    return Workload("trace", requests, {"trace": str(path), "block_size": block_size, "start": window.start,
+    return Workload("trace", requests, {"trace": str(path), "block_size": block_size, "sample": window.sample,
+                                        "start": window.start,
                                         "max_requests": window.max_requests, "time_scale": window.time_scale,
                                         "rate": window.rate, "max_output": window.max_output, "seed": seed})
 

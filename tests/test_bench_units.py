@@ -80,6 +80,21 @@ def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
     assert len(poisson.requests) == 1 and poisson.requests[0].messages == w.requests[1].messages
 
 
+def test_trace_sampling_keeps_whole_families(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    # 200 families (second hash id), three turns each, interleaved in time.
+    lines = [{"timestamp": t * 1000 + f, "input_length": 24, "output_length": 1, "hash_ids": [0, 1000 + f, 5000 + f * 10 + t]}
+             for t in range(3) for f in range(200)]
+    trace.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    kept = read_trace(trace, sample=0.25)
+    families: dict[int, int] = {}
+    for r in kept:
+        families[r.hash_ids[1]] = families.get(r.hash_ids[1], 0) + 1
+    assert set(families.values()) == {3}  # every kept conversation keeps all of its turns
+    assert 25 <= len(families) <= 75
+    assert read_trace(trace, sample=0.25, start=3, limit=2) == kept[3:5]
+
+
 def test_trace_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read trace"):
         read_trace(tmp_path / "missing.jsonl")

@@ -1,0 +1,265 @@
+"""``prefix-router bench``: the same workload through every contender, each on a fresh identical cluster.
+
+For every offered load (``--rate`` or each of ``--rates``) and every contender, in order: start N
+simulated workers (same seed, profile, capacity and page size every time, so every contender
+starts from cold, identical caches), start the contender in front of them, replay the workload
+open-loop, collect per-request results and per-worker counts, stop everything. Then print the
+Markdown table, write the JSON and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.client import ClientOptions, run_load
+from benchmarks.cluster import Cluster, ClusterError, ClusterSpec
+from benchmarks.contenders import ContenderError, create_contender, validate_contender_names
+from benchmarks.metrics import RequestResult, Summary, failed, summarize
+from benchmarks.oracle import oracle_hit_rate
+from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
+from benchmarks.workloads import (TraceError, TraceWindow, Workload, gsp_workload, iter_token_ids,
+                                  multiturn_workload, trace_workload)
+
+__all__ = ["configure", "main"]
+
+DEFAULT_CONTENDERS = "envoy-rr,envoy-lr,envoy-ringhash,sgl-router,ours:prefix-aware"
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rates wants comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("--rates wants positive numbers")
+    return values
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Side-by-side benchmark. Every contender gets its own fresh, identical cluster of simulated "
+        "SGLang workers and the same request bytes at the same open-loop arrival times. Prints a "
+        "Markdown table (TTFT p50/p90/p99/mean, end-to-end latency, output tokens/s, cache hit rate, "
+        "requests per worker max/mean, errors, ratios to round robin and to sgl-router) and the "
+        "pooled-cache oracle hit rate. See docs/benchmarks.md.")
+    parser.add_argument("--suite", choices=["routing", "overhead"], default="routing",
+                        help="routing: the workload through every contender; overhead: added latency of "
+                             "the gateways on instant workers (Envoy direct vs ours vs sgl-router).")
+
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=["gsp", "multiturn", "trace"], default="gsp",
+                   help="gsp: generated shared prefix (groups of prompts sharing a system prompt); "
+                        "multiturn: chat sessions whose history grows; trace: replay a Mooncake JSONL trace.")
+    g.add_argument("--rate", type=_positive(float), default=None,
+                   help="Poisson arrival rate in req/s (gsp and multiturn: default 2; trace: replaces the "
+                        "trace's timestamps with Poisson arrivals at this rate).")
+    g.add_argument("--rates", type=_rates, default=None,
+                   help="Comma-separated sweep of rates, e.g. 1,2,4: the whole comparison runs once per rate.")
+    g.add_argument("--max-requests", type=_positive(int), default=None,
+                   help="Keep at most this many requests (trace: from --trace-start on; others: the first N arrivals).")
+    g.add_argument("--seed", type=int, default=0,
+                   help="Seed of prompt text, arrival times and the simulated workers.")
+    g.add_argument("--gsp-groups", type=_positive(int), default=16, help="gsp: number of shared system prompts.")
+    g.add_argument("--gsp-prompts-per-group", type=_positive(int), default=8, help="gsp: questions per system prompt.")
+    g.add_argument("--gsp-system-len", type=_positive(int), default=2048, help="gsp: system prompt length in tokens.")
+    g.add_argument("--gsp-question-len", type=_positive(int), default=128, help="gsp: question length in tokens.")
+    g.add_argument("--output-len", type=_positive(int), default=32,
+                   help="gsp and multiturn: output tokens per request (max_tokens, ignore_eos).")
+    g.add_argument("--mt-sessions", type=_positive(int), default=24, help="multiturn: number of chat sessions.")
+    g.add_argument("--mt-turns", type=_positive(int), default=5, help="multiturn: turns per session.")
+    g.add_argument("--mt-system-len", type=_positive(int), default=512, help="multiturn: shared system prompt tokens.")
+    g.add_argument("--mt-question-len", type=_positive(int), default=256, help="multiturn: user message tokens per turn.")
+    g.add_argument("--mt-answer-len", type=_positive(int), default=256,
+                   help="multiturn: assistant message tokens per turn in the history.")
+    g.add_argument("--mt-turn-interval", type=float, default=4.0,
+                   help="multiturn: seconds between a session's turns (fixed, so arrivals stay open-loop).")
+
+    t = parser.add_argument_group("trace (Mooncake JSONL: timestamp ms, input_length, output_length, hash_ids)")
+    t.add_argument("--trace", type=Path, default=None, help="Trace file, e.g. ../shared/traces/mooncake-conversation.jsonl.")
+    t.add_argument("--trace-block-size", type=_positive(int), default=512,
+                   help="Tokens per hash id in the trace (Mooncake: 512); each id becomes this many one-token words.")
+    t.add_argument("--trace-sample", type=_positive(float), default=1.0,
+                   help="Keep this fraction (0-1] of prefix families, i.e. whole conversations (keyed by each "
+                        "record's second hash id), so a long trace shrinks to a small cluster with its reuse intact.")
+    t.add_argument("--trace-start", type=int, default=0,
+                   help="Skip this many (sampled) records: the start of the window.")
+    t.add_argument("--time-scale", type=_positive(float), default=1.0,
+                   help="Divide the trace's inter-arrival times by this (10 = ten times faster).")
+    t.add_argument("--max-output-tokens", type=_positive(int), default=None,
+                   help="Cap each trace request's output_length (decode length does not change routing, "
+                        "but streams cost client CPU).")
+
+    c = parser.add_argument_group("cluster (fresh and identical for every contender)")
+    c.add_argument("--workers", type=_positive(int), default=4, help="Simulated workers per cluster.")
+    c.add_argument("--profile", default="llama-3.1-8b-h100",
+                   help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`).")
+    c.add_argument("--speedup", type=_positive(float), default=1.0,
+                   help="Simulated GPU time is divided by this. Arrival times are NOT scaled by it: to keep "
+                        "the same utilisation at speedup S, multiply the rate (or --time-scale) by S too.")
+    c.add_argument("--capacity-tokens", type=_positive(int), default=32768,
+                   help="KV cache capacity per worker in tokens (small enough that placement matters).")
+    c.add_argument("--page-size", type=_positive(int), default=16, help="KV page size of the workers in tokens.")
+
+    r = parser.add_argument_group("contenders and output")
+    r.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+                   help="Comma-separated: envoy-rr, envoy-lr, envoy-ringhash, sgl-router, ours:<policy> "
+                        "(policies: prefix-aware, session, least-load, round-robin, sgl-cache-aware, gie-prefix, "
+                        "dynamo-cost).")
+    r.add_argument("--ringhash-prefix-chars", type=_positive(int), default=8192,
+                   help="envoy-ringhash: the client hashes this many leading prompt characters into x-prefix-hash.")
+    r.add_argument("--request-timeout", type=_positive(float), default=300.0, help="Per-request timeout in seconds.")
+    r.add_argument("--json", type=Path, default=None, help="Write the results as JSON here.")
+    r.add_argument("--out-dir", type=Path, default=None,
+                   help="Write PNG plots here (TTFT CDF per offered load; TTFT vs load for sweeps).")
+    r.add_argument("--no-progress", action="store_true", help="No progress bar (for logs).")
+
+
+def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
+    """The workload at one offered load (``rate`` None: the trace's own timestamps)."""
+    if args.workload == "gsp":
+        w = gsp_workload(groups=args.gsp_groups, prompts_per_group=args.gsp_prompts_per_group,
+                         system_prompt_len=args.gsp_system_len, question_len=args.gsp_question_len,
+                         output_len=args.output_len, rate=rate or 2.0, seed=args.seed)
+    elif args.workload == "multiturn":
+        w = multiturn_workload(sessions=args.mt_sessions, turns=args.mt_turns, system_prompt_len=args.mt_system_len,
+                               question_len=args.mt_question_len, answer_len=args.mt_answer_len,
+                               output_len=args.output_len, turn_interval_s=args.mt_turn_interval,
+                               rate=rate or 2.0, seed=args.seed)
+    else:
+        if args.trace is None:
+            raise TraceError("--workload trace needs --trace FILE")
+        window = TraceWindow(sample=args.trace_sample, start=args.trace_start, max_requests=args.max_requests, time_scale=args.time_scale,
+                             rate=rate, max_output=args.max_output_tokens)
+        return trace_workload(args.trace, block_size=args.trace_block_size, window=window, seed=args.seed)
+    if args.max_requests is not None:
+        w.requests = w.requests[: args.max_requests]
+    return w
+
+
+def _progress(total: int, desc: str, disabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=disabled, leave=False, file=sys.stderr)
+
+
+async def run_one(name: str, workload: Workload, spec: ClusterSpec, options: ClientOptions, rate: float | None,
+                  progress: bool) -> tuple[Summary, list[float]]:
+    """One contender at one offered load on a fresh cluster; a start failure becomes its row."""
+    contender = create_contender(name)
+    cluster = Cluster(spec)
+    try:
+        try:
+            await cluster.start()
+        except ClusterError as exc:
+            return failed(name, rate, f"cluster did not start: {exc}"), []
+        try:
+            url = await contender.start(cluster.urls)
+        except ContenderError as exc:
+            return failed(name, rate, str(exc)), []
+        bar = _progress(len(workload.requests), f"{name} @ {rate:g} req/s" if rate else name, not progress)
+        results: list[RequestResult]
+        try:
+            results = await run_load(url, workload.requests, options, on_done=lambda _r: bar.update(1))
+        finally:
+            bar.close()
+        counts = await cluster.request_counts()
+        if not counts:  # workers did not report: count what the gateway said in x-upstream-host
+            for r in results:
+                if r.error is None and r.upstream:
+                    counts[r.upstream] = counts.get(r.upstream, 0) + 1
+        summary = summarize(name, rate, results, counts, spec.workers)
+        ttfts = sorted(r.ttft_s for r in results if r.error is None and r.ttft_s is not None)
+        return summary, ttfts
+    finally:
+        await contender.stop()
+        await cluster.stop()
+
+
+async def run_routing(args: argparse.Namespace) -> BenchReport:
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    validate_contender_names(names)
+    spec = ClusterSpec(workers=args.workers, profile=args.profile, speedup=args.speedup,
+                       capacity_tokens=args.capacity_tokens, page_size=args.page_size, seed=args.seed)
+    options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
+    rates: list[float | None] = list(args.rates) if args.rates else [args.rate]
+    if args.workload != "trace":
+        rates = [r if r is not None else 2.0 for r in rates]
+    summaries: list[Summary] = []
+    ttfts: dict[tuple[str, float | None], list[float]] = {}
+    oracles: dict[float | None, float] = {}
+    workload = None
+    for rate in rates:
+        workload = build_workload(args, rate)
+        if not workload.requests:
+            raise TraceError("the workload has no requests")
+        oracles[rate] = oracle_hit_rate(iter_token_ids(workload.requests), spec.workers * spec.capacity_tokens,
+                                        spec.page_size)
+        offered = workload.offered_rate
+        print(f"# {workload.name}: {len(workload.requests)} requests over {workload.duration_s:.1f} s "
+              f"(offered {offered:.2f} req/s); oracle hit rate {oracles[rate]:.3f}", file=sys.stderr)
+        for name in names:
+            summary, values = await run_one(name, workload, spec, options, rate, not args.no_progress)
+            summaries.append(summary)
+            ttfts[(name, rate)] = values
+            status = (f"did not start: {summary.start_error}" if summary.start_error else
+                      f"TTFT p50 {summary.ttft_s['p50'] * 1000:.0f} ms, p99 {summary.ttft_s['p99'] * 1000:.0f} ms, "
+                      f"hit {summary.hit_rate:.3f}, errors {summary.errors}")
+            print(f"  {name}: {status}", file=sys.stderr)
+    assert workload is not None
+    params = dict(workload.params)
+    setup = {"workers": spec.workers, "profile": spec.profile, "speedup": spec.speedup,
+             "capacity_tokens": spec.capacity_tokens, "page_size": spec.page_size, "seed": spec.seed,
+             "ringhash_prefix_chars": args.ringhash_prefix_chars, "argv": sys.argv[1:],
+             "oracle_hit_rate_by_rate": {str(k): v for k, v in oracles.items()}}
+    return BenchReport(workload.name, params, oracles, summaries, ttfts, setup)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.suite == "overhead":
+        from benchmarks.router_overhead import main as overhead_main
+
+        return int(overhead_main(args) or 0)
+    if args.workload == "trace" and args.trace is None:
+        print("prefix-router bench: --workload trace needs --trace FILE", file=sys.stderr)
+        return 2
+    if args.workload != "trace" and args.trace is not None:
+        print("prefix-router bench: --trace is only used with --workload trace", file=sys.stderr)
+        return 2
+    try:
+        started = time.monotonic()
+        report = asyncio.run(run_routing(args))
+    except (TraceError, ValueError) as exc:
+        print(f"prefix-router bench: {exc}", file=sys.stderr)
+        return 2
+    print(markdown_table(report))
+    if args.json is not None:
+        write_json(report, args.json)
+        print(f"results written to {args.json}", file=sys.stderr)
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        paths = plot_ttft_cdf(report, args.out_dir)
+        sweep = plot_ttft_vs_load(report, args.out_dir)
+        if sweep is not None:
+            paths.append(sweep)
+        print("plots: " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    print(f"bench finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    bad = [s for s in report.summaries if s.start_error is not None]
+    return 1 if bad and len(bad) == len(report.summaries) else 0
+
