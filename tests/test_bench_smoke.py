@@ -13,7 +13,7 @@ from extproc.cli import main as cli_main
 @pytest.mark.timeout(90)
 def test_bench_two_contenders_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results.json"
-    rc = cli_main(["bench", "--contenders", "envoy-rr,ours:prefix-aware",
+    rc = cli_main(["bench", "--contenders", "envoy-rr,ours:prefix-aware,ours:no-such-policy",
                    "--workers", "2", "--gsp-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-len", "256",
                    "--gsp-question-len", "16", "--output-len", "4", "--rate", "20", "--speedup", "5",
                    "--capacity-tokens", "4096", "--json", str(out), "--out-dir", str(tmp_path), "--no-progress"])
@@ -23,7 +23,10 @@ def test_bench_two_contenders_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
     data = json.loads(out.read_text())
     assert 0.5 < data["oracle_hit_rate"] < 0.9
     rows = {c["name"]: c for c in data["contenders"]}
-    assert set(rows) == {"envoy-rr", "ours:prefix-aware"}
+    assert set(rows) == {"envoy-rr", "ours:prefix-aware", "ours:no-such-policy"}
+    # A contender that cannot start is a row with its reason, not a silent omission.
+    assert "no-such-policy" in rows["ours:no-such-policy"]["start_error"]
+    assert "ours:no-such-policy | did not start" in table
     rr = rows["envoy-rr"]
     assert rr["requests"] == 6 and rr["errors"] == 0
     assert rr["ttft_s"]["p50"] > 0 and rr["e2e_s"]["p99"] >= rr["ttft_s"]["p99"]
@@ -31,8 +34,9 @@ def test_bench_two_contenders_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
     assert rr["max_mean_requests"] == pytest.approx(1.0)  # round robin over 2 workers, 6 requests
     assert 0.0 <= rr["hit_rate"] <= data["oracle_hit_rate"] + 1e-9
     ours = rows["ours:prefix-aware"]
-    # Our gateway either ran every request or is reported with the reason it could not start.
-    assert (ours["requests"] == 6 and ours["errors"] == 0) or ours["start_error"]
+    assert ours["start_error"] is None, ours["start_error"]
+    assert ours["requests"] == 6 and ours["errors"] == 0
+    assert sum(ours["requests_per_worker"].values()) == 6
     assert (tmp_path / "ttft-cdf-gsp-20rps.png").is_file()
 
 
