@@ -53,6 +53,9 @@ class SimWorkerConfig(BaseModel):
     profile: str = Field("llama-3.1-8b-h100", description="Timing profile name (see sglang_workers.timing).")
     speedup: float = Field(1.0, gt=0, description="Divide every simulated duration by this.")
     seed: int = Field(0, description="Seed of the output-token generator (same prompt + seed = same output).")
+    load_time: float = Field(0.0, ge=0, description=(
+        "Seconds after the HTTP port opens during which the worker answers 503, as SGLang does while it "
+        "loads weights and warms up (real seconds, not divided by speedup)."))
 
     @model_validator(mode="after")
     def _check_ports(self) -> SimWorkerConfig:

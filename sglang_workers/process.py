@@ -80,7 +80,8 @@ class SimWorkerProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def wait_healthy(self, timeout: float = 30.0) -> None:
+    def wait_healthy(self, timeout: float = 30.0, ready: bool = True) -> None:
+        """Wait until ``/health`` answers 200 (or, with ``ready=False``, answers at all)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
@@ -89,6 +90,9 @@ class SimWorkerProcess:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
                     if resp.status == 200:
                         return
+            except urllib.error.HTTPError:
+                if not ready:  # serving, but still loading (503)
+                    return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.05)
@@ -137,8 +141,10 @@ def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWo
 
 
 def start_sim_workers(count: int, *, host: str = "127.0.0.1", startup_timeout: float = 30.0,
-                      env: dict[str, str] | None = None, **opts: Any) -> list[SimWorkerProcess]:
-    """Start ``count`` workers in parallel and wait until all answer ``/health`` with 200.
+                      env: dict[str, str] | None = None, wait_ready: bool = True,
+                      **opts: Any) -> list[SimWorkerProcess]:
+    """Start ``count`` workers in parallel and wait until all answer ``/health`` with 200
+    (``wait_ready=False``: until their HTTP port answers at all, e.g. with ``load_time``).
 
     A worker that loses a port race (another process took a port between the check and the bind)
     is started again on new ports, up to three times.
@@ -148,7 +154,7 @@ def start_sim_workers(count: int, *, host: str = "127.0.0.1", startup_timeout: f
         for i in range(count):
             for attempt in range(3):
                 try:
-                    workers[i].wait_healthy(startup_timeout)
+                    workers[i].wait_healthy(startup_timeout, ready=wait_ready)
                     break
                 except SimWorkerError as exc:
                     workers[i].stop()
@@ -163,6 +169,7 @@ def start_sim_workers(count: int, *, host: str = "127.0.0.1", startup_timeout: f
 
 
 def start_sim_worker(*, host: str = "127.0.0.1", startup_timeout: float = 30.0,
-                     env: dict[str, str] | None = None, **opts: Any) -> SimWorkerProcess:
+                     env: dict[str, str] | None = None, wait_ready: bool = True, **opts: Any) -> SimWorkerProcess:
     """Start one worker on free ports and wait until it is healthy (usable as a context manager)."""
-    return start_sim_workers(1, host=host, startup_timeout=startup_timeout, env=env, **opts)[0]
+    return start_sim_workers(1, host=host, startup_timeout=startup_timeout, env=env, wait_ready=wait_ready,
+                             **opts)[0]

@@ -109,6 +109,12 @@ class SimWorker:
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else cfg.port
+        if cfg.load_time > 0:
+            asyncio.get_running_loop().call_later(cfg.load_time, self._set_ready)
+        else:
+            self._set_ready()
+
+    def _set_ready(self) -> None:
         self.ready = True
 
     async def stop(self) -> None:

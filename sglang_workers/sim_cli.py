@@ -73,6 +73,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="Run simulated time this many times faster than real time.")
     timing.add_argument("--seed", type=int, default=d["seed"].default,
                         help="Seed of generated tokens (same prompt + seed = same output).")
+    timing.add_argument("--load-time", type=float, default=d["load_time"].default,
+                        help="Seconds to answer 503 after start, like SGLang loading a model (real time).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="Log verbosity.")
 
@@ -86,7 +88,7 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
         page_size=args.page_size, capacity_tokens=args.capacity_tokens, schedule_policy=args.schedule_policy,
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, default_max_new_tokens=args.default_max_new_tokens,
-        profile=args.profile, speedup=args.speedup, seed=args.seed)
+        profile=args.profile, speedup=args.speedup, seed=args.seed, load_time=args.load_time)
 
 
 async def serve(config: SimWorkerConfig) -> None:
