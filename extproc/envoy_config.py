@@ -254,7 +254,7 @@ def bootstrap(spec: GatewaySpec) -> dict[str, Any]:
         hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
             "log_format": {"text_format_source": {"inline_string":
-                "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms\n"}}}}]
+                "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms (%ROUTE_NAME%)\n"}}}}]
     return {
         "admin": {"address": _address(*spec.admin)},
         "static_resources": {

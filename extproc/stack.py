@@ -157,6 +157,11 @@ class GatewayStack:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def sim_processes(self) -> list[Any]:
+        """The simulated workers this stack started (``sglang_workers.process.SimWorkerProcess``)."""
+        return list(self._sims)
+
+    @property
     def router_address(self) -> str:
         return f"{LOOPBACK}:{self.router_port}"
 
@@ -364,7 +369,8 @@ Try it (the x-upstream-host response header names the worker that served):
   curl -i {stack.url}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-Each request prints "METHOD PATH -> WORKER STATUS TIME" below. Ctrl-C stops everything.
+Each request prints "METHOD PATH -> WORKER STATUS TIME (ROUTE)" below: ROUTE is router-picked
+(the router chose the worker) or fail-open (Envoy least-request: passthrough path or router down). Ctrl-C stops everything.
 """.rstrip() + "\n"
 
 
