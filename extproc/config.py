@@ -17,15 +17,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "ConfigError",
+    "DynamoCostOptions",
     "EventsConfig",
+    "GiePrefixOptions",
     "HealthConfig",
     "IndexConfig",
     "LoadConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "PolicyConfig",
+    "PrefixAwareOptions",
     "RouterConfig",
     "ServerConfig",
+    "SessionOptions",
+    "SglCacheAwareOptions",
     "WorkerConfig",
     "load_config",
 ]
@@ -82,12 +87,83 @@ class ModelConfig(_Section):
     block_size: int | None = Field(None, description="Worker page size; read from /server_info when omitted.")
 
 
+class PrefixAwareOptions(_Section):
+    """Constants of the ``prefix-aware`` policy: a predicted time-to-first-token per worker.
+
+    Prefill of ``L`` uncached tokens after ``P`` cached ones costs ``c0 + a*L + b*(L^2 + 2*P*L)``
+    (linear part: weights; quadratic part: attention over the whole context). Defaults are an 8B
+    model on one H100 in BF16 (docs/routing.md derives them).
+    """
+
+    prefill_floor_s: float = Field(0.02, ge=0, description="c0: fixed cost of one prefill (scheduling, launch).")
+    prefill_per_token_s: float = Field(23e-6, ge=0, description="a: seconds per uncached prompt token (~43k tok/s).")
+    attention_per_token2_s: float = Field(0.52e-9, ge=0, description="b: attention seconds per token^2 of context.")
+    running_penalty_s: float = Field(0.0005, ge=0, description="Added per request decoding on the worker (decode steps interleave with prefill chunks).")
+    waiting_prefill_s: float = Field(0.05, ge=0, description="Assumed prefill time of each request the worker reports waiting that the router did not send.")
+    host_load_ratio: float = Field(0.1, ge=0, le=1, description="Cost of loading a block from host memory relative to recomputing it.")
+    kv_pressure_threshold: float = Field(0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more.")
+    kv_pressure_penalty_s: float = Field(0.25, ge=0, description="Penalty at 100% KV usage, linear from the threshold.")
+    tie_abs_s: float = Field(0.003, ge=0, description="Predicted TTFTs within this many seconds of the best count as a tie.")
+    tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
+    speedup: float = Field(1.0, gt=0, description="Time compression of simulated workers (their --speedup); 1 for real GPUs.")
+
+
+class SessionOptions(_Section):
+    """Constants of the ``session`` policy."""
+
+    fallback: str = Field("prefix-aware", description="Policy that places a new session (or a request without the header).")
+    max_sessions: int = Field(100_000, gt=0, description="Session -> worker entries kept (least recently used dropped).")
+
+
+class SglCacheAwareOptions(_Section):
+    """sgl-router ``cache_aware`` defaults (a faithful peer for comparisons)."""
+
+    cache_threshold: float = Field(0.3, description="Minimum character match rate to follow the cache.")
+    balance_abs_threshold: int = Field(64, description="Imbalanced when max-min in-flight exceeds this ...")
+    balance_rel_threshold: float = Field(1.5, description="... and max exceeds min times this.")
+    max_tree_size: int = Field(2**26, gt=0, description="Characters per worker kept in the tree (LRU eviction beyond).")
+
+
+class GiePrefixOptions(_Section):
+    """GIE / llm-d approximate prefix scorer defaults."""
+
+    block_chars: int = Field(64, gt=0, description="Characters per hashed block (16 tokens x 4 chars).")
+    max_blocks: int = Field(256, gt=0, description="At most this many leading blocks are hashed.")
+    lru_capacity: int = Field(31_250, gt=0, description="Blocks remembered per server.")
+    prefix_weight: float = Field(3.0, description="Weight of the prefix-match scorer.")
+    queue_weight: float = Field(2.0, description="Weight of the queue-depth scorer.")
+    kv_weight: float = Field(2.0, description="Weight of the KV-utilisation scorer.")
+
+
+class DynamoCostOptions(_Section):
+    """NVIDIA Dynamo KV-router cost defaults."""
+
+    overlap_weight: float = Field(1.0, description="Weight of prefill blocks against decode (active) blocks.")
+    temperature: float = Field(0.0, ge=0, description="0: argmin; >0: softmax sampling over -cost/temperature.")
+
+
 class PolicyConfig(_Section):
     """Routing policy and its constants (see docs/routing.md)."""
 
     name: str = Field("prefix-aware", description="prefix-aware | session | least-load | round-robin | sgl-cache-aware | gie-prefix | dynamo-cost")
     session_header: str = Field("x-session-id", description="Header whose value pins a session to a worker (policy `session`).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Policy-specific constants; each policy documents and validates its own.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the chosen policy's section below.")
+    prefix_aware: PrefixAwareOptions = Field(default_factory=PrefixAwareOptions)
+    session: SessionOptions = Field(default_factory=SessionOptions)
+    sgl_cache_aware: SglCacheAwareOptions = Field(default_factory=SglCacheAwareOptions)
+    gie_prefix: GiePrefixOptions = Field(default_factory=GiePrefixOptions)
+    dynamo_cost: DynamoCostOptions = Field(default_factory=DynamoCostOptions)
+
+    def options_for(self, name: str | None = None) -> dict[str, Any]:
+        """The chosen (or named) policy's constants: its typed section, then ``options`` over it."""
+        name = name or self.name
+        section = getattr(self, name.replace("-", "_"), None)
+        base = section.model_dump() if isinstance(section, BaseModel) else {}
+        if name == self.name:
+            base.update(self.options)
+        if name == "session":
+            base["header"] = self.session_header
+        return base
 
 
 class IndexConfig(_Section):
@@ -96,6 +172,8 @@ class IndexConfig(_Section):
     max_blocks_per_worker: int = Field(2_000_000, description="Memory bound: oldest entries beyond this are dropped.")
     speculative_ttl_s: float = Field(2.0, description="Entries inserted by routing decisions expire after this unless events confirm them.")
     max_lookup_blocks: int = Field(8192, description="At most this many leading blocks of a prompt are hashed and looked up.")
+    fallback_ttl_s: float = Field(120.0, description="While a worker's event state is unknown, the router trusts its own record of what it sent there for this long.")
+    default_block_size: int = Field(16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size.")
 
 
 class EventsConfig(_Section):
@@ -104,6 +182,8 @@ class EventsConfig(_Section):
     enabled: bool = Field(True, description="Subscribe to workers' KV events.")
     topic: str = Field("", description="ZMQ topic filter (SGLang's default topic is empty).")
     replay_timeout_s: float = Field(1.0, description="How long to wait for a replay reply before declaring the worker's state unknown.")
+    resync_after_s: float = Field(60.0, description="After an unrepaired gap, events received for this long (with entries reset at the gap) count as a full view again.")
+    discovery_interval_s: float = Field(1.0, description="How often workers without a known event endpoint are asked for /server_info.")
 
 
 class LoadConfig(_Section):

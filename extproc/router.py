@@ -3,18 +3,33 @@
 The ext_proc servicer calls ``route()`` once per generation request (after the buffered body is
 parsed) and ``finish()`` when that request's ext_proc stream ends, which Envoy only does once the
 response has been completely sent: that brackets the router's in-flight count per worker.
+
+The write path runs in the background (``start()``): ``extproc.events`` keeps the block index in
+step with the workers' KV events, ``extproc.load`` polls their reported load. ``route()`` itself
+does no I/O and never raises for a bad prompt: a request that cannot be tokenized is still routed
+(by load alone) rather than lost.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
-from extproc.config import RouterConfig
+from extproc.blocks import block_keys, chain_seed
+from extproc.config import ModelConfig, RouterConfig
+from extproc.events import EventHub, worker_block_size
+from extproc.index import BlockIndex
+from extproc.load import LoadTracker
 from extproc.policies import Candidate, Decision, RoutingRequest, create_policy
 from extproc.request import ParsedRequest
+from extproc.telemetry import Telemetry
+from extproc.tokenization import ModelTokenizer, load_tokenizer
 from extproc.workers import Worker, WorkerRegistry
 
 __all__ = ["NoWorkerError", "RouteOutcome", "Router"]
+
+log = logging.getLogger(__name__)
 
 
 class NoWorkerError(Exception):
@@ -31,39 +46,135 @@ class RouteOutcome:
     finished: bool = False
     # Headers the server must set on the upstream request (e.g. W3C ``traceparent`` of the decision span).
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    decision_s: float = 0.0
 
     def endpoints(self, fallbacks: int) -> list[str]:
         """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention)."""
         return [w.endpoint for w in self.decision.ranked[: 1 + fallbacks]]
 
+    @property
+    def matched_blocks(self) -> int:
+        """Leading blocks the chosen worker was believed to hold."""
+        return next((c.matched_blocks for c in self.candidates if c.worker is self.worker), 0)
+
 
 class Router:
-    """Owns the policy and the per-worker in-flight counts; knows nothing about gRPC or Envoy."""
+    """Owns the policy, the block index and the per-worker in-flight counts; knows nothing of gRPC."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry) -> None:
         self.config = config
         self.registry = registry
-        self.policy = create_policy(config.policy.name, config.policy.options)
+        options = config.policy.options_for()
+        if config.policy.name == "session":
+            options["fallback_options"] = config.policy.options_for(options["fallback"])
+        self.policy = create_policy(config.policy.name, options)
+        self.index = BlockIndex(config.index)
+        self.events = EventHub(config.events, registry, self.index)
+        self.loads = LoadTracker(config.load, registry)
+        self.telemetry = Telemetry(config.observability, config.policy.name)
+        self.telemetry.watch(self)
+        self._models: dict[str, ModelConfig] = {m.name: m for m in config.models}
 
     async def start(self) -> None:
         """Start background work (event subscriptions, load polling)."""
+        await self.events.start()
+        await self.loads.start()
 
     async def stop(self) -> None:
-        """Stop background work."""
+        """Stop background work and flush spans."""
+        await self.loads.stop()
+        await self.events.stop()
+        self.telemetry.shutdown()
 
+    # -- request -> tokens ------------------------------------------------------------------------
+    def tokenizer_for(self, model: str | None) -> ModelTokenizer:
+        """The model's configured tokenizer; models without a config use the built-in default."""
+        cfg = self._models.get(model or "")
+        if cfg is None:
+            return load_tokenizer()
+        return load_tokenizer(cfg.tokenizer, cfg.chat_template)
+
+    def _prompt(self, parsed: ParsedRequest, want_tokens: bool, want_text: bool) -> tuple[list[int] | None, str]:
+        """Token ids exactly as the worker will build them (and the rendered text for text policies)."""
+        if parsed.input_ids is not None:
+            return list(parsed.input_ids), parsed.prompt_text or ""
+        tokenizer = self.tokenizer_for(parsed.model)
+        if parsed.kind == "chat" and parsed.messages is not None:
+            text = tokenizer.render_chat(parsed.messages, parsed.tools, **(parsed.chat_template_kwargs or {}))
+            return (tokenizer.encode_rendered(text) if want_tokens else None), text
+        text = parsed.prompt_text or ""
+        return (tokenizer.encode_text(text) if want_tokens else None), text
+
+    def block_size_for(self, worker: Worker) -> int:
+        """Tokens per block for this worker: model config, then /server_info, then its events."""
+        cfg = self._models.get(worker.model or "")
+        if cfg is not None and cfg.block_size:
+            return cfg.block_size
+        return worker_block_size(worker) or self.events.block_size(worker) or self.config.index.default_block_size
+
+    # -- the decision -----------------------------------------------------------------------------
     def route(self, parsed: ParsedRequest) -> RouteOutcome:
         """Choose a worker for ``parsed``; raises NoWorkerError when none is healthy."""
+        start_ns = time.perf_counter_ns()
+        wall_start_ns = time.time_ns()
         model = parsed.model or ""
         workers = self.registry.candidates(parsed.model)
         if not workers:
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
-        request = RoutingRequest(model=model, path=parsed.path, headers=parsed.headers)
-        candidates = [Candidate(worker=w, in_flight=w.in_flight) for w in workers]
-        decision = self.policy.select(request, candidates)
+        policy = self.policy
+        tokens: list[int] | None = None
+        text = ""
+        if policy.needs_tokens or policy.needs_text:
+            try:
+                tokens, text = self._prompt(parsed, policy.needs_tokens, policy.needs_text)
+            except Exception as exc:  # a template that refuses the conversation must not lose the request
+                log.info("routing %s without tokens: %s", parsed.path, exc)
+                self.telemetry.tokenize_failed(model)
+        candidates = [Candidate(worker=w, in_flight=w.in_flight, load=self.loads.get(w),
+                                index_state=self.events.state(w), block_size=self.block_size_for(w))
+                      for w in workers]
+        keys_of: dict[str, list[int]] = {}
+        first_keys: list[int] = []
+        if tokens is not None and policy.needs_tokens:
+            first_keys = self._match(parsed, tokens, candidates, keys_of)
+        request = RoutingRequest(model=model, path=parsed.path, prompt_text=text if policy.needs_text else "",
+                                 token_ids=tokens, block_keys=first_keys, block_size=candidates[0].block_size,
+                                 headers=parsed.headers, lora=parsed.lora, cache_salt=parsed.cache_salt)
+        decision = policy.select(request, candidates)
         chosen = decision.ranked[0]
         chosen.in_flight += 1
-        self.policy.on_routed(request, decision)
-        return RouteOutcome(request=request, decision=decision, worker=chosen)
+        if keys_of.get(chosen.id):
+            self.index.record_routed(chosen.id, keys_of[chosen.id])
+        policy.on_routed(request, decision)
+        end_ns = time.perf_counter_ns()
+        headers = self.telemetry.decision(
+            model=model, path=parsed.path, headers=parsed.headers, request=request, candidates=candidates,
+            decision=decision, start_ns=wall_start_ns, end_ns=wall_start_ns + (end_ns - start_ns),
+            blocks=len(keys_of.get(chosen.id, first_keys)), tokenized=tokens is not None)
+        return RouteOutcome(request=request, decision=decision, worker=chosen, upstream_headers=headers,
+                            candidates=candidates, decision_s=(end_ns - start_ns) / 1e9)
+
+    def _match(self, parsed: ParsedRequest, tokens: list[int], candidates: list[Candidate],
+               keys_of: dict[str, list[int]]) -> list[int]:
+        """Fill each candidate's matched blocks; workers sharing page size and model share one key chain."""
+        groups: dict[tuple[int, str], list[Candidate]] = {}
+        for c in candidates:
+            groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
+        first: list[int] | None = None
+        limit = self.config.index.max_lookup_blocks
+        for (size, model), members in groups.items():
+            keys = block_keys(tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt), limit=limit)
+            if first is None:
+                first = keys
+            ids = [c.worker.id for c in members]
+            gpu = self.index.match(keys, ids, "gpu")
+            lower = self.index.match(keys, ids, "host") if self.index.has_tier("host") else {}
+            for c in members:
+                c.matched_blocks = gpu[c.worker.id]
+                c.host_matched_blocks = max(c.matched_blocks, lower.get(c.worker.id, 0))
+                keys_of[c.worker.id] = keys
+        return first or []
 
     def finish(self, outcome: RouteOutcome) -> None:
         """The request's stream ended: release its in-flight slot (idempotent)."""

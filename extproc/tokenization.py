@@ -9,14 +9,31 @@ add_generation_prompt=True)``: the template is rendered with Jinja (sandboxed, `
 writes them). Text prompts (``/generate`` ``text``, ``/v1/completions`` string prompts) are encoded
 with special tokens added. We reproduce that with the ``tokenizers`` library directly, which is much
 lighter than ``transformers`` (a test proves the ids identical).
+
+Long prompts repeat: system prompts, tool lists, documents, earlier turns. Encoding is split into
+pieces whose tokens provably do not depend on their neighbours, and each piece's ids are cached:
+
+- at added tokens (``<|eot_id|>`` ...): the tokenizer itself splits them out before anything else
+  runs, so the text between two of them is always encoded on its own;
+- inside long text, before a paragraph break (``\n\n``) that follows a letter or digit: with a
+  byte-level pre-tokenizer (GPT-2, Llama-3, Qwen regexes) no pre-token can span that boundary and
+  the regex restarts there, so both sides encode exactly as they do within the whole.
+
+Only tokenizers where both rules hold (no normalizer, byte-level pre-tokenizer without prefix
+space) use the cache; others are encoded whole. Tests compare against whole-text encoding and
+against ``transformers`` over many random conversations.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+import threading
+import unicodedata
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +92,59 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+_LETTER_OR_DIGIT = frozenset(("Lu", "Ll", "Lt", "Lm", "Lo", "Nd", "Nl", "No"))
+_MIN_CACHED_PIECE = 16  # shorter pieces are cheaper to encode than to look up
+
+
+class _PieceCache:
+    """LRU of text piece -> token ids, bounded by the characters it holds."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.chars = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, piece: str) -> list[int] | None:
+        with self._lock:
+            ids = self._items.get(piece)
+            if ids is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(piece)
+            self.hits += 1
+            return ids
+
+    def put(self, piece: str, ids: list[int]) -> None:
+        if len(piece) > self.max_chars:
+            return
+        with self._lock:
+            if piece in self._items:
+                return
+            self._items[piece] = ids
+            self.chars += len(piece)
+            while self.chars > self.max_chars:
+                old, _ = self._items.popitem(last=False)
+                self.chars -= len(old)
+
+
+def _paragraph_pieces(text: str) -> list[str]:
+    """Split before each ``\n\n`` that follows a letter or digit (a boundary no pre-token spans)."""
+    pieces = []
+    start = 0
+    find = text.find
+    pos = find("\n\n", 1)
+    while pos != -1:
+        if pos - start >= _MIN_CACHED_PIECE and unicodedata.category(text[pos - 1]) in _LETTER_OR_DIGIT:
+            pieces.append(text[start:pos])
+            start = pos
+        pos = find("\n\n", pos + 2)
+    pieces.append(text[start:])
+    return pieces
+
+
 @dataclass(frozen=True)
 class ModelTokenizer:
     """A model's tokenizer plus its chat template; cheap to share, safe across threads."""
@@ -83,11 +153,104 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     chat_template: str | None
     special_tokens: dict[str, str]
+    cache_chars: int = 64 * 1024 * 1024
+    _cache: _PieceCache = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_cache", _PieceCache(self.cache_chars))
 
     # -- encoding ---------------------------------------------------------------------------
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for a raw text prompt, as SGLang encodes ``text`` / completion prompts."""
+        if self._splitter is None:
+            return self.encode_whole(text, add_special_tokens)
+        ids = self._encode_pieces(text)
+        if add_special_tokens:
+            prefix, suffix = self._special_affixes
+            return [*prefix, *ids, *suffix] if prefix or suffix else ids
+        return ids
+
+    def encode_whole(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` encoded in one call, without the piece cache (the reference)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def cache_stats(self) -> dict[str, int]:
+        cache = self._cache
+        return {"hits": cache.hits, "misses": cache.misses, "chars": cache.chars}
+
+    @cached_property
+    def _splitter(self) -> tuple[re.Pattern[str], dict[str, int]] | None:
+        """Added-token pattern and ids when piecewise encoding is provably identical, else None."""
+        try:
+            spec = json.loads(self.tokenizer.to_str())
+        except ValueError:
+            return None
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        byte_level = [p for p in parts if p.get("type") == "ByteLevel"]
+        if spec.get("normalizer") is not None or not byte_level or \
+                any(p.get("add_prefix_space") for p in byte_level) or \
+                any(p.get("type") not in ("ByteLevel", "Split") for p in parts):
+            return None
+        added = {}
+        for token in spec.get("added_tokens", []):
+            if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
+                return None
+            added[token["content"]] = token["id"]
+        if not added:
+            return re.compile(r"(?!x)x"), added
+        pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
+        return re.compile(f"({pattern})"), added
+
+    @cached_property
+    def _special_affixes(self) -> tuple[list[int], list[int]]:
+        """What the post-processor adds around a single sequence (e.g. ``<|begin_of_text|>``)."""
+        probe = "probe"
+        bare = self.tokenizer.encode(probe, add_special_tokens=False).ids
+        full = self.tokenizer.encode(probe, add_special_tokens=True).ids
+        for i in range(len(full) - len(bare) + 1):
+            if full[i:i + len(bare)] == bare:
+                return full[:i], full[i + len(bare):]
+        raise TokenizerLoadError(f"tokenizer {self.name!r}: cannot locate special tokens around a sequence")
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        assert self._splitter is not None
+        pattern, added = self._splitter
+        plan: list[str | int] = []
+        for part in pattern.split(text):
+            if not part:
+                continue
+            token = added.get(part)
+            if token is not None:
+                plan.append(token)
+            elif len(part) >= 2 * _MIN_CACHED_PIECE:
+                plan.extend(_paragraph_pieces(part))
+            else:
+                plan.append(part)
+        cache = self._cache
+        found: dict[str, list[int]] = {}
+        missing: list[str] = []
+        for item in plan:
+            if isinstance(item, str) and item not in found:
+                ids = cache.get(item) if len(item) >= _MIN_CACHED_PIECE else None
+                if ids is None:
+                    missing.append(item)
+                    found[item] = []
+                else:
+                    found[item] = ids
+        if missing:
+            for piece, encoding in zip(missing, self.tokenizer.encode_batch(missing, add_special_tokens=False)):
+                found[piece] = encoding.ids
+                if len(piece) >= _MIN_CACHED_PIECE:
+                    cache.put(piece, encoding.ids)
+        out: list[int] = []
+        for item in plan:
+            if isinstance(item, int):
+                out.append(item)
+            else:
+                out.extend(found[item])
+        return out
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
@@ -108,6 +271,10 @@ class ModelTokenizer:
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """Token ids for a chat request, as SGLang builds ``input_ids`` for it."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return self.encode_text(text, add_special_tokens=False)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of an already rendered chat prompt (the template wrote the special tokens)."""
         return self.encode_text(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:

@@ -17,6 +17,11 @@ __all__ = ["POLICIES", "Candidate", "Decision", "Policy", "PolicyError", "Routin
 POLICIES: dict[str, str] = {
     "round-robin": "extproc.policies.round_robin:RoundRobinPolicy",
     "least-load": "extproc.policies.least_load:LeastLoadPolicy",
+    "prefix-aware": "extproc.policies.prefix_aware:PrefixAwarePolicy",
+    "session": "extproc.policies.session:SessionPolicy",
+    "sgl-cache-aware": "extproc.policies.sgl_cache_aware:SglCacheAwarePolicy",
+    "gie-prefix": "extproc.policies.gie_prefix:GiePrefixPolicy",
+    "dynamo-cost": "extproc.policies.dynamo_cost:DynamoCostPolicy",
 }
 
 

@@ -42,9 +42,11 @@ class RoutingRequest:
     path: str
     prompt_text: str = ""  # rendered prompt; character-based peer policies match on it
     token_ids: list[int] | None = None
-    block_keys: list[int] = field(default_factory=list)  # full pages only
+    block_keys: list[int] = field(default_factory=list)  # full pages only (of the first candidate group)
     block_size: int = 16
     headers: Mapping[str, str] = field(default_factory=dict)
+    lora: str | None = None
+    cache_salt: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -58,8 +60,10 @@ class Candidate:
     worker: Worker
     in_flight: int = 0
     load: WorkerLoad | None = None
-    matched_blocks: int = 0  # leading blocks of the prompt this worker holds (index + speculative)
-    index_state: str = "synced"  # synced | unknown (events lost; matched_blocks from own record)
+    matched_blocks: int = 0  # leading blocks of the prompt this worker holds in GPU memory (index + speculative)
+    host_matched_blocks: int = 0  # ... counting its host-memory / disk tiers too (>= matched_blocks when reported)
+    index_state: str = "synced"  # synced | unknown (events lost or absent; matched_blocks from own record)
+    block_size: int = 16  # this worker's page size (tokens per block)
 
 
 @dataclass
@@ -75,7 +79,8 @@ class Policy(ABC):
     """Base class: set ``name``; override ``select``; hooks are optional."""
 
     name: ClassVar[str]
-    needs_tokens: ClassVar[bool] = False  # True: the router tokenizes and fills matched_blocks
+    needs_tokens: bool = False  # True: the router tokenizes and fills matched_blocks
+    needs_text: bool = False  # True: the router renders the prompt text (character-based peers)
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -1,0 +1,270 @@
+"""Which worker holds which prefix block: the router's view of every worker's KV cache.
+
+Three kinds of entry, kept apart because they deserve different trust:
+
+- *confirmed* entries come from the workers' KV events (``extproc.events``), one map per storage
+  tier (GPU, host memory, disk): a key maps to a bitmask of worker slots, so one lookup answers for
+  the whole fleet and a prompt's lookup costs one dict probe per block, however many workers exist;
+- *recent* entries are the router's own record of what it sent where. For a worker whose events are
+  flowing they live ``speculative_ttl_s`` (long enough for the worker to prefill and publish), so
+  back-to-back requests with one prefix land together before the first event arrives; for a worker
+  whose state is unknown (no events, or a gap that replay could not repair) they live
+  ``fallback_ttl_s`` and are the only evidence the router has;
+- nothing else: an entry is never inferred.
+
+Memory is bounded per worker: beyond ``max_blocks_per_worker`` confirmed blocks (per tier) the
+least recently stored are dropped, which only ever under-claims a cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+
+from extproc.config import IndexConfig
+
+__all__ = ["TIERS", "BlockIndex", "tier_of"]
+
+TIERS = ("gpu", "host", "disk")
+
+_MEDIUM_TIER = {None: "gpu", "GPU": "gpu", "CPU": "host", "CPU_PINNED": "host", "CPU_TIER": "host",
+                "DISK": "disk", "EXTERNAL": "disk"}
+
+
+def tier_of(medium: str | None) -> str:
+    """Map an SGLang ``medium`` to one of ``TIERS`` (unknown media count as the slowest tier)."""
+    return _MEDIUM_TIER.get(medium.upper() if isinstance(medium, str) else medium, "disk")
+
+
+class _Tier:
+    """Confirmed entries of one storage tier: key -> worker bitmask, plus per-worker LRU order."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        self.order: dict[int, OrderedDict[int, None]] = {}
+
+    def add(self, slot: int, keys: Iterable[int], bound: int) -> None:
+        bit = 1 << slot
+        order = self.order.setdefault(slot, OrderedDict())
+        holders = self.holders
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+                continue
+            order[key] = None
+            holders[key] = holders.get(key, 0) | bit
+        while len(order) > bound:
+            old, _ = order.popitem(last=False)
+            self._clear_bit(old, bit)
+
+    def remove(self, slot: int, keys: Iterable[int]) -> None:
+        bit = 1 << slot
+        order = self.order.get(slot)
+        if not order:
+            return
+        for key in keys:
+            if order.pop(key, 0) is None:
+                self._clear_bit(key, bit)
+
+    def clear(self, slot: int) -> None:
+        bit = 1 << slot
+        for key in self.order.pop(slot, ()):
+            self._clear_bit(key, bit)
+
+    def _clear_bit(self, key: int, bit: int) -> None:
+        mask = self.holders.get(key, 0) & ~bit
+        if mask:
+            self.holders[key] = mask
+        else:
+            self.holders.pop(key, None)
+
+    def count(self, slot: int) -> int:
+        return len(self.order.get(slot, ()))
+
+
+class BlockIndex:
+    """Per-worker block sets with fleet-wide lookup. Thread-safe (one lock; every call is short)."""
+
+    def __init__(self, config: IndexConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or IndexConfig()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._slots: dict[str, int] = {}
+        self._free: list[int] = []
+        self._tiers = {name: _Tier() for name in TIERS}
+        # Router's own record: key -> {slot: time routed}; per slot a FIFO of (time, keys) for expiry.
+        self._recent: dict[int, dict[int, float]] = {}
+        self._recent_fifo: dict[int, deque[tuple[float, Sequence[int]]]] = {}
+        self._recent_count: dict[int, int] = {}
+        self._unknown: int = 0  # bitmask of slots whose confirmed state is unknown
+
+    # -- worker slots -------------------------------------------------------------------------
+    def slot(self, worker_id: str) -> int:
+        with self._lock:
+            return self._slot(worker_id)
+
+    def _slot(self, worker_id: str) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._slots)
+            self._slots[worker_id] = slot
+        return slot
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the fleet: drop everything about it and recycle its slot."""
+        with self._lock:
+            slot = self._slots.pop(worker_id, None)
+            if slot is None:
+                return
+            self._clear_confirmed(slot)
+            self._drop_recent(slot)
+            self._unknown &= ~(1 << slot)
+            self._free.append(slot)
+
+    # -- write path (events) ------------------------------------------------------------------
+    def store(self, worker_id: str, keys: Sequence[int], tier: str = "gpu") -> None:
+        with self._lock:
+            self._tiers[tier].add(self._slot(worker_id), keys, self.config.max_blocks_per_worker)
+
+    def remove(self, worker_id: str, keys: Sequence[int], tier: str = "gpu") -> None:
+        with self._lock:
+            self._tiers[tier].remove(self._slot(worker_id), keys)
+
+    def clear(self, worker_id: str) -> None:
+        """All confirmed entries of the worker go (``AllBlocksCleared``, restart, lost sync)."""
+        with self._lock:
+            self._clear_confirmed(self._slot(worker_id))
+
+    def _clear_confirmed(self, slot: int) -> None:
+        for tier in self._tiers.values():
+            tier.clear(slot)
+
+    def set_unknown(self, worker_id: str, unknown: bool) -> None:
+        """Mark whether the worker's confirmed entries can be trusted (changes the record's TTL)."""
+        with self._lock:
+            bit = 1 << self._slot(worker_id)
+            self._unknown = (self._unknown | bit) if unknown else (self._unknown & ~bit)
+
+    # -- the router's own record ----------------------------------------------------------------
+    def record_routed(self, worker_id: str, keys: Sequence[int]) -> None:
+        """A request with these leading blocks was just sent to the worker."""
+        if not keys:
+            return
+        with self._lock:
+            slot = self._slot(worker_id)
+            now = self._clock()
+            self._expire(slot, now)
+            recent = self._recent
+            for key in keys:
+                entry = recent.get(key)
+                if entry is None:
+                    recent[key] = {slot: now}
+                else:
+                    entry[slot] = now
+            self._recent_fifo.setdefault(slot, deque()).append((now, keys))
+            self._recent_count[slot] = self._recent_count.get(slot, 0) + len(keys)
+            # Bound the record like the confirmed entries (oldest decisions first).
+            fifo = self._recent_fifo[slot]
+            while self._recent_count[slot] > self.config.max_blocks_per_worker and len(fifo) > 1:
+                self._pop_recent(slot, fifo, force=True)
+
+    def _ttl(self, slot: int) -> float:
+        return self.config.fallback_ttl_s if self._unknown >> slot & 1 else self.config.speculative_ttl_s
+
+    def _expire(self, slot: int, now: float) -> None:
+        fifo = self._recent_fifo.get(slot)
+        if not fifo:
+            return
+        horizon = now - max(self.config.fallback_ttl_s, self.config.speculative_ttl_s)
+        while fifo and fifo[0][0] < horizon:
+            self._pop_recent(slot, fifo, force=False)
+
+    def _pop_recent(self, slot: int, fifo: deque[tuple[float, Sequence[int]]], force: bool) -> None:
+        stamp, keys = fifo.popleft()
+        self._recent_count[slot] -= len(keys)
+        recent = self._recent
+        for key in keys:
+            entry = recent.get(key)
+            # Only drop the entry this decision wrote; a later decision refreshed it otherwise.
+            if entry is not None and (force or entry.get(slot) == stamp):
+                entry.pop(slot, None)
+                if not entry:
+                    del recent[key]
+
+    def _drop_recent(self, slot: int) -> None:
+        self._recent_count.pop(slot, None)
+        recent = self._recent
+        for _, keys in self._recent_fifo.pop(slot, ()):
+            for key in keys:
+                entry = recent.get(key)
+                if entry is not None:
+                    entry.pop(slot, None)
+                    if not entry:
+                        del recent[key]
+
+    # -- read path ------------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], worker_ids: Sequence[str], tier: str = "gpu") -> dict[str, int]:
+        """Leading blocks of ``keys`` each worker holds (confirmed in ``tier``, or recently sent).
+
+        Walks the prompt's keys once, carrying the set of workers still matching as a bitmask, and
+        stops as soon as none does: cost is proportional to the matched prefix, not to the fleet.
+        """
+        with self._lock:
+            now = self._clock()
+            slots = [self._slot(w) for w in worker_ids]
+            for slot in slots:
+                self._expire(slot, now)
+            alive = 0
+            for slot in slots:
+                alive |= 1 << slot
+            depth = dict.fromkeys(slots, 0)
+            holders = self._tiers[tier].holders
+            recent = self._recent
+            spec_ttl = self.config.speculative_ttl_s
+            fallback_ttl = self.config.fallback_ttl_s
+            unknown = self._unknown
+            for i, key in enumerate(keys):
+                mask = holders.get(key, 0)
+                entry = recent.get(key)
+                if entry:
+                    for slot, stamp in entry.items():
+                        ttl = fallback_ttl if unknown >> slot & 1 else spec_ttl
+                        if now - stamp < ttl:
+                            mask |= 1 << slot
+                mask &= alive
+                if mask != alive:
+                    gone = alive & ~mask
+                    for slot in slots:
+                        if gone >> slot & 1:
+                            depth[slot] = i
+                    alive = mask
+                    if not alive:
+                        break
+            else:
+                for slot in slots:
+                    if alive >> slot & 1:
+                        depth[slot] = len(keys)
+            return {w: depth[s] for w, s in zip(worker_ids, slots)}
+
+    def holds(self, worker_id: str, key: int, tier: str = "gpu") -> bool:
+        """Whether a confirmed entry says the worker holds ``key`` (tests, diagnostics)."""
+        with self._lock:
+            slot = self._slots.get(worker_id)
+            return slot is not None and bool(self._tiers[tier].holders.get(key, 0) >> slot & 1)
+
+    def blocks(self, worker_id: str, tier: str = "gpu") -> set[int]:
+        """The confirmed keys of one worker in one tier (a copy)."""
+        with self._lock:
+            slot = self._slots.get(worker_id)
+            return set(self._tiers[tier].order.get(slot, ())) if slot is not None else set()
+
+    def has_tier(self, tier: str) -> bool:
+        """Whether any worker has confirmed entries in ``tier`` (skip lookups that cannot match)."""
+        return bool(self._tiers[tier].holders)
+
+    def size(self, worker_id: str, tier: str = "gpu") -> int:
+        with self._lock:
+            slot = self._slots.get(worker_id)
+            return self._tiers[tier].count(slot) if slot is not None else 0

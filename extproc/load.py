@@ -1,0 +1,151 @@
+"""Worker load as the workers report it: queue, running requests, KV usage.
+
+Polled on an interval (never on the request path): ``GET /v1/loads?include=core&format=json``
+first, ``/get_load`` for older SGLang releases, then ``/metrics`` (Prometheus text, needs
+``--enable-metrics``). Whichever answers first is remembered per worker. The router's own in-flight
+count lives on ``Worker.in_flight``; this module only adds what the worker itself knows (requests
+from other routers, the real queue, KV pressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from extproc.config import LoadConfig
+from extproc.policies.base import WorkerLoad
+from extproc.workers import Worker, WorkerRegistry
+
+__all__ = ["LoadTracker", "parse_loads", "parse_metrics"]
+
+log = logging.getLogger(__name__)
+
+_LOAD_PATHS = ("/v1/loads?include=core&format=json", "/get_load", "/metrics")
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def parse_loads(body: Any) -> WorkerLoad | None:
+    """``/v1/loads`` or ``/get_load`` JSON (one dict, a list per DP rank, or ``{"loads": [...]}``)."""
+    if isinstance(body, dict) and isinstance(body.get("loads"), list):
+        ranks = body["loads"]
+    elif isinstance(body, list):
+        ranks = body
+    elif isinstance(body, dict):
+        ranks = [body]
+    else:
+        return None
+    ranks = [r for r in ranks if isinstance(r, dict)]
+    if not ranks or not any("num_running_reqs" in r or "num_waiting_reqs" in r for r in ranks):
+        return None
+    total_tokens = sum(_num(r.get("max_total_num_tokens") or r.get("num_total_tokens")) for r in ranks)
+    used = sum(_num(r.get("num_used_tokens")) for r in ranks)
+    usage = used / total_tokens if total_tokens else max((_num(r.get("token_usage")) for r in ranks), default=0.0)
+    return WorkerLoad(num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
+                      num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
+                      num_used_tokens=int(used),
+                      max_total_num_tokens=int(total_tokens) if total_tokens else None,
+                      token_usage=usage)
+
+
+def parse_metrics(text: str) -> WorkerLoad | None:
+    """The ``sglang:*`` gauges of a Prometheus text page (summed over label sets)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("sglang:"):
+            continue
+        if "}" in line:  # name{labels} value [timestamp]
+            head, _, tail = line.rpartition("}")
+            name = head.split("{", 1)[0]
+        else:  # name value [timestamp]
+            name, _, tail = line.partition(" ")
+        try:
+            value = float(tail.split()[0])
+        except (ValueError, IndexError):
+            continue
+        values[name] = values.get(name, 0.0) + value
+    if "sglang:num_running_reqs" not in values and "sglang:num_queue_reqs" not in values:
+        return None
+    max_tokens = values.get("sglang:max_total_num_tokens")
+    usage = values.get("sglang:token_usage", 0.0)
+    return WorkerLoad(num_running_reqs=int(values.get("sglang:num_running_reqs", 0)),
+                      num_waiting_reqs=int(values.get("sglang:num_queue_reqs", 0)),
+                      num_used_tokens=int(usage * max_tokens) if max_tokens else 0,
+                      max_total_num_tokens=int(max_tokens) if max_tokens else None,
+                      token_usage=usage)
+
+
+class LoadTracker:
+    """Latest reported load per worker, refreshed by one background task."""
+
+    def __init__(self, config: LoadConfig, registry: WorkerRegistry) -> None:
+        self.config = config
+        self.registry = registry
+        self._loads: dict[str, tuple[float, WorkerLoad]] = {}
+        self._path: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    def get(self, worker: Worker) -> WorkerLoad | None:
+        """The last report, with ``age_s`` filled; None if the worker never answered."""
+        entry = self._loads.get(worker.id)
+        if entry is None:
+            return None
+        stamp, load = entry
+        load.age_s = time.monotonic() - stamp
+        return load
+
+    def set(self, worker: Worker, load: WorkerLoad) -> None:
+        self._loads[worker.id] = (time.monotonic(), load)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
+            self._task = asyncio.create_task(self._run(), name="load-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.registry.workers), return_exceptions=True)
+
+    async def _poll(self, worker: Worker) -> None:
+        assert self._http is not None
+        known = self._path.get(worker.id)
+        for path in (known,) if known else _LOAD_PATHS:
+            try:
+                async with self._http.get(worker.url + path) as resp:
+                    if resp.status != 200:
+                        continue
+                    if path == "/metrics":
+                        load = parse_metrics(await resp.text())
+                    else:
+                        load = parse_loads(await resp.json(content_type=None))
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                if known:
+                    return  # worker down: health checks handle that; keep the path
+                continue
+            if load is not None:
+                self._path[worker.id] = path
+                self.set(worker, load)
+                return
+        self._path.pop(worker.id, None)

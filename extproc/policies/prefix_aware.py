@@ -1,0 +1,128 @@
+"""``prefix-aware`` (the default): send each request where its first token comes soonest.
+
+For every healthy worker the policy predicts time-to-first-token as
+
+    queue wait + prefill of the uncached tokens + a small penalty per running request
+    (+ a KV-pressure penalty when the worker's cache is nearly full)
+
+with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones
+(linear part: the weights; quadratic part: attention over the whole context). The queue wait is
+a virtual FCFS queue per worker: each decision appends its predicted prefill, which drains in real
+time; what the worker itself reports waiting (requests from elsewhere) sets a floor. Queued
+requests are prefilled together in batches, so only their per-token work queues up; the fixed
+``c0`` is paid once, by the batch the new request joins.
+
+So a long cached prefix wins while its holder is lightly loaded, and a hot prefix spills to a
+second worker exactly when recomputing it there is predicted to be faster than queueing behind
+the holder. Near-ties (within ``tie_abs_s`` or ``tie_rel``) are broken by rendezvous hashing of the
+first block not every tied worker holds: one prefix lands consistently on one worker while
+different prefixes spread, instead of all herding onto the argmax.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import xxhash
+from pydantic import ValidationError
+
+from extproc.config import PrefixAwareOptions
+from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest
+from extproc.workers import Worker
+
+__all__ = ["PrefixAwarePolicy", "prefill_seconds"]
+
+
+def prefill_seconds(opts: PrefixAwareOptions, new_tokens: int, cached_tokens: int) -> float:
+    """Predicted prefill time of ``new_tokens`` on top of ``cached_tokens`` already in the KV cache."""
+    n, p = new_tokens, cached_tokens
+    return (opts.prefill_floor_s + opts.prefill_per_token_s * n
+            + opts.attention_per_token2_s * (n * n + 2 * p * n)) / opts.speedup
+
+
+class PrefixAwarePolicy(Policy):
+    name = "prefix-aware"
+    needs_tokens = True
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(options)
+        try:
+            self.opts = PrefixAwareOptions.model_validate(self.options)
+        except ValidationError as exc:
+            raise PolicyError(f"invalid prefix-aware options: {exc}") from exc
+        self._busy_until: dict[str, float] = {}  # worker id -> when its predicted prefill queue drains
+        self._turn = 0
+
+    def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
+        """The figures behind one candidate's predicted TTFT (also reported on the decision span)."""
+        opts = self.opts
+        total = request.prompt_tokens
+        limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
+        gpu = min(c.matched_blocks * c.block_size, limit)
+        host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
+        new = total - gpu - host
+        prefill = prefill_seconds(opts, new, gpu + host) + \
+            opts.host_load_ratio * opts.prefill_per_token_s * host / opts.speedup
+        backlog = max(0.0, self._busy_until.get(c.worker.id, 0.0) - now)
+        load = c.load
+        waiting = load.num_waiting_reqs if load else 0
+        queue = max(backlog, waiting * opts.waiting_prefill_s / opts.speedup)
+        running = max(load.num_running_reqs if load else 0, c.in_flight)
+        penalty = running * opts.running_penalty_s / opts.speedup
+        usage = load.token_usage if load else 0.0
+        if usage > opts.kv_pressure_threshold and opts.kv_pressure_threshold < 1:
+            penalty += opts.kv_pressure_penalty_s * (usage - opts.kv_pressure_threshold) / \
+                (1 - opts.kv_pressure_threshold) / opts.speedup
+        return {"matched_blocks": c.matched_blocks, "cached_tokens": gpu + host, "queue_s": queue,
+                "prefill_s": prefill, "in_flight": c.in_flight, "ttft_s": queue + prefill + penalty}
+
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        now = time.monotonic()
+        figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
+        ttft = {wid: f["ttft_s"] for wid, f in figures.items()}
+        best = min(ttft.values())
+        band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
+        tied = [c for c in candidates if ttft[c.worker.id] <= band]
+        winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
+        rest = sorted((c for c in candidates if c is not winner), key=lambda c: ttft[c.worker.id])
+        ranked = [winner, *rest]
+        top = max(c.matched_blocks for c in candidates)
+        if winner.matched_blocks and winner.matched_blocks == top:
+            reason = "prefix-hit"
+        elif top:
+            reason = "prefix-spill"  # a holder exists but is predicted slower than recomputing here
+        else:
+            reason = "cold"
+        if winner.index_state != "synced" and winner.matched_blocks:
+            reason += "-own-record"
+        return Decision(ranked=[c.worker for c in ranked], reason=reason, scores=figures)
+
+    def _break_tie(self, request: RoutingRequest, tied: list[Candidate]) -> Candidate:
+        keys = request.block_keys
+        if not keys:
+            # Nothing to hash (untokenized request): least in-flight, rotating among equals.
+            self._turn += 1
+            fewest = min(c.in_flight for c in tied)
+            idle = [c for c in tied if c.in_flight == fewest]
+            return idle[self._turn % len(idle)]
+        depth = min(min(c.matched_blocks for c in tied), len(keys) - 1)
+        key = keys[depth].to_bytes(8, "little")
+        return max(tied, key=lambda c: xxhash.xxh3_64_intdigest(key + c.worker.id.encode()))
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        worker = decision.ranked[0]
+        figures = decision.scores.get(worker.id)
+        if figures is None:
+            return
+        now = time.monotonic()
+        start = max(now, self._busy_until.get(worker.id, 0.0))
+        self._busy_until[worker.id] = start + max(0.0, figures["prefill_s"] - self.opts.prefill_floor_s / self.opts.speedup)
+
+    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
+        if worker.in_flight == 0:
+            self._busy_until.pop(worker.id, None)  # nothing outstanding: no queue either
+
+    def remove_worker(self, worker: Worker) -> None:
+        self._busy_until.pop(worker.id, None)
