@@ -22,7 +22,13 @@ from typing import Any
 
 from aiohttp import web
 
-from extproc.tokenization import ChatTemplateError, ModelTokenizer, TokenizerLoadError, load_tokenizer
+from extproc.tokenization import (
+    DEFAULT_TOKENIZER_DIR,
+    ChatTemplateError,
+    ModelTokenizer,
+    TokenizerLoadError,
+    load_tokenizer,
+)
 
 from .config import SimWorkerConfig
 from .kv_events import KVEventPublisher
@@ -88,6 +94,11 @@ class SimWorker:
         self.started_at = time.time()
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer lives (the built-in one's directory by default), for routers that load it."""
+        return self.config.tokenizer or str(DEFAULT_TOKENIZER_DIR)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -446,7 +457,7 @@ class SimWorker:
                                  "buffer_steps": cfg.kv_buffer_steps})
         load = scheduler.load() if scheduler else {}
         return web.json_response({
-            "model_path": cfg.model, "tokenizer_path": cfg.tokenizer or "built-in default",
+            "model_path": cfg.model, "tokenizer_path": self.tokenizer_path,
             "served_model_name": cfg.model, "host": cfg.host, "port": self.bound_port or cfg.port,
             "skip_tokenizer_init": False, "context_length": cfg.context_length, "page_size": cfg.page_size,
             "chunked_prefill_size": cfg.chunked_prefill_size, "max_prefill_tokens": cfg.max_prefill_tokens,
@@ -464,7 +475,7 @@ class SimWorker:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "model_path": self.config.model, "tokenizer_path": self.config.tokenizer or "built-in default",
+            "model_path": self.config.model, "tokenizer_path": self.tokenizer_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": "llama",
             "architectures": ["LlamaForCausalLM"]})
