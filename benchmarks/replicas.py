@@ -80,11 +80,13 @@ class ReplicaGateway:
     """Envoy + N ``prefix-router serve`` processes on loopback; ``stop()`` always kills them all.
 
     ``router_config`` is merged into every replica's YAML config (e.g. ``observability`` or
-    ``policy``); ``replica_configs[i]`` additionally into replica i's.
+    ``policy``); ``replica_configs[i]`` additionally into replica i's. ``router_command`` runs
+    ``prefix-router`` (default: this interpreter's ``-m extproc``; the console script works too).
     """
 
     def __init__(self, worker_urls: Sequence[str], replicas: int, *, router_config: dict[str, Any] | None = None,
                  replica_configs: Sequence[dict[str, Any]] = (), env: dict[str, str] | None = None,
+                 router_command: Sequence[str] = (sys.executable, "-m", "extproc"),
                  startup_timeout_s: float = 60.0) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
@@ -93,6 +95,7 @@ class ReplicaGateway:
         self.router_config = router_config or {}
         self.replica_configs = list(replica_configs)
         self.env = env or {}
+        self.router_command = list(router_command)
         self.startup_timeout_s = startup_timeout_s
         self.router_ports = [free_port() for _ in range(replicas)]
         self.port, self.admin_port = free_port(), free_port()
@@ -122,7 +125,7 @@ class ReplicaGateway:
             for i in range(self.replicas):
                 path = self.dir / f"router-{i}.yaml"
                 path.write_text(yaml.safe_dump(self.replica_config(i)))
-                self._spawn(f"router-{i}", [sys.executable, "-m", "extproc", "serve", "--config", str(path),
+                self._spawn(f"router-{i}", [*self.router_command, "serve", "--config", str(path),
                                             "--log-level", "warning"])
             for i, port in enumerate(self.router_ports):
                 await self._wait(i, lambda port=port: _router_serving(port))
