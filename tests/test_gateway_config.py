@@ -1,0 +1,111 @@
+"""Envoy config generation: the files under envoy/, the CLI, and Envoy's own validator on all of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc import envoy_config
+from extproc.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def validate(envoy_bin: str, config: dict | str, tmp_path: Path) -> None:
+    path = tmp_path / "envoy-under-test.yaml"
+    path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+    run = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(path), "--log-level", "error"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def assemble(pieces: dict, listen_port: int = 18080) -> dict:
+    """Put drop-in pieces into a minimal user bootstrap, as the docs tell users to."""
+    skeleton = bootstrap(GatewaySpec(workers=[("127.0.0.1", 1)], extproc=None, listen=("127.0.0.1", listen_port)))
+    hcm = skeleton["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = pieces["http_filters"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = pieces["routes"]
+    hcm["local_reply_config"] = pieces["local_reply_config"]
+    skeleton["static_resources"]["clusters"] = pieces["clusters"]
+    return skeleton
+
+
+def test_envoy_directory_matches_the_generator() -> None:
+    for name, content in example_files().items():
+        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m extproc.envoy_config`"
+
+
+def test_envoy_directory_validates(envoy_bin: str, tmp_path: Path) -> None:
+    validate(envoy_bin, (ROOT / "envoy/envoy.yaml").read_text(), tmp_path)
+    pieces = {
+        "http_filters": yaml.safe_load((ROOT / "envoy/extproc-filter.yaml").read_text()),
+        "clusters": yaml.safe_load((ROOT / "envoy/clusters.yaml").read_text()),
+        "routes": yaml.safe_load((ROOT / "envoy/routes.yaml").read_text()),
+        "local_reply_config": yaml.safe_load((ROOT / "envoy/local-reply.yaml").read_text()),
+    }
+    validate(envoy_bin, assemble(pieces), tmp_path)
+
+
+def test_filter_order_and_modes() -> None:
+    filters = envoy_config.http_filters(EXAMPLE_SPEC)
+    assert [f["name"] for f in filters] == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                                           "envoy.filters.http.router"]
+    assert filters[0]["typed_config"]["mutations"]["request_mutations"] == [
+        {"remove": "x-gateway-destination-endpoint"}]
+    ext_proc = filters[1]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is True
+    assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
+    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ext_proc["processing_mode"]["response_header_mode"] == "SKIP"
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    picked = envoy_config.clusters(EXAMPLE_SPEC)[1]
+    assert picked["type"] == "ORIGINAL_DST" and picked["lb_policy"] == "CLUSTER_PROVIDED"
+    assert picked["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "extproc", "envoy-config", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_cli_pieces_and_bootstrap_with_tls_validate(envoy_bin: str, tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    key = tmp_path / "key.pem"
+    openssl = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                              "-nodes", "-keyout", str(key), "-out", str(ca), "-days", "1", "-subj", "/CN=router",
+                              "-addext", "subjectAltName=DNS:router"], capture_output=True)
+    if openssl.returncode != 0:
+        pytest.skip("openssl CLI not available")
+    pieces = _cli("--worker", "127.0.0.1:30001", "--worker", "http://localhost:30002", "--extproc", "127.0.0.1:9443",
+                  "--tls-ca", str(ca), "--tls-sni", "router", "--tls-cert", str(ca), "--tls-key", str(key))
+    assert pieces.returncode == 0, pieces.stderr
+    parsed = yaml.safe_load(pieces.stdout)
+    tls = parsed["clusters"][0]["transport_socket"]["typed_config"]
+    assert tls["sni"] == "router" and tls["common_tls_context"]["validation_context"]["trusted_ca"]["filename"] == str(ca)
+    assert parsed["clusters"][2]["type"] == "STRICT_DNS"  # a host name among the workers
+    validate(envoy_bin, assemble(parsed), tmp_path)
+    full = _cli("--worker", "127.0.0.1:30001", "--bootstrap", "--upstream-host-header", "--access-log")
+    assert full.returncode == 0, full.stderr
+    validate(envoy_bin, full.stdout, tmp_path)
+
+
+def test_cli_rejects_bad_input() -> None:
+    bad = _cli("--worker", "no-port-here")
+    assert bad.returncode == 2 and "host:port" in bad.stderr and "Traceback" not in bad.stderr
+    missing = _cli()
+    assert missing.returncode == 2 and "--worker" in missing.stderr
+
+
+def test_serve_explains_missing_workers_and_bad_config(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "extproc", "serve", "--metrics-port", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "no workers" in run.stderr and "Traceback" not in run.stderr
+    config = tmp_path / "bad.yaml"
+    config.write_text("server: {port: not-a-port}\n")
+    run = subprocess.run([sys.executable, "-m", "extproc", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "server.port" in run.stderr and "Traceback" not in run.stderr
