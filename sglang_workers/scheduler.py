@@ -37,7 +37,7 @@ from .kv_events import KVEventPublisher
 from .radix_cache import RadixCache, TreeNode
 from .timing import TimingProfile
 
-__all__ = ["Request", "Scheduler", "SchedulerStats"]
+__all__ = ["Request", "Scheduler", "SchedulerStats", "Step"]
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
 LPM_FALLBACK_QUEUE = 128  # lpm turns into fcfs above this many waiting requests
@@ -70,6 +70,9 @@ class Request:
     chunk_prefix: int = 0  # cached context of the chunk being prefilled
     chunk_len: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    sim_arrival: float = 0.0  # simulated GPU clock at submission
+    sim_first_token: float | None = None
+    sim_finished: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
@@ -102,6 +105,16 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
         self.count += 1
+
+
+@dataclass(frozen=True)
+class Step:
+    """One executed batch, kept for inspection (tests, debugging): kind, requests, new tokens, seconds."""
+
+    kind: str  # "prefill" or "decode"
+    rids: tuple[str, ...]
+    tokens: int
+    duration: float
 
 
 @dataclass
@@ -142,6 +155,8 @@ class Scheduler:
         self.prefilling: list[Request] = []  # the prefill batch in flight
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
+        self.sim_time = 0.0  # simulated GPU seconds elapsed (sum of step durations)
+        self.steps: deque[Step] = deque(maxlen=1024)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._rids = itertools.count()
@@ -163,7 +178,8 @@ class Scheduler:
     def submit(self, input_ids: list[int], max_new_tokens: int, cache_salt: str | None = None,
                rid: str | None = None) -> Request:
         """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished)."""
-        req = Request(rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt)
+        req = Request(rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt,
+                      sim_arrival=self.sim_time)
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + b",".join(b"%d" % t for t in input_ids)
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
         self.waiting.append(req)
@@ -223,11 +239,15 @@ class Scheduler:
             batch = self._next_prefill_batch()
             if batch:
                 duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
+                self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch),
+                                       duration))
                 await self._sleep(duration)
                 self._finish_prefill(batch)
             elif self.running:
                 context = sum(r.kv_len for r in self.running) + len(self.running)
-                await self._sleep(self.profile.decode_time(len(self.running), context))
+                duration = self.profile.decode_time(len(self.running), context)
+                self.steps.append(Step("decode", tuple(r.rid for r in self.running), len(self.running), duration))
+                await self._sleep(duration)
                 self._decode_step()
             else:
                 # Nothing fits right now (e.g. KV budget); wait for a request or a change.
@@ -236,6 +256,7 @@ class Scheduler:
             self._publish()
 
     async def _sleep(self, simulated: float) -> None:
+        self.sim_time += simulated
         # sleep(0) still yields, so HTTP handlers run between steps even with the instant profile.
         await asyncio.sleep(simulated / self.config.speedup if simulated > 0 else 0)
 
@@ -387,6 +408,7 @@ class Scheduler:
             self.cache.unlock(req.last_node)
         req.last_node, req.kv_len, req.tree_len = None, 0, 0
         req.finished_at = now
+        req.sim_finished = self.sim_time
         self.stats.e2e.observe(now - req.arrival)
         req.updates.put_nowait(None)
         self._wakeup.set()
@@ -398,6 +420,7 @@ class Scheduler:
         req.output_ids.append(token)
         if req.first_token_at is None:
             req.first_token_at = now
+            req.sim_first_token = self.sim_time
             self.stats.ttft.observe(now - req.arrival)
         elif req.last_token_at is not None:
             self.stats.itl.observe(now - req.last_token_at)
