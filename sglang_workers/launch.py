@@ -1,0 +1,100 @@
+"""``prefix-router sglang-launch``: the launch command of a real SGLang GPU worker wired for this router.
+
+The router needs four things from each SGLang worker, all off by default in SGLang: KV events over
+ZMQ (``--kv-events-config`` with a replay socket, so a restarted router can catch up), a page size
+equal to the router's block size (``--page-size``; SGLang's CUDA default is 1), Prometheus metrics
+(``--enable-metrics``) and ``cached_tokens`` in OpenAI responses (``--enable-cache-report``). This
+command prints that command line (default) or replaces itself with it (``--run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import sys
+
+__all__ = ["build_command", "configure", "kv_events_config", "main"]
+
+
+def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: str = "*") -> str:
+    """The ``--kv-events-config`` JSON value (SGLang binds PUB/ROUTER when the host is ``*``)."""
+    config: dict[str, object] = {"publisher": "zmq", "endpoint": f"tcp://{host}:{port}", "topic": topic}
+    if replay_port is not None:
+        config["replay_endpoint"] = f"tcp://{host}:{replay_port}"
+    return json.dumps(config, separators=(",", ":"))
+
+
+def build_command(args: argparse.Namespace) -> list[str]:
+    """argv of ``python -m sglang.launch_server`` for these options."""
+    replay = None if args.no_replay else (args.kv_replay_port or args.kv_events_port + 1)
+    cmd = [args.python, "-m", "sglang.launch_server",
+           "--model-path", args.model_path,
+           "--host", args.host, "--port", str(args.port),
+           "--page-size", str(args.page_size),
+           "--kv-events-config", kv_events_config(args.kv_events_port, replay, args.kv_topic),
+           "--enable-metrics", "--enable-cache-report",
+           "--schedule-policy", args.schedule_policy]
+    if args.served_model_name:
+        cmd += ["--served-model-name", args.served_model_name]
+    if args.tp_size != 1:
+        cmd += ["--tp-size", str(args.tp_size)]
+    if args.dp_size != 1:
+        cmd += ["--dp-size", str(args.dp_size)]
+    if args.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]
+    if args.dummy_weights:
+        cmd += ["--load-format", "dummy"]
+    return cmd + list(args.extra)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Print (or, with --run, execute) the launch command of a real SGLang worker set up for this router: "
+        "KV events over ZMQ with a replay socket, --page-size equal to the router's block size, "
+        "--enable-metrics and --enable-cache-report. Needs a GPU host with SGLang installed "
+        "(pip install 'prefix-router[sglang]', or the lmsysorg/sglang image).")
+    parser.add_argument("--model-path", required=True, help="HF model id or local directory (SGLang --model-path).")
+    parser.add_argument("--served-model-name", default=None, help="Name clients send in 'model' (default: the path).")
+    parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address of the worker.")
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port of the worker.")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="KV page size = block_size of KV events; must equal the router's block size.")
+    parser.add_argument("--kv-events-port", type=int, default=5557,
+                        help="ZMQ PUB port (DP rank r publishes on port + r).")
+    parser.add_argument("--kv-replay-port", type=int, default=None,
+                        help="ZMQ ROUTER replay port (default: --kv-events-port + 1; DP rank r uses port + r).")
+    parser.add_argument("--no-replay", action="store_true", help="Do not open a replay socket.")
+    parser.add_argument("--kv-topic", default="", help="Topic frame of KV-event batches.")
+    parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm", "dfs-weight", "lof", "random"],
+                        help="SGLang's waiting-queue policy (lpm favours cached prefixes).")
+    parser.add_argument("--tp-size", type=int, default=1, help="Tensor parallelism (GPUs per replica).")
+    parser.add_argument("--dp-size", type=int, default=1, help="Data parallelism (replicas in this server).")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="Fraction of GPU memory for weights + KV pool (SGLang picks one when omitted).")
+    parser.add_argument("--dummy-weights", action="store_true",
+                        help="--load-format dummy: random weights, no download (load tests only).")
+    parser.add_argument("--python", default=sys.executable, help="Python interpreter that has sglang installed.")
+    parser.add_argument("--run", action="store_true", help="Execute the command instead of printing it.")
+    parser.add_argument("extra", nargs="*", help="Further SGLang flags, after '--' (passed through unchanged).")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.page_size < 1 or not 0 < args.port < 65536 or not 0 < args.kv_events_port < 65536:
+        print("prefix-router sglang-launch: --page-size must be >= 1 and ports within 1-65535", file=sys.stderr)
+        return 2
+    cmd = build_command(args)
+    if not args.run:
+        print(shlex.join(cmd))
+        return 0
+    if args.python == sys.executable and importlib.util.find_spec("sglang") is None:
+        print("prefix-router sglang-launch: SGLang is not installed in this environment; on a GPU host run "
+              "pip install 'prefix-router[sglang]' (brings torch and CUDA), or use the lmsysorg/sglang image.",
+              file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
+
