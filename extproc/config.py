@@ -95,7 +95,7 @@ class PrefixAwareOptions(_Section):
     model on one H100 in BF16 (docs/routing.md derives them).
     """
 
-    prefill_floor_s: float = Field(0.02, ge=0, description="c0: fixed cost of one prefill (scheduling, launch).")
+    prefill_floor_s: float = Field(0.015, ge=0, description="c0: fixed cost of one prefill (scheduling, launch).")
     prefill_per_token_s: float = Field(23e-6, ge=0, description="a: seconds per uncached prompt token (~43k tok/s).")
     attention_per_token2_s: float = Field(0.52e-9, ge=0, description="b: attention seconds per token^2 of context.")
     running_penalty_s: float = Field(0.0005, ge=0, description="Added per request decoding on the worker (decode steps interleave with prefill chunks).")

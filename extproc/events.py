@@ -197,7 +197,7 @@ class WorkerCacheView:
 
     worker_id: str
     index: BlockIndex
-    model: str = ""
+    model: str | Callable[[], str] = ""  # the worker's served model (a callable: read at use, it may be discovered late)
     resync_after_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
     last_seq: int | None = None
@@ -207,7 +207,7 @@ class WorkerCacheView:
     _unknown_since: float = 0.0
     _own: dict[int, tuple[int, int]] = field(default_factory=dict)  # engine hash -> (own key, tier bits)
     _pending: tuple[int, bytes] | None = None
-    _seeds: dict[tuple[str | None, str | None], int] = field(default_factory=dict)
+    _seeds: dict[tuple[str, str | None, str | None], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._unknown_since = self.clock()
@@ -231,6 +231,15 @@ class WorkerCacheView:
     def _reset(self) -> None:
         self.index.clear(self.worker_id)
         self._own.clear()
+
+    def resync(self) -> None:
+        """Forget everything and start from the next batch or replay (after a reconnect)."""
+        self.stats.restarts += 1
+        self._reset()
+        self.index.forget_routed(self.worker_id)
+        self.last_seq = None
+        self._pending = None
+        self._set_state("unknown")
 
     def _lose_sync(self) -> None:
         """Removals may have been missed: claim nothing we cannot vouch for."""
@@ -259,10 +268,7 @@ class WorkerCacheView:
         if seq == last:
             return None  # duplicate
         # seq went backwards: the worker restarted (its publisher numbers from 0 again).
-        self.stats.restarts += 1
-        self._reset()
-        self.last_seq = None
-        self._set_state("unknown")
+        self.resync()
         return self.ingest(seq, payload)
 
     def replayed(self, entries: Sequence[tuple[int, bytes]] | None) -> None:
@@ -291,9 +297,10 @@ class WorkerCacheView:
 
     # -- applying -------------------------------------------------------------------------------
     def _seed(self, lora: str | None, salt: str | None) -> int:
-        seed = self._seeds.get((lora, salt))
+        model = self.model() if callable(self.model) else self.model
+        seed = self._seeds.get((model, lora, salt))
         if seed is None:
-            seed = self._seeds[(lora, salt)] = chain_seed(self.model, lora, salt)
+            seed = self._seeds[(model, lora, salt)] = chain_seed(model, lora, salt)
         return seed
 
     def _apply(self, seq: int, payload: bytes) -> None:
@@ -417,22 +424,34 @@ class EventSubscriber:
         sub.linger = 0
         sub.rcvhwm = 0  # never drop on our side; the publisher's HWM is the only loss point
         sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
-            # Catch up on what was published before we connected (a fresh worker's buffer starts at 0).
-            if self.replay_endpoint:
-                self.view._pending = None
-                await self._repair(0)
-            self.connected.set()
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) < 2:
-                    continue
-                seq, payload = _decode_seq(frames[-2]), frames[-1]
-                start = self.view.ingest(seq, payload)
-                if start is not None:
-                    await self._repair(start)
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    # (Re)connected: the publisher may have restarted or batches were lost while we
+                    # were away. Start over from what its replay buffer holds.
+                    if self.view.last_seq is not None:
+                        self.view.resync()
+                    if self.replay_endpoint:
+                        await self._repair(0)
+                    self.connected.set()
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    if len(frames) < 2:
+                        continue
+                    seq, payload = _decode_seq(frames[-2]), frames[-1]
+                    start = self.view.ingest(seq, payload)
+                    if start is not None:
+                        await self._repair(start)
         finally:
+            sub.disable_monitor()
+            monitor.close(0)
             sub.close()
 
     async def _repair(self, start: int) -> None:
@@ -579,7 +598,7 @@ class EventHub:
         assert self._ctx is not None, "EventHub.start() first"
         views, tasks, subs = [], [], []
         for events_ep, replay_ep in endpoints:
-            view = WorkerCacheView(worker.id, self.index, model=worker.model or "",
+            view = WorkerCacheView(worker.id, self.index, model=lambda w=worker: w.model or "",
                                    resync_after_s=self.config.resync_after_s)
             sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
             views.append(view)

@@ -137,6 +137,11 @@ class BlockIndex:
         with self._lock:
             self._clear_confirmed(self._slot(worker_id))
 
+    def forget_routed(self, worker_id: str) -> None:
+        """Drop the router's own record for the worker (it restarted: nothing it was sent survives)."""
+        with self._lock:
+            self._drop_recent(self._slot(worker_id))
+
     def _clear_confirmed(self, slot: int) -> None:
         for tier in self._tiers.values():
             tier.clear(slot)

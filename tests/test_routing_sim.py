@@ -1,0 +1,261 @@
+"""The router against real sim-worker processes over real HTTP and real ZMQ KV events.
+
+The router is driven directly (``Router.route`` with a ``ParsedRequest``) and each request is then
+sent to the chosen worker's HTTP API by the test, so what the worker reports (cached tokens, load)
+is the ground truth the router's index is checked against. No Envoy is involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from extproc.config import RouterConfig, WorkerConfig
+from extproc.request import ParsedRequest
+from extproc.router import Router
+from extproc.workers import Worker, WorkerRegistry
+from sglang_workers.process import SimWorkerProcess, free_ports, start_sim_workers
+
+PAGE = 16
+pytestmark = pytest.mark.timeout(60)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8))) for _ in range(n))
+
+
+def _chat(system: str, question: str) -> ParsedRequest:
+    return ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
+                         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[list[SimWorkerProcess]]:
+    workers = start_sim_workers(3, page_size=PAGE, profile="llama-3.1-8b-h100")
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def _router(configs: list[WorkerConfig], **load: Any) -> Router:
+    config = RouterConfig(workers=configs, load={"poll_interval_s": 0.1, **load})
+    return Router(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
+
+
+@pytest.fixture
+async def router(fleet: list[SimWorkerProcess]) -> AsyncIterator[Router]:
+    r = _router([WorkerConfig(url=w.url) for w in fleet])
+    await r.start()
+    try:
+        await _until(lambda: all(r.events.state(w) == "synced" for w in r.registry.workers))
+        yield r
+    finally:
+        await r.stop()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _send(worker: Worker, parsed: ParsedRequest, max_tokens: int = 2) -> dict[str, int]:
+    body = {"model": "m", "messages": parsed.messages, "max_tokens": max_tokens}
+    async with aiohttp.ClientSession() as http, http.post(worker.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        usage = (await resp.json())["usage"]
+    return {"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+async def _route_and_send(router: Router, parsed: ParsedRequest) -> tuple[Any, dict[str, int]]:
+    outcome = router.route(parsed)
+    try:
+        usage = await _send(outcome.worker, parsed)
+    finally:
+        router.finish(outcome)
+    return outcome, usage
+
+
+def _confirmed(router: Router, worker: Worker, keys: list[int]) -> bool:
+    held = router.index.blocks(worker.id)
+    return all(k in held for k in keys)
+
+
+async def test_same_prefix_lands_on_the_worker_that_caches_it(router: Router) -> None:
+    rng = random.Random(1)
+    system = _words(rng, 300)
+    first, usage = await _route_and_send(router, _chat(system, "first question?"))
+    assert usage["prompt"] == len(first.request.token_ids)  # router's tokens == the worker's
+    assert usage["cached"] == 0
+    keys = first.request.block_keys
+    await _until(lambda: _confirmed(router, first.worker, keys), what="KV events of the first request")
+    others = [w for w in router.registry.workers if w is not first.worker]
+    assert not any(router.index.blocks(w.id) & set(keys) for w in others)
+
+    second, usage = await _route_and_send(router, _chat(system, "a different question"))
+    assert second.worker is first.worker
+    assert second.decision.reason == "prefix-hit"
+    # The index claims exactly what the worker then reports as cached.
+    assert second.matched_blocks > 0
+    assert usage["cached"] == second.matched_blocks * PAGE
+
+
+async def test_back_to_back_requests_share_a_worker_before_any_event(router: Router) -> None:
+    rng = random.Random(2)
+    system = _words(rng, 400)
+    a = router.route(_chat(system, "one"))
+    b = router.route(_chat(system, "two"))  # no event can have arrived: speculative entries decide
+    try:
+        assert b.worker is a.worker and b.matched_blocks > 0
+    finally:
+        router.finish(a)
+        router.finish(b)
+
+
+async def test_overloaded_holder_sheds_to_another_worker(router: Router) -> None:
+    rng = random.Random(3)
+    system = _words(rng, 700)
+    first, _ = await _route_and_send(router, _chat(system, "warm up"))
+    holder = first.worker
+    await _until(lambda: _confirmed(router, holder, first.request.block_keys), what="holder's events")
+    # Another router's traffic swamps the holder: long distinct prompts it has to prefill.
+    flood = [asyncio.create_task(_send(holder, _chat(_words(rng, 1500), str(i)), max_tokens=16)) for i in range(6)]
+    try:
+        await _until(lambda: (router.loads.get(holder) or _NoLoad).num_waiting_reqs >= 3, what="holder's queue")
+        shed = router.route(_chat(system, "now"))
+        try:
+            candidate = next(c for c in shed.candidates if c.worker is holder)
+            assert candidate.matched_blocks > 0
+            assert shed.worker is not holder and shed.decision.reason == "prefix-spill"
+            usage = await _send(shed.worker, _chat(system, "now"))
+            assert usage["cached"] == 0
+        finally:
+            router.finish(shed)
+    finally:
+        await asyncio.gather(*flood)
+
+
+class _NoLoad:
+    num_waiting_reqs = 0
+
+
+async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
+    rng = random.Random(4)
+    (small,) = start_sim_workers(1, page_size=PAGE, profile="instant", capacity_tokens=1024)
+    r = _router([WorkerConfig(url=small.url)])
+    try:
+        await r.start()
+        (worker,) = r.registry.workers
+        await _until(lambda: r.events.state(worker) == "synced")
+        victim = _chat(_words(rng, 60), "q")
+        first, usage = await _route_and_send(r, victim)
+        await _until(lambda: _confirmed(r, worker, first.request.block_keys), what="stored events")
+        for i in range(4):  # each ~300 tokens: the 1024-token pool must evict the victim
+            await _route_and_send(r, _chat(_words(rng, 60), str(i)))
+        await _until(lambda: not r.index.blocks(worker.id) & set(first.request.block_keys),
+                     what="removal events")
+        assert r.events.views[worker.id][0].stats.blocks_removed > 0
+        again = await _send(worker, victim)
+        assert again["cached"] == 0  # ground truth: the worker really lost it
+    finally:
+        await r.stop()
+        small.stop()
+
+
+async def _relay(source: str, ctx: zmq.asyncio.Context, drop: Callable[[int], bool]) -> tuple[str, asyncio.Task[None]]:
+    """A lossy network between publisher and router: forwards batches, dropping those ``drop`` picks."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(source)
+    pub = ctx.socket(zmq.PUB)
+    (port,) = free_ports(1)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+
+    async def pump() -> None:
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if not drop(int.from_bytes(frames[1], "big")):
+                    await pub.send_multipart(frames)
+        finally:
+            sub.close(0)
+            pub.close(0)
+
+    return f"tcp://127.0.0.1:{port}", asyncio.create_task(pump())
+
+
+async def test_dropped_batch_is_repaired_by_replay(fleet: list[SimWorkerProcess]) -> None:
+    rng = random.Random(5)
+    target = fleet[0]
+    ctx = zmq.asyncio.Context()
+    dropped: list[int] = []
+    armed = [False]
+
+    def drop(seq: int) -> bool:
+        if armed[0] and not dropped:
+            dropped.append(seq)
+            return True
+        return False
+
+    endpoint, pump = await _relay(target.kv_events_endpoint, ctx, drop)
+    r = _router([WorkerConfig(url=target.url, kv_events_endpoint=endpoint, replay_endpoint=target.replay_endpoint)])
+    try:
+        await r.start()
+        (worker,) = r.registry.workers
+        await _until(lambda: r.events.state(worker) == "synced")
+        await asyncio.sleep(0.3)  # relay's own subscription past the slow-joiner window
+        armed[0] = True
+        lost, _ = await _route_and_send(r, _chat(_words(rng, 200), "lost"))
+        await _until(lambda: bool(dropped), what="the relay to drop a batch")
+        assert not _confirmed(r, worker, lost.request.block_keys)
+        later, _ = await _route_and_send(r, _chat(_words(rng, 200), "later"))
+        await _until(lambda: _confirmed(r, worker, later.request.block_keys), what="later events")
+        view = r.events.views[worker.id][0]
+        assert view.stats.gaps >= 1 and view.stats.gaps_repaired >= 1
+        assert _confirmed(r, worker, lost.request.block_keys)  # recovered from the replay buffer
+        assert r.events.state(worker) == "synced"
+    finally:
+        await r.stop()
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        ctx.destroy(0)
+
+
+async def test_restarted_worker_is_reset() -> None:
+    rng = random.Random(6)
+    (proc,) = start_sim_workers(1, page_size=PAGE, profile="instant")
+    r = _router([WorkerConfig(url=proc.url)])
+    replacement: SimWorkerProcess | None = None
+    try:
+        await r.start()
+        (worker,) = r.registry.workers
+        await _until(lambda: r.events.state(worker) == "synced")
+        before, _ = await _route_and_send(r, _chat(_words(rng, 200), "before"))
+        await _until(lambda: _confirmed(r, worker, before.request.block_keys), what="stored events")
+        proc.stop()
+        process = subprocess.Popen(proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        replacement = SimWorkerProcess(proc.host, proc.port, proc.kv_events_port, proc.replay_port, process,
+                                       proc.log_path, proc.args)
+        replacement.wait_healthy(20)
+        view = r.events.views[worker.id][0]
+        await _until(lambda: view.stats.restarts >= 1 and r.events.state(worker) == "synced", what="resync")
+        assert r.index.size(worker.id) == 0
+        assert r.index.match(before.request.block_keys, [worker.id]) == {worker.id: 0}
+    finally:
+        await r.stop()
+        proc.stop()
+        if replacement is not None:
+            replacement.stop()
