@@ -65,7 +65,7 @@ def page_digest(prior: bytes | None, tokens: Sequence[int]) -> bytes:
     hasher = hashlib.sha256()
     if prior is not None:
         hasher.update(prior)
-    if any(t >= _WIDE or t < 0 for t in tokens):
+    if tokens and (max(tokens) >= _WIDE or min(tokens) < 0):
         # SGLang's native hasher switches a page with a wide id to a marker byte + u64 words.
         hasher.update(b"\xff" + struct.pack(f"<{len(tokens)}Q", *(t & 0xFFFFFFFFFFFFFFFF for t in tokens)))
     else:

@@ -195,12 +195,16 @@ class RadixCache:
         plain = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
         return plain if salt is None else (salt, plain)
 
-    def _match_len(self, a: Sequence[int], b: Sequence[int]) -> int:
+    def _match_len(self, a: list[int], b: list[int]) -> int:
+        """Tokens of ``a`` and ``b`` equal from the start, in whole pages (slice compares run in C)."""
         n = min(len(a), len(b))
+        if a[:n] == b[:n]:
+            return n
+        step = self.page_size
         i = 0
-        while i < n and a[i] == b[i]:
-            i += 1
-        return self.page_align(i) if self.page_size > 1 else i
+        while i < n and a[i:i + step] == b[i:i + step]:
+            i += step
+        return i
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut ``child`` after ``split_len`` tokens; the new upper node takes a fresh access tick."""

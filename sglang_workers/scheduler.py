@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+from array import array
 import hashlib
 import itertools
 import random
@@ -180,7 +181,7 @@ class Scheduler:
         """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished)."""
         req = Request(rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt,
                       sim_arrival=self.sim_time)
-        seed_material = f"{self.config.seed}:{cache_salt}:".encode() + b",".join(b"%d" % t for t in input_ids)
+        seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
         self.waiting.append(req)
         self.stats.num_requests += 1

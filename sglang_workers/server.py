@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 import logging
 import re
 import time
@@ -194,9 +195,12 @@ class SimWorker:
         return body
 
     def _check_input_ids(self, ids: Any, field: str) -> list[int]:
-        if (not isinstance(ids, list) or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-            raise ApiError(400, f"'{field}' must be a non-empty list of non-negative token ids.", field)
+        try:  # array() checks every item is an integer in C; far cheaper than a Python loop per token
+            if not isinstance(ids, list) or not ids:
+                raise ValueError
+            array("Q", ids)  # unsigned: rejects negatives and ids over 64 bits too
+        except (TypeError, ValueError, OverflowError):
+            raise ApiError(400, f"'{field}' must be a non-empty list of non-negative token ids.", field) from None
         return ids
 
     def _check_length(self, input_ids: list[int], max_new_tokens: int) -> None:
