@@ -29,7 +29,8 @@ log = logging.getLogger("prefix_router")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="YAML config file (see docs/configuration.md); flags override it.")
+    parser.add_argument("--config", type=Path,
+                        help="YAML router config (sections as in docs/gateway.md); environment and flags override it.")
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="Worker base URL or host:port; repeat for each worker (added to the config's workers).")
     parser.add_argument("--host", help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy).")

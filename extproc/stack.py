@@ -345,7 +345,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="Gateway port (Envoy's listener).")
     parser.add_argument("--host", default=LOOPBACK, help="Gateway bind address.")
     parser.add_argument("--policy", help="Routing policy (default: the config's, prefix-aware).")
-    parser.add_argument("--config", type=Path, help="Router YAML config (see docs/configuration.md).")
+    parser.add_argument("--config", type=Path, help="Router YAML config (see docs/gateway.md).")
     parser.add_argument("--router-port", type=int, default=0, help="Router gRPC port (0: any free port).")
     parser.add_argument("--metrics-port", type=int, default=0, help="Router /metrics port (0: any free port).")
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0: any free port).")
