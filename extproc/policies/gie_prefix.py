@@ -1,0 +1,85 @@
+"""``gie-prefix``: the Gateway API Inference Extension / llm-d approximate prefix scorer.
+
+The prompt text is cut into ``block_chars``-character blocks (64 = 16 tokens x 4 characters),
+hashed as an xxhash64 chain seeded by the model name, at most ``max_blocks`` of them. Each server
+remembers (LRU, ``lru_capacity`` blocks) the blocks of the requests the picker sent it. Scores:
+prefix = matched leading blocks / total blocks; queue = (max - own) / (max - min) of the reported
+waiting requests (1 when all equal); KV = 1 - KV usage. The weighted sum (3 / 2 / 2) picks the
+maximum, ties broken at random. No worker feedback beyond load: that is the peer's design.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import xxhash
+from pydantic import ValidationError
+
+from extproc.config import GiePrefixOptions
+from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest
+from extproc.workers import Worker
+
+__all__ = ["GiePrefixPolicy"]
+
+
+class GiePrefixPolicy(Policy):
+    name = "gie-prefix"
+    needs_text = True
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(options)
+        try:
+            self.opts = GiePrefixOptions.model_validate(self.options)
+        except ValidationError as exc:
+            raise PolicyError(f"invalid gie-prefix options: {exc}") from exc
+        self._servers: dict[str, OrderedDict[int, None]] = {}
+        self._rng = random.Random()
+
+    def hashes(self, model: str, text: str) -> list[int]:
+        size = self.opts.block_chars
+        count = min(len(text) // size, self.opts.max_blocks)
+        prev = xxhash.xxh64_intdigest(model.encode())
+        out = []
+        for i in range(count):
+            prev = xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + text[i * size:(i + 1) * size].encode())
+            out.append(prev)
+        return out
+
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        hashes = self.hashes(request.model, request.prompt_text)
+        waiting = {c.worker.id: (c.load.num_waiting_reqs if c.load else 0) for c in candidates}
+        high, low = max(waiting.values()), min(waiting.values())
+        scores: dict[str, dict[str, float]] = {}
+        for c in candidates:
+            cache = self._servers.get(c.worker.id)
+            matched = 0
+            if cache is not None:
+                for h in hashes:
+                    if h not in cache:
+                        break
+                    matched += 1
+            prefix = matched / len(hashes) if hashes else 0.0
+            queue = 1.0 if high == low else (high - waiting[c.worker.id]) / (high - low)
+            kv = 1.0 - (c.load.token_usage if c.load else 0.0)
+            total = self.opts.prefix_weight * prefix + self.opts.queue_weight * queue + self.opts.kv_weight * kv
+            scores[c.worker.id] = {"prefix": prefix, "queue": queue, "kv": kv, "score": total,
+                                   "matched_blocks": matched}
+        shuffled = list(candidates)
+        self._rng.shuffle(shuffled)  # random tie-break: sort is stable
+        ranked = sorted(shuffled, key=lambda c: -scores[c.worker.id]["score"])
+        return Decision(ranked=[c.worker for c in ranked], reason="gie-prefix", scores=scores)
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        hashes = self.hashes(request.model, request.prompt_text)
+        cache = self._servers.setdefault(decision.ranked[0].id, OrderedDict())
+        for h in hashes:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > self.opts.lru_capacity:
+            cache.popitem(last=False)
+
+    def remove_worker(self, worker: Worker) -> None:
+        self._servers.pop(worker.id, None)
