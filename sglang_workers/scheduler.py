@@ -134,7 +134,7 @@ class SchedulerStats:
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     recent_hits: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=64))
-    recent_tokens: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=512))
+    recent_tokens: deque[list[int]] = field(default_factory=lambda: deque(maxlen=16))  # [second, tokens]
 
 
 class Scheduler:
@@ -178,7 +178,11 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------------
     def submit(self, input_ids: list[int], max_new_tokens: int, cache_salt: str | None = None,
                rid: str | None = None) -> Request:
-        """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished)."""
+        """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished).
+
+        Like SGLang, ``max_new_tokens`` is clipped so that prompt + output fit the KV pool.
+        """
+        max_new_tokens = max(0, min(max_new_tokens, self.capacity - 1 - len(input_ids)))
         req = Request(rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt,
                       sim_arrival=self.sim_time)
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
@@ -427,7 +431,12 @@ class Scheduler:
             self.stats.itl.observe(now - req.last_token_at)
         req.last_token_at = now
         self.stats.generation_tokens += 1
-        self.stats.recent_tokens.append((now, 1))
+        second = int(now)
+        recent = self.stats.recent_tokens
+        if recent and recent[-1][0] == second:
+            recent[-1][1] += 1
+        else:
+            recent.append([second, 1])
         req.updates.put_nowait([token])
 
     # -- load reports ------------------------------------------------------------------------------
@@ -436,9 +445,10 @@ class Scheduler:
         total = sum(t for _, t in self.stats.recent_hits)
         return cached / total if total else 0.0
 
-    def gen_throughput(self, window: float = 5.0) -> float:
-        now = time.monotonic()
-        tokens = sum(n for t, n in self.stats.recent_tokens if now - t <= window)
+    def gen_throughput(self, window: int = 5) -> float:
+        """Generated tokens per second over the last ``window`` whole seconds."""
+        now = int(time.monotonic())
+        tokens = sum(n for second, n in self.stats.recent_tokens if now - window <= second < now)
         return tokens / window
 
     def load(self) -> dict[str, Any]:

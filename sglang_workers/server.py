@@ -213,9 +213,9 @@ class SimWorker:
                 f"and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
                 f"the input messages or the completion to fit within the limit."))
         capacity = self._require_ready().capacity
-        if len(input_ids) + min(max_new_tokens, 4096) >= capacity:
-            raise ApiError(413, f"The input ({len(input_ids)} tokens) plus output does not fit the KV cache "
-                                f"pool of {capacity} tokens.")
+        if len(input_ids) >= capacity - 1:
+            raise ApiError(413, f"The input ({len(input_ids)} tokens) does not fit the KV cache pool of "
+                                f"{capacity} tokens.")
 
     @staticmethod
     def _max_tokens(value: Any, field: str, default: int) -> int:
@@ -245,10 +245,9 @@ class SimWorker:
                 if item is None:
                     return
                 yield item
-        except (asyncio.CancelledError, ConnectionResetError):
-            assert self.scheduler is not None
-            self.scheduler.abort(req)
-            raise
+        finally:  # also runs when the handler stops early (client gone, write failed, cancelled)
+            if not req.finished and self.scheduler is not None:
+                self.scheduler.abort(req)
 
     async def _wait(self, req: Request) -> None:
         async for _ in self._tokens(req):

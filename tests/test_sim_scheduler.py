@@ -155,3 +155,22 @@ def test_profiles_match_published_figures() -> None:
     assert get_profile("instant").prefill_time([(10_000, 0)]) == 0.0
     with pytest.raises(ValueError, match="unknown timing profile"):
         get_profile("nope")
+
+
+async def test_flush_is_refused_while_requests_run_and_abort_ends_a_request(make: Factory) -> None:
+    s = make(speedup=1000.0)  # 1000 decode steps of ~5 ms simulated take ~5 ms of wall time
+    req = s.submit(list(range(64)), 1000)
+    while not req.output_ids:
+        await asyncio.sleep(0)
+    assert s.flush_cache() is False
+    s.abort(req)
+    await finish(req)
+    assert len(req.output_ids) < 1000
+    assert s.flush_cache() is True and s.cache.total_size == 0
+
+
+async def test_max_new_tokens_is_clipped_to_the_kv_pool(make: Factory) -> None:
+    s = make(capacity_tokens=500)
+    req = s.submit(list(range(100)), 10_000)
+    await finish(req)
+    assert len(req.output_ids) == 500 - 1 - 100
