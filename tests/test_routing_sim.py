@@ -197,9 +197,22 @@ async def _relay(source: str, ctx: zmq.asyncio.Context, drop: Callable[[int], bo
     return f"tcp://127.0.0.1:{port}", asyncio.create_task(pump())
 
 
-async def test_dropped_batch_is_repaired_by_replay(fleet: list[SimWorkerProcess]) -> None:
+@pytest.fixture(params=["tagged-3frame", "positional-2frame"])
+def replay_target(request: pytest.FixtureRequest, fleet: list[SimWorkerProcess]) -> Iterator[SimWorkerProcess]:
+    """Both payload encodings and both replay reply shapes SGLang has shipped."""
+    if request.param == "tagged-3frame":
+        yield fleet[0]
+        return
+    (old,) = start_sim_workers(1, page_size=PAGE, profile="instant", event_format="positional", replay_format=2)
+    try:
+        yield old
+    finally:
+        old.stop()
+
+
+async def test_dropped_batch_is_repaired_by_replay(replay_target: SimWorkerProcess) -> None:
     rng = random.Random(5)
-    target = fleet[0]
+    target = replay_target
     ctx = zmq.asyncio.Context()
     dropped: list[int] = []
     armed = [False]

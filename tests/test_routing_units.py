@@ -1,0 +1,267 @@
+"""Index, policies and router wiring without processes (fast, deterministic)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from extproc.blocks import block_keys
+from extproc.config import IndexConfig, ObservabilityConfig, PrefixAwareOptions, RouterConfig
+from extproc.index import BlockIndex
+from extproc.policies import Candidate, PolicyError, RoutingRequest, WorkerLoad, create_policy
+from extproc.policies.prefix_aware import prefill_seconds
+from extproc.request import ParsedRequest
+from extproc.router import Router
+from extproc.workers import Worker, WorkerRegistry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _workers(n: int) -> list[Worker]:
+    return [Worker(id=f"w{i}", url=f"http://127.0.0.1:{40000 + i}", ip="127.0.0.1", port=40000 + i) for i in range(n)]
+
+
+def _request(tokens: int, keys: list[int] | None = None, **extra: object) -> RoutingRequest:
+    return RoutingRequest(model="m", path="/generate", token_ids=list(range(tokens)),
+                          block_keys=keys if keys is not None else block_keys(list(range(tokens)), 16), **extra)
+
+
+# -- index ------------------------------------------------------------------------------------------
+def test_match_walks_the_prompt_until_no_worker_matches() -> None:
+    index = BlockIndex()
+    keys = block_keys(list(range(160)), 16)
+    index.store("a", keys[:7])
+    index.store("b", keys[:3])
+    index.store("c", keys[1:])  # holds later blocks but not the first: no prefix
+    assert index.match(keys, ["a", "b", "c", "d"]) == {"a": 7, "b": 3, "c": 0, "d": 0}
+    index.remove("a", keys[5:6])
+    assert index.match(keys, ["a"]) == {"a": 5}
+    index.clear("b")
+    assert index.match(keys, ["b"]) == {"b": 0}
+
+
+def test_tiers_are_kept_apart() -> None:
+    index = BlockIndex()
+    keys = block_keys(list(range(64)), 16)
+    index.store("a", keys, "host")
+    assert index.match(keys, ["a"], "gpu") == {"a": 0}
+    assert index.match(keys, ["a"], "host") == {"a": 4}
+
+
+def test_speculative_entries_expire_unless_confirmed() -> None:
+    clock = Clock()
+    index = BlockIndex(IndexConfig(speculative_ttl_s=2.0, fallback_ttl_s=60.0), clock=clock)
+    keys = block_keys(list(range(64)), 16)
+    index.record_routed("a", keys)
+    assert index.match(keys, ["a"]) == {"a": 4}
+    clock.now += 2.5
+    assert index.match(keys, ["a"]) == {"a": 0}  # never confirmed: gone
+    index.record_routed("a", keys)
+    index.store("a", keys[:2])  # events confirm part of it
+    clock.now += 2.5
+    assert index.match(keys, ["a"]) == {"a": 2}
+    index.set_unknown("b", True)  # no events: the router's own record lives longer
+    index.record_routed("b", keys)
+    clock.now += 30
+    assert index.match(keys, ["b"]) == {"b": 4}
+    clock.now += 31
+    assert index.match(keys, ["b"]) == {"b": 0}
+
+
+def test_memory_is_bounded_per_worker() -> None:
+    index = BlockIndex(IndexConfig(max_blocks_per_worker=10))
+    keys = block_keys(list(range(16 * 25)), 16)
+    index.store("a", keys)
+    assert index.size("a") == 10
+    assert index.blocks("a") == set(keys[-10:])  # the most recently stored survive
+    for i in range(0, 25, 5):
+        index.record_routed("b", keys[i:i + 5])
+    assert sum(len(v) for v in index._recent.values()) <= 10
+
+
+# -- prefix-aware -----------------------------------------------------------------------------------
+def test_prefill_cost_model_defaults_match_the_8b_h100_figures() -> None:
+    opts = PrefixAwareOptions()
+    # ~24 ms at 1k and ~1.3 s at 32k tokens of compute (docs/routing.md), plus the 15 ms floor.
+    assert prefill_seconds(opts, 1024, 0) == pytest.approx(0.015 + 0.0236 + 0.00055, rel=0.01)
+    assert 1.2 < prefill_seconds(opts, 32768, 0) < 1.4
+    # cached context makes new tokens dearer (attention over it), but far cheaper than recomputing
+    assert prefill_seconds(opts, 100, 8000) > prefill_seconds(opts, 100, 0)
+    assert prefill_seconds(opts, 100, 8000) < prefill_seconds(opts, 8100, 0) / 10
+
+
+def _candidates(workers: list[Worker], matched: list[int], loads: list[WorkerLoad | None] | None = None) -> list[Candidate]:
+    loads = loads or [None] * len(workers)
+    return [Candidate(worker=w, matched_blocks=m, host_matched_blocks=m, load=ld, block_size=16)
+            for w, m, ld in zip(workers, matched, loads)]
+
+
+def test_longest_cached_prefix_wins_when_idle() -> None:
+    policy = create_policy("prefix-aware")
+    workers = _workers(3)
+    decision = policy.select(_request(4096), _candidates(workers, [10, 200, 0]))
+    assert decision.ranked[0] is workers[1] and decision.reason == "prefix-hit"
+
+
+def test_busy_holder_spills_to_an_idle_worker() -> None:
+    policy = create_policy("prefix-aware")
+    workers = _workers(2)
+    busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5)
+    decision = policy.select(_request(4096), _candidates(workers, [200, 0], [busy, None]))
+    assert decision.ranked[0] is workers[1] and decision.reason == "prefix-spill"
+    # own decisions queue up too: a long cold prompt routed to w0 delays the next one there
+    cold = create_policy("prefix-aware")
+    first = cold.select(_request(30000, keys=[1]), _candidates(workers, [0, 0]))
+    cold.on_routed(_request(30000, keys=[1]), first)
+    second = cold.select(_request(30000, keys=[1]), _candidates(workers, [0, 0]))
+    assert second.ranked[0] is not first.ranked[0]
+
+
+def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
+    policy = create_policy("prefix-aware")
+    workers = _workers(4)
+    chosen = {}
+    for prefix in range(200):
+        keys = block_keys([prefix] * 64, 16)
+        chosen[prefix] = policy.select(_request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id
+    counts = {w.id: list(chosen.values()).count(w.id) for w in workers}
+    assert min(counts.values()) > 25, counts  # different prefixes spread
+    keys = block_keys([7] * 64, 16)
+    assert all(policy.select(_request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id == chosen[7]
+               for _ in range(5))  # one prefix keeps its worker
+
+
+def test_kv_pressure_is_penalised() -> None:
+    policy = create_policy("prefix-aware")
+    workers = _workers(2)
+    full = WorkerLoad(token_usage=0.99)
+    decision = policy.select(_request(2048), _candidates(workers, [4, 0], [full, None]))
+    assert decision.ranked[0] is workers[1]
+
+
+def test_bad_options_are_reported() -> None:
+    with pytest.raises(PolicyError, match="prefix-aware"):
+        create_policy("prefix-aware", {"prefill_per_token_s": -1})
+    with pytest.raises(PolicyError, match="unknown policy"):
+        create_policy("nope")
+
+
+# -- peers and session ------------------------------------------------------------------------------
+def test_sgl_cache_aware_follows_text_then_balances() -> None:
+    policy = create_policy("sgl-cache-aware")
+    workers = _workers(2)
+    text = "system prompt " * 20
+    req = RoutingRequest(model="m", path="/generate", prompt_text=text + "one")
+    first = policy.select(req, _candidates(workers, [0, 0]))
+    policy.on_routed(req, first)
+    again = RoutingRequest(model="m", path="/generate", prompt_text=text + "two")
+    assert policy.select(again, _candidates(workers, [0, 0])).ranked[0] is first.ranked[0]
+    cands = _candidates(workers, [0, 0])
+    holder = next(c for c in cands if c.worker is first.ranked[0])
+    holder.in_flight = 200  # imbalanced beyond 64 and 1.5x
+    decision = policy.select(again, cands)
+    assert decision.ranked[0] is not first.ranked[0] and decision.reason == "imbalanced-least-load"
+
+
+def test_sgl_tree_evicts_to_its_bound() -> None:
+    policy = create_policy("sgl-cache-aware", {"max_tree_size": 100})
+    workers = _workers(1)
+    for i in range(20):
+        req = RoutingRequest(model="m", path="/generate", prompt_text=f"{i:03d}" + "x" * 40)
+        policy.on_routed(req, policy.select(req, _candidates(workers, [0])))
+    assert policy.tree.chars["w0"] <= 100
+
+
+def test_gie_prefix_scores_cached_servers_higher() -> None:
+    policy = create_policy("gie-prefix")
+    workers = _workers(3)
+    req = RoutingRequest(model="m", path="/generate", prompt_text="abc" * 400)
+    first = policy.select(req, _candidates(workers, [0, 0, 0]))
+    policy.on_routed(req, first)
+    decision = policy.select(req, _candidates(workers, [0, 0, 0]))
+    assert decision.ranked[0] is first.ranked[0]
+    assert decision.scores[first.ranked[0].id]["prefix"] == 1.0
+
+
+def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
+    policy = create_policy("dynamo-cost")
+    workers = _workers(2)
+    req = _request(1600)  # 100 blocks
+    decision = policy.select(req, _candidates(workers, [80, 0]))
+    assert decision.ranked[0] is workers[0]
+    assert decision.scores["w0"]["cost"] == 20 + 100 and decision.scores["w1"]["cost"] == 100 + 100
+    policy.on_routed(req, decision)
+    policy.on_routed(req, decision)  # w0 now carries 200 active blocks and 40 owed prefill blocks
+    assert policy.select(req, _candidates(workers, [80, 0])).ranked[0] is workers[1]
+
+
+def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
+    policy = create_policy("session", {"header": "x-session-id", "fallback": "least-load"})
+    workers = _workers(3)
+    req = RoutingRequest(model="m", path="/generate", headers={"x-session-id": "abc"})
+    first = policy.select(req, _candidates(workers, [0, 0, 0]))
+    policy.on_routed(req, first)
+    for _ in range(3):
+        cands = _candidates(workers, [0, 0, 0])
+        for c in cands:
+            c.in_flight = 0 if c.worker is not first.ranked[0] else 5
+        decision = policy.select(req, cands)
+        assert decision.ranked[0] is first.ranked[0] and decision.reason == "session-affinity"
+    rest = [w for w in workers if w is not first.ranked[0]]
+    moved = policy.select(req, _candidates(rest, [0, 0]))
+    assert moved.ranked[0] in rest and moved.reason == "session-moved"
+
+
+# -- router wiring, telemetry -----------------------------------------------------------------------
+def test_router_tokenizes_records_and_traces() -> None:
+    config = RouterConfig(observability=ObservabilityConfig(exporter="none"))
+    router = Router(config, WorkerRegistry(_workers(3)))
+    messages = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "hi"}]
+    parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=messages,
+                           headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    first = router.route(parsed)
+    assert first.request.token_ids == router.tokenizer_for("m").encode_chat(messages)
+    assert first.worker.in_flight == 1
+    header = first.upstream_headers["traceparent"]
+    assert header.startswith("00-0af7651916cd43dd8448eb211c80319c-")  # joins the client's trace
+    second = router.route(parsed)
+    assert second.worker is first.worker and second.matched_blocks == len(first.request.block_keys)
+    router.finish(first)
+    router.finish(first)  # idempotent
+    router.finish(second)
+    assert first.worker.in_flight == 0
+    text = generate_latest(REGISTRY).decode()
+    assert 'prefix_router_decisions_total{policy="prefix-aware",reason="prefix-hit-own-record"}' in text
+    assert "prefix_router_decision_seconds_count" in text and 'prefix_router_worker_healthy{worker="w0"}' in text
+
+
+def test_untokenizable_request_is_still_routed() -> None:
+    router = Router(RouterConfig(), WorkerRegistry(_workers(2)))
+    bad = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
+                        messages=[{"role": "user", "content": "x"}],
+                        chat_template_kwargs={"messages": "clash"})  # duplicate keyword: render fails
+    outcome = router.route(bad)
+    assert outcome.request.token_ids is None and outcome.worker in router.registry.workers
+
+
+def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
+    from extproc.load import parse_loads, parse_metrics
+
+    body = {"dp_rank_count": 2, "loads": [
+        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 500, "max_total_num_tokens": 1000},
+        {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 4, "num_used_tokens": 100, "max_total_num_tokens": 1000}]}
+    load = parse_loads(body)
+    assert load is not None and (load.num_running_reqs, load.num_waiting_reqs) == (4, 5)
+    assert load.token_usage == pytest.approx(0.3)
+    text = ('# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{model_name="m"} 7.0\n'
+            'sglang:num_queue_reqs{model_name="m"} 2\nsglang:token_usage{model_name="m"} 0.25\n'
+            'sglang:max_total_num_tokens{model_name="m"} 4000\n')
+    load = parse_metrics(text)
+    assert load is not None and (load.num_running_reqs, load.num_waiting_reqs, load.num_used_tokens) == (7, 2, 1000)
+    assert parse_loads({"unrelated": 1}) is None and parse_metrics("up 1\n") is None
