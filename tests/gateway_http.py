@@ -38,8 +38,9 @@ def request(url: str, method: str = "GET", body: bytes | dict[str, Any] | None =
         conn.close()
 
 
-def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
-    return request(url, "POST", body, headers)
+def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None,
+         timeout: float = 10.0) -> Reply:
+    return request(url, "POST", body, headers, timeout)
 
 
 def stream_lines(url: str, body: dict[str, Any], timeout: float = 10.0) -> Iterator[tuple[float, bytes]]:

@@ -160,31 +160,40 @@ def test_client_destination_header_never_chooses_the_upstream(stack: GatewayStac
     assert spoof.connections == 0
 
 
-def _wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+def _wait_until(predicate, timeout: float = 8.0) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``predicate``; a request that times out (sent to a hung worker) counts as not yet."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        try:
+            if predicate():
+                return
+        except OSError:  # includes socket timeouts
+            pass
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.1)
+
+
+def _served_by(stack: GatewayStack, count: int) -> set[str]:
+    return {post(stack.url + "/v1/chat/completions", CHAT, timeout=1).headers["x-upstream-host"]
+            for _ in range(count)}
 
 
 def test_unhealthy_worker_leaves_and_comes_back(stack: GatewayStack) -> None:
     hung, other = stack.sim_processes
     os.kill(hung.process.pid, signal.SIGSTOP)  # a hung worker: /health times out
     try:
-        time.sleep(1.0)  # 2 failed checks at 0.2 s intervals with a 0.3 s timeout
-        served = {post(stack.url + "/v1/chat/completions", CHAT).headers["x-upstream-host"] for _ in range(4)}
-        assert served == {other.url.removeprefix("http://")}
+        # 2 failed checks at 0.2 s intervals with a 0.3 s timeout; then only the other one serves.
+        _wait_until(lambda: _served_by(stack, 4) == {other.url.removeprefix("http://")})
     finally:
         os.kill(hung.process.pid, signal.SIGCONT)
-    _wait_until(lambda: {post(stack.url + "/v1/chat/completions", CHAT).headers["x-upstream-host"]
-                         for _ in range(2)} == workers(stack))
+    _wait_until(lambda: _served_by(stack, 2) == workers(stack))
 
 
 def test_no_healthy_worker_is_503_json(stack: GatewayStack) -> None:
     for sim in stack.sim_processes:
         os.kill(sim.process.pid, signal.SIGSTOP)
     try:
-        time.sleep(1.0)
+        _wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT, timeout=1).status == 503)
         reply = post(stack.url + "/v1/chat/completions", CHAT)
         assert reply.status == 503
         error = reply.json()["error"]
@@ -192,7 +201,7 @@ def test_no_healthy_worker_is_503_json(stack: GatewayStack) -> None:
     finally:
         for sim in stack.sim_processes:
             os.kill(sim.process.pid, signal.SIGCONT)
-    _wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT).status == 200)
+    _wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT, timeout=1).status == 200)
 
 
 def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
