@@ -46,6 +46,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
+MAX_PACING_CREDIT = 0.05  # at most this much wall time is made up after a stall (s)
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 60.0, 120.0, 300.0)
@@ -159,6 +160,8 @@ class Scheduler:
         self.sim_time = 0.0  # simulated GPU seconds elapsed (sum of step durations)
         self.steps: deque[Step] = deque(maxlen=1024)
         self._wakeup = asyncio.Event()
+        self._paced_until: float | None = None  # wall clock at the end of the last step (None: was idle)
+        self._debt = 0.0  # wall seconds the simulation is behind (+) or ahead (-) of its pace
         self._task: asyncio.Task[None] | None = None
         self._rids = itertools.count()
         self._publish()  # the AllBlocksCleared of cache construction, as SGLang publishes it
@@ -241,6 +244,7 @@ class Scheduler:
             if self.idle:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                self._paced_until = None
             batch = self._next_prefill_batch()
             if batch:
                 duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
@@ -258,12 +262,27 @@ class Scheduler:
                 # Nothing fits right now (e.g. KV budget); wait for a request or a change.
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                self._paced_until = None
             self._publish()
 
     async def _sleep(self, simulated: float) -> None:
+        """Let a step take ``simulated / speedup`` seconds of wall time, without drift.
+
+        The wall time the loop spent since the previous step (its own CPU work) counts towards the step,
+        and what a sleep overshoots is paid back by the next ones, so many sub-millisecond steps (high
+        ``--speedup``) keep the right average pace instead of each rounding up to the timer resolution.
+        """
+        loop = asyncio.get_running_loop()
         self.sim_time += simulated
+        now = loop.time()
+        if self._paced_until is None:
+            self._paced_until, self._debt = now, 0.0
+        self._debt += simulated / self.config.speedup - (now - self._paced_until)
         # sleep(0) still yields, so HTTP handlers run between steps even with the instant profile.
-        await asyncio.sleep(simulated / self.config.speedup if simulated > 0 else 0)
+        await asyncio.sleep(self._debt if self._debt > 0 else 0)
+        after = loop.time()
+        self._debt = max(self._debt - (after - now), -MAX_PACING_CREDIT)
+        self._paced_until = after
 
     def _publish(self) -> None:
         events = self.cache.take_events()

@@ -174,3 +174,15 @@ async def test_max_new_tokens_is_clipped_to_the_kv_pool(make: Factory) -> None:
     req = s.submit(list(range(100)), 10_000)
     await finish(req)
     assert len(req.output_ids) == 500 - 1 - 100
+
+
+async def test_speedup_paces_wall_time_without_drift(make: Factory) -> None:
+    s = make(speedup=20.0)
+    req = s.submit(list(range(200)), 150)  # ~150 decode steps of ~5 ms simulated: 0.25 ms each in wall time
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await finish(req)
+    wall = loop.time() - start
+    expected = s.sim_time / 20.0
+    assert expected > 0.03
+    assert 0.9 * expected <= wall <= 2 * expected + 0.05
