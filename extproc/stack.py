@@ -400,8 +400,9 @@ Try it (the x-upstream-host response header names the worker that served):
   curl -i {stack.url}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-Each request prints "METHOD PATH -> WORKER STATUS TIME (ROUTE)" below: ROUTE is router-picked
-(the router chose the worker) or fail-open (Envoy least-request: passthrough path or router down). Ctrl-C stops everything.
+Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE). ROUTE is router-picked when
+the router chose the worker, fail-open when Envoy's least-request route served it (other paths, or
+the router down). Ctrl-C stops everything.
 """.rstrip() + "\n"
 
 

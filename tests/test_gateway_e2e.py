@@ -148,6 +148,22 @@ def test_streaming_responses_arrive_incrementally(stack: GatewayStack) -> None:
     assert events[-1][0] - events[0][0] > 0.15
 
 
+def _in_flight(stack: GatewayStack) -> float:
+    text = request(f"http://127.0.0.1:{stack.metrics_port}/metrics").body.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("prefix_router_worker_in_flight{"))
+
+
+def test_in_flight_slot_is_released_when_the_client_goes_away(stack: GatewayStack) -> None:
+    assert _in_flight(stack) == 0
+    body = {**CHAT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    lines = stream_lines(stack.url + "/v1/chat/completions", body)
+    next(lines)  # the stream has started: the router counts it
+    assert _in_flight(stack) == 1
+    lines.close()  # the client hangs up mid-stream; Envoy resets, the ext_proc stream ends
+    _wait_until(lambda: _in_flight(stack) == 0)
+
+
 def test_client_destination_header_never_chooses_the_upstream(stack: GatewayStack) -> None:
     with SpoofTarget() as spoof:
         for _ in range(4):
