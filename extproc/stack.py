@@ -170,6 +170,11 @@ class GatewayStack:
         return list(self._sims)
 
     @property
+    def router_process(self) -> subprocess.Popen[bytes] | None:
+        """The running router child (tests pause or kill it to exercise fail-open)."""
+        return self._router.process if self._router is not None else None
+
+    @property
     def router_address(self) -> str:
         return f"{LOOPBACK}:{self.router_port}"
 

@@ -220,6 +220,23 @@ def test_no_healthy_worker_is_503_json(stack: GatewayStack) -> None:
     _wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT, timeout=1).status == 200)
 
 
+def test_fail_open_when_the_router_is_slower_than_its_timeout(stack: GatewayStack) -> None:
+    router = stack.router_process
+    assert router is not None
+    before = envoy_stats(stack.admin_url).get("http.gateway.ext_proc.message_timeouts", 0)
+    os.kill(router.pid, signal.SIGSTOP)  # connected but silent: every ext_proc message times out
+    try:
+        started = time.monotonic()
+        reply = post(stack.url + "/v1/chat/completions", CHAT)
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(router.pid, signal.SIGCONT)
+    assert reply.status == 200 and reply.headers["x-upstream-host"] in workers(stack)
+    assert 0.4 < elapsed < 3.0  # waited for the 500 ms message timeout, then went on without the router
+    assert envoy_stats(stack.admin_url)["http.gateway.ext_proc.message_timeouts"] == before + 1
+    _wait_until(lambda: _in_flight(stack) == 0)  # the late decision was released when its stream ended
+
+
 def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
     results: list[int] = []
     stop = threading.Event()
