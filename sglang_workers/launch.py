@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 
-__all__ = ["build_command", "configure", "kv_events_config", "main"]
+__all__ = ["build_command", "configure", "kv_events_config", "main", "sglang_flags"]
 
 
 def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: str = "*") -> str:
@@ -27,16 +27,31 @@ def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: 
     return json.dumps(config, separators=(",", ":"))
 
 
+def sglang_flags(host: str = "0.0.0.0", port: int = 30000, page_size: int = 16, kv_events_port: int = 5557,
+                 kv_replay_port: int | None = None, topic: str = "", replay: bool = True) -> dict[str, str | bool]:
+    """The SGLang flags this router depends on: flag -> value (``True`` for a bare switch).
+
+    Other tools (compose files, Kubernetes manifests, tests) take them from here so they cannot drift.
+    """
+    replay_port = (kv_replay_port or kv_events_port + 1) if replay else None
+    return {
+        "--host": host,
+        "--port": str(port),
+        "--page-size": str(page_size),
+        "--kv-events-config": kv_events_config(kv_events_port, replay_port, topic),
+        "--enable-metrics": True,
+        "--enable-cache-report": True,
+    }
+
+
 def build_command(args: argparse.Namespace) -> list[str]:
     """argv of ``python -m sglang.launch_server`` for these options."""
-    replay = None if args.no_replay else (args.kv_replay_port or args.kv_events_port + 1)
-    cmd = [args.python, "-m", "sglang.launch_server",
-           "--model-path", args.model_path,
-           "--host", args.host, "--port", str(args.port),
-           "--page-size", str(args.page_size),
-           "--kv-events-config", kv_events_config(args.kv_events_port, replay, args.kv_topic),
-           "--enable-metrics", "--enable-cache-report",
-           "--schedule-policy", args.schedule_policy]
+    cmd = [args.python, "-m", "sglang.launch_server", "--model-path", args.model_path]
+    flags = sglang_flags(args.host, args.port, args.page_size, args.kv_events_port, args.kv_replay_port,
+                         args.kv_topic, replay=not args.no_replay)
+    for flag, value in flags.items():
+        cmd += [flag] if value is True else [flag, str(value)]
+    cmd += ["--schedule-policy", args.schedule_policy]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
     if args.tp_size != 1:
