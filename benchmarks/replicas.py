@@ -15,6 +15,7 @@ touched per group, and TTFT::
 
     python -m benchmarks.replicas                       # 1, 2, 3 replicas, gsp workload
     python -m benchmarks.replicas --replicas 1,3 --rate 8 --json out/replicas.json
+    python -m benchmarks.replicas --shared-state start   # replicas share decisions via Redis
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -268,15 +270,47 @@ async def run(args: argparse.Namespace) -> list[ReplicaResult]:
     spec = ClusterSpec(workers=args.workers, profile=args.profile, speedup=args.speedup,
                        capacity_tokens=args.capacity_tokens, page_size=args.page_size, seed=args.seed)
     router_config: dict[str, Any] = {"policy": {"name": args.policy}}
-    if args.shared_state:
-        router_config["shared_state"] = {"backend": "redis", "url": args.shared_state}
     out = []
-    for replicas in args.replicas:
-        result = await run_one(replicas, workload, spec, ClientOptions(request_timeout_s=args.request_timeout),
-                               router_config)
-        print(_row(result), flush=True)
-        out.append(result)
+    with contextlib.ExitStack() as stack:
+        if args.shared_state:
+            url = stack.enter_context(redis_server()) if args.shared_state == "start" else args.shared_state
+            router_config["shared_state"] = {"backend": "redis", "url": url}
+        for replicas in args.replicas:
+            result = await run_one(replicas, workload, spec, ClientOptions(request_timeout_s=args.request_timeout),
+                                   router_config)
+            print(_row(result), flush=True)
+            out.append(result)
     return out
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A throw-away ``redis-server`` (Debian package redis-server) on a free loopback port."""
+    import shutil
+
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        raise RuntimeError("redis-server not found (apt-get install redis-server), or pass --shared-state redis://...")
+    port = free_port()
+    process = subprocess.Popen([binary, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), timeout=0.5):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start (exit status {process.poll()})")
+            time.sleep(0.05)
+        yield f"redis://{LOOPBACK}:{port}/0"
+    finally:
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 HEADER = ("| replicas | requests | errors | hit rate | affinity | workers/group | TTFT p50 (ms) | TTFT p90 (ms) |\n"
@@ -302,7 +336,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=_counts, default=[1, 2, 3], help="Replica counts to compare, e.g. 1,2,3.")
     parser.add_argument("--policy", default="prefix-aware", help="Routing policy of every replica.")
     parser.add_argument("--shared-state", metavar="URL", default=None,
-                        help="redis://host:port: replicas share their unconfirmed decisions through this store.")
+                        help="Replicas share their unconfirmed decisions through Redis/Valkey: a redis:// URL, "
+                             "or 'start' to run a throw-away redis-server for the benchmark.")
     parser.add_argument("--workers", type=int, default=4, help="Simulated workers (fresh cluster per replica count).")
     parser.add_argument("--profile", default="llama-3.1-8b-h100", help="Timing profile of the simulated workers.")
     parser.add_argument("--speedup", type=float, default=1.0, help="Run the workers' clock this much faster.")

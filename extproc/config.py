@@ -30,6 +30,7 @@ __all__ = [
     "RouterConfig",
     "ServerConfig",
     "SessionOptions",
+    "SharedStateConfig",
     "SglCacheAwareOptions",
     "WorkerConfig",
     "load_config",
@@ -210,6 +211,17 @@ class ObservabilityConfig(_Section):
     service_name: str = Field("prefix-router", description="service.name resource attribute of the spans.")
 
 
+class SharedStateConfig(_Section):
+    """Router replicas sharing their unconfirmed decisions (see extproc/shared_state.py, docs/deploy.md)."""
+
+    backend: Literal["none", "redis"] = Field("none", description="none: each replica keeps its own decisions; redis: publish them to the other replicas over Redis/Valkey pub/sub.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis or Valkey URL (redis://[user:pass@]host:port/db, rediss:// for TLS).")
+    channel: str = Field("prefix-router:decisions", description="Pub/sub channel; replicas of one fleet share it, other fleets use another.")
+    queue_size: int = Field(10_000, gt=0, description="Decisions waiting to be published; beyond this they are dropped (never block a request).")
+    timeout_s: float = Field(1.0, gt=0, description="Connect and socket timeout towards the store.")
+    retry_s: float = Field(1.0, gt=0, description="Pause before reconnecting after the store failed.")
+
+
 class RouterConfig(_Section):
     """Everything `prefix-router serve` needs."""
 
@@ -222,6 +234,7 @@ class RouterConfig(_Section):
     load: LoadConfig = Field(default_factory=LoadConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:

@@ -23,6 +23,7 @@ from extproc.index import BlockIndex
 from extproc.load import LoadTracker
 from extproc.policies import Candidate, Decision, RoutingRequest, create_policy
 from extproc.request import ParsedRequest
+from extproc.shared_state import SharedDecisions
 from extproc.telemetry import Telemetry
 from extproc.tokenization import ModelTokenizer, load_tokenizer
 from extproc.workers import Worker, WorkerRegistry
@@ -74,15 +75,22 @@ class Router:
         self.loads = LoadTracker(config.load, registry)
         self.telemetry = Telemetry(config.observability, config.policy.name)
         self.telemetry.watch(self)
+        self.shared: SharedDecisions | None = None
+        if config.shared_state.backend != "none":
+            self.shared = SharedDecisions(config.shared_state, self.index)
         self._models: dict[str, ModelConfig] = {m.name: m for m in config.models}
 
     async def start(self) -> None:
         """Start background work (event subscriptions, load polling)."""
         await self.events.start()
         await self.loads.start()
+        if self.shared is not None:
+            await self.shared.start()
 
     async def stop(self) -> None:
         """Stop background work and flush spans."""
+        if self.shared is not None:
+            await self.shared.stop()
         await self.loads.stop()
         await self.events.stop()
         self.telemetry.shutdown()
@@ -146,6 +154,8 @@ class Router:
         chosen.in_flight += 1
         if keys_of.get(chosen.id):
             self.index.record_routed(chosen.id, keys_of[chosen.id])
+            if self.shared is not None:
+                self.shared.publish(chosen.id, keys_of[chosen.id])
         policy.on_routed(request, decision)
         end_ns = time.perf_counter_ns()
         headers = self.telemetry.decision(
