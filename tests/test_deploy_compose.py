@@ -10,6 +10,7 @@ ports, profiles) by hand, since no single tool sees all files at once.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -101,23 +102,24 @@ def test_gpu_workers_reserve_a_gpu_each_and_share_the_model_volume(compose: dict
     assert "models:/models:ro" in compose["services"]["router"]["volumes"], "the router reads the same tokenizer"
 
 
-def test_gpu_worker_flags_match_sglang_launch(compose: dict[str, Any]) -> None:
-    """The compose command carries every flag the router depends on, with the router's values."""
-    command = compose["services"]["worker-0"]["command"]
-    assert command[:3] == ["python3", "-m", "sglang.launch_server"]
-    flags = dict(zip(command[3::2], command[4::2], strict=False))
+def sglang_launch_argv() -> list[str]:
+    """What ``prefix-router sglang-launch`` prints for the model the deployments ship with."""
+    import argparse
+
     launch = pytest.importorskip("sglang_workers.launch", reason="sglang_workers.launch not available")
-    expected = launch.sglang_flags(host="0.0.0.0", port=30000, page_size=16, kv_events_port=5557)
-    for flag, value in expected.items():
-        if value is True:
-            assert flag in command, flag
-        else:
-            assert flag in flags, flag
-            got = flags[flag]
-            if flag == "--kv-events-config":
-                assert yaml.safe_load(got) == yaml.safe_load(value)
-            else:
-                assert got == str(value), flag
+    parser = argparse.ArgumentParser()
+    launch.configure(parser)
+    return launch.build_command(parser.parse_args([
+        "--python", "python3", "--model-path", "/models/Llama-3.1-8B-Instruct",
+        "--served-model-name", "meta-llama/Llama-3.1-8B-Instruct"]))
+
+
+def test_gpu_worker_command_is_sglang_launch_output(compose: dict[str, Any]) -> None:
+    """Page size, KV events (publisher + replay), metrics, cache report: exactly the router's needs."""
+    defaults = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
+    for name in ("worker-0", "worker-1"):
+        command = [defaults.sub(r"\1", part) for part in compose["services"][name]["command"]]
+        assert command == sglang_launch_argv(), name
 
 
 def test_sim_workers_run_the_router_image_with_valid_flags(compose: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from extproc.config import load_config
+from test_deploy_compose import sglang_launch_argv  # same tests/ dir (pytest puts it on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -168,11 +169,13 @@ def test_router_config_lists_every_worker_pod_by_stable_dns_name(rendered: tuple
         volumes = {v["name"]: v for v in deployment["volumes"]}
         assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "models"
         assert str(config.models[0].tokenizer).startswith(mounts["models"])
-        args = statefulset["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--page-size") + 1] == "16"
-        kv = yaml.safe_load(args[args.index("--kv-events-config") + 1])
-        assert kv["publisher"] == "zmq" and kv["endpoint"].endswith(":5557")
-        assert statefulset["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        sglang = statefulset["template"]["spec"]["containers"][0]
+        assert sglang["command"] + sglang["args"] == sglang_launch_argv()
+        assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
+        ports = {p["name"]: p["containerPort"] for p in sglang["ports"]}
+        kv = yaml.safe_load(sglang["args"][sglang["args"].index("--kv-events-config") + 1])
+        assert kv["endpoint"] == f"tcp://*:{ports['kv-events']}" and kv["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+        assert config.models[0].name == sglang["args"][sglang["args"].index("--served-model-name") + 1]
 
 
 def test_pods_run_as_non_root(rendered: tuple[str, dict]) -> None:
