@@ -229,7 +229,7 @@ class KVEventPublisher:
     replay_format: int = 3
     hwm: int = 100_000
     _ctx: zmq.asyncio.Context | None = field(default=None, init=False)
-    _pub: zmq.asyncio.Socket | None = field(default=None, init=False)
+    _pub: zmq.Socket | None = field(default=None, init=False)
     _replay: zmq.asyncio.Socket | None = field(default=None, init=False)
     _buffer: deque[tuple[int, bytes]] = field(default_factory=deque, init=False)
     _seq: int = field(default=0, init=False)
@@ -239,7 +239,8 @@ class KVEventPublisher:
         """Bind the sockets (raises ``zmq.ZMQError`` if a port is taken)."""
         self._buffer = deque(maxlen=self.buffer_steps)
         self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        # A plain (blocking-API) socket: publish() sends synchronously with NOBLOCK, no future to await.
+        self._pub = zmq.Socket(self._ctx, zmq.PUB)
         self._pub.set_hwm(self.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(f"tcp://{self.host}:{self.port}")
