@@ -11,6 +11,8 @@ trusted for identity: events are re-keyed from their ``token_ids`` (see ``extpro
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import xxhash
@@ -45,11 +47,24 @@ def block_keys(tokens: Sequence[int], block_size: int, seed: int = 0, parent: in
     pages = len(tokens) // block_size
     if limit is not None:
         pages = min(pages, limit)
+    if pages == 0:
+        return []
+    span = pages * block_size
+    head = tokens[:span]
+    try:
+        data = array("I", head).tobytes() if sys.byteorder == "little" else struct.pack(f"<{span}I", *head)
+        width = 4 * block_size
+    except OverflowError:
+        data = b""  # wide ids (or negative): page by page below
+    hash64 = xxhash.xxh3_64_intdigest
+    pack = _U64.pack
     keys: list[int] = []
     prev = parent
     for i in range(pages):
-        page = tokens[i * block_size:(i + 1) * block_size]
-        prefix = b"" if prev is None else _U64.pack(prev)
-        prev = xxhash.xxh3_64_intdigest(prefix + _page_bytes(page), seed)
+        if data:
+            body = data[i * width:(i + 1) * width]
+        else:
+            body = _page_bytes(tokens[i * block_size:(i + 1) * block_size])
+        prev = hash64(body if prev is None else pack(prev) + body, seed)
         keys.append(prev)
     return keys

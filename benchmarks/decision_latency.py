@@ -1,0 +1,189 @@
+"""Decision latency of the router and KV-event ingestion rate (prints figures; not a test).
+
+    python -m benchmarks.decision_latency [--samples 40] [--workers 8] [--event-blocks 200000]
+
+Decision latency is ``Router.route()`` end to end (render the chat template, tokenize, hash the
+blocks, look them up, choose, trace), for chat prompts of about 1k / 8k / 32k tokens over a fleet of
+``--workers`` workers:
+
+- cold: a prompt never seen before (nothing in the piece cache, no block in the index);
+- warm: a later turn of a conversation seen before (its document and earlier turns tokenized
+  already, their blocks held by one worker in the index, as its KV events would have reported).
+
+Event ingestion sends real msgpack ``BlockStored`` batches (16 pages of 16 tokens each) from
+``--workers`` ZMQ PUB sockets in a separate process to the router's subscribers and times how fast
+the index absorbs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import random
+import statistics
+import time
+from typing import Any
+
+from extproc.config import EventsConfig, IndexConfig, RouterConfig
+from extproc.events import EventHub
+from extproc.index import BlockIndex
+from extproc.request import ParsedRequest
+from extproc.router import Router
+from extproc.tokenization import load_tokenizer
+from extproc.workers import Worker, WorkerRegistry
+
+PAGE = 16
+SIZES = (1024, 8192, 32768)
+
+
+def _vocabulary(rng: random.Random) -> list[str]:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 10))) for _ in range(3000)]
+
+
+def _document(rng: random.Random, vocab: list[str], tokens: int) -> str:
+    """Paragraphs of pseudo-words, about ``tokens`` tokens long under the default tokenizer."""
+    tok = load_tokenizer()
+    paragraphs: list[str] = []
+    count = 0
+    while count < tokens:
+        para = " ".join(rng.choice(vocab) for _ in range(rng.randint(20, 60))) + "."
+        paragraphs.append(para)
+        count += len(tok.encode_whole(para, False)) + 1
+    return "\n\n".join(paragraphs)
+
+
+def _percentiles(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return statistics.median(ordered) * 1000, p99 * 1000
+
+
+def decision_latency(samples: int, workers: int) -> list[tuple[int, int, tuple[float, float], tuple[float, float]]]:
+    rng = random.Random(42)
+    vocab = _vocabulary(rng)
+    fleet = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i)
+             for i in range(workers)]
+    config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=PAGE))
+    router = Router(config, WorkerRegistry(fleet))
+    # One throw-away decision: the tokenizer's first call initialises lazily (~10 ms), once per process.
+    router.finish(router.route(ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="warm up")))
+    results = []
+    for size in SIZES:
+        cold: list[float] = []
+        warm: list[float] = []
+        tokens = 0
+        for i in range(samples):
+            doc = _document(rng, vocab, size)
+            history = [{"role": "system", "content": "You answer questions about the document."},
+                       {"role": "user", "content": doc + "\n\nSummarise it."}]
+            parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=history)
+            start = time.perf_counter()
+            outcome = router.route(parsed)
+            cold.append(time.perf_counter() - start)
+            router.finish(outcome)
+            tokens = len(outcome.request.token_ids or [])
+            # The worker prefilled it and reported its blocks (what its KV events would have said).
+            router.index.store(outcome.worker.id, outcome.request.block_keys)
+            history = [*history, {"role": "assistant", "content": "A summary."}]
+            for turn in range(3):
+                history = [*history, {"role": "user", "content": f"Question {turn} about paragraph {i}?"}]
+                parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=history)
+                start = time.perf_counter()
+                outcome = router.route(parsed)
+                warm.append(time.perf_counter() - start)
+                router.finish(outcome)
+                assert outcome.matched_blocks > 0
+                history = [*history, {"role": "assistant", "content": "An answer."}]
+        results.append((size, tokens, _percentiles(cold), _percentiles(warm)))
+    return results
+
+
+def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) -> None:
+    import msgpack
+    import zmq
+
+    rng = random.Random(7)
+    ctx = zmq.Context()
+    socks = []
+    for port in ports:
+        sock = ctx.socket(zmq.PUB)
+        sock.sndhwm = 0
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        socks.append(sock)
+    payloads: list[list[bytes]] = []
+    for w in range(len(ports)):
+        out = [msgpack.packb([time.time(), [{"type": "AllBlocksCleared"}], 0])]
+        parent = None
+        for b in range(batches):
+            tokens = [rng.randrange(128_000) for _ in range(pages * PAGE)]
+            hashes = [rng.getrandbits(63) for _ in range(pages)]
+            event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                     "token_ids": tokens, "block_size": PAGE, "lora_id": None, "medium": "GPU"}
+            out.append(msgpack.packb([time.time(), [event], 0]))
+            parent = hashes[-1] if b % 8 else None  # chains of 8 batches, then a new root
+        payloads.append(out)
+    ready.set()
+    go.wait()
+    for seq in range(batches + 1):
+        for w, sock in enumerate(socks):
+            sock.send_multipart([b"", seq.to_bytes(8, "big"), payloads[w][seq]])
+    time.sleep(2.0)
+    ctx.destroy(linger=0)
+
+
+async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
+    from sglang_workers.process import free_ports
+
+    pages = 16
+    batches = max(1, total_blocks // (workers * pages))
+    ports = free_ports(workers)
+    fleet = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{ports[i]}", ip="127.0.0.1", port=ports[i],
+                    kv_events_endpoint=f"tcp://127.0.0.1:{ports[i]}") for i in range(workers)]
+    index = BlockIndex(IndexConfig(max_blocks_per_worker=10_000_000))
+    hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index)
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_publisher, args=(ports, batches, pages, ready, go), daemon=True)
+    proc.start()
+    await asyncio.get_running_loop().run_in_executor(None, ready.wait)
+    await hub.start()
+    await asyncio.sleep(1.0)  # subscriptions established (ZMQ slow joiner)
+    expected = workers * batches * pages
+    go.set()
+    start = time.perf_counter()
+
+    def stored() -> int:
+        return sum(v.stats.blocks_stored for views in hub.views.values() for v in views)
+
+    deadline = start + 120
+    while stored() < expected and time.perf_counter() < deadline:
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - start
+    done = stored()
+    await hub.stop()
+    proc.join(5)
+    return done, elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decision_latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=30, help="Conversations per prompt size (3 warm turns each).")
+    parser.add_argument("--workers", type=int, default=8, help="Workers in the fleet / event publishers.")
+    parser.add_argument("--event-blocks", type=int, default=200_000, help="Blocks to publish for the ingestion run.")
+    args = parser.parse_args(argv)
+
+    print(f"decision latency, prefix-aware policy, {args.workers} workers, page {PAGE} (ms)")
+    print(f"{'prompt':>8} {'tokens':>7} {'cold p50':>9} {'cold p99':>9} {'warm p50':>9} {'warm p99':>9}")
+    for size, tokens, (c50, c99), (w50, w99) in decision_latency(args.samples, args.workers):
+        print(f"{size // 1024:>7}k {tokens:>7} {c50:>9.2f} {c99:>9.2f} {w50:>9.2f} {w99:>9.2f}")
+    done, elapsed = asyncio.run(event_ingestion(args.workers, args.event_blocks))
+    print(f"event ingestion: {done} blocks from {args.workers} workers in {elapsed:.2f} s "
+          f"= {done / elapsed:,.0f} blocks/s (BlockStored batches of 16 pages x {PAGE} tokens, real ZMQ)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
