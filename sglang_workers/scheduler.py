@@ -15,8 +15,9 @@ whole pages) and continues first in the next prefill batch. A request's prompt e
 cache right after its prefill (so others can match it), and prompt + output when it finishes.
 When decode runs out of KV, the requests with the fewest output tokens are retracted to the queue.
 
-The memory pool is counted in tokens: tree tokens (evictable or locked) plus each request's private
-tokens (computed but not yet in the tree: the partial last page and, until finished, its output).
+The memory pool is counted in tokens and handed out in whole pages: tree pages (evictable or locked)
+plus each request's private pages (computed but not yet in the tree: its partial last page and, until
+it finishes, its output).
 """
 
 from __future__ import annotations
@@ -86,10 +87,6 @@ class Request:
         return self.input_ids + self.output_ids
 
     @property
-    def private_tokens(self) -> int:
-        return self.kv_len - self.tree_len
-
-    @property
     def finished(self) -> bool:
         return self.finished_at is not None
 
@@ -150,7 +147,8 @@ class Scheduler:
         self.cache = cache
         self.publisher = publisher
         self.vocab = list(vocab)
-        self.capacity = config.capacity_tokens or profile.kv_pool_tokens
+        pool = config.capacity_tokens or profile.kv_pool_tokens
+        self.capacity = max(pool // config.page_size, 1) * config.page_size  # whole pages, as SGLang sizes it
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.chunked: Request | None = None
@@ -218,10 +216,22 @@ class Scheduler:
     # -- pool accounting ---------------------------------------------------------------------------
     @property
     def private_tokens(self) -> int:
-        total = sum(r.private_tokens for r in self.running) + sum(r.private_tokens for r in self.prefilling)
+        total = sum(self._private(r) for r in self.running) + sum(self._private(r) for r in self.prefilling)
         if self.chunked is not None and self.chunked not in self.prefilling:
-            total += self.chunked.private_tokens
+            total += self._private(self.chunked)
         return total
+
+    def _page_ceil(self, tokens: int) -> int:
+        page = self.config.page_size
+        return -(-tokens // page) * page
+
+    def _private(self, req: Request) -> int:
+        """Pool tokens a request holds outside the tree: whole pages, as SGLang's paged allocator hands out."""
+        return self._page_ceil(req.kv_len) - req.tree_len
+
+    def _decode_need(self) -> int:
+        """Tokens the next decode step allocates: a new page for each request whose last page is full."""
+        return self.config.page_size * sum(1 for r in self.running if r.kv_len % self.config.page_size == 0)
 
     @property
     def free_tokens(self) -> int:
@@ -313,7 +323,7 @@ class Scheduler:
             req = self.chunked
             remaining = len(req.fill_ids) - req.kv_len
             take = remaining if remaining <= rem_chunk else self.cache.page_align(rem_chunk)
-            if take > 0 and self._ensure_free(take):
+            if take > 0 and self._ensure_free(self._page_ceil(req.kv_len + take) - self._page_ceil(req.kv_len)):
                 req.chunk_prefix, req.chunk_len = req.kv_len, take
                 req.kv_len += take
                 rem_chunk -= take
@@ -340,7 +350,7 @@ class Scheduler:
                 self.cache.unlock(node)
                 break
             take = extend if extend <= rem_chunk else self.cache.page_align(rem_chunk)
-            if take <= 0 or not self._ensure_free(take):
+            if take <= 0 or not self._ensure_free(self._page_ceil(prefix_len + take) - prefix_len):
                 self.cache.unlock(node)
                 break
             self.waiting.remove(req)
@@ -382,7 +392,7 @@ class Scheduler:
 
     # -- decode ------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        if not self._ensure_free(len(self.running)):
+        if not self._ensure_free(self._decode_need()):
             self._retract()
             if not self.running:
                 return
@@ -402,7 +412,7 @@ class Scheduler:
     def _retract(self) -> None:
         """Out of KV for the next decode step: requeue the requests that lose least (SGLang order)."""
         self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
-        while self.running and not self._ensure_free(len(self.running)):
+        while self.running and not self._ensure_free(self._decode_need()):
             req = self.running.pop()
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)

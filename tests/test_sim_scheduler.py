@@ -173,7 +173,7 @@ async def test_max_new_tokens_is_clipped_to_the_kv_pool(make: Factory) -> None:
     s = make(capacity_tokens=500)
     req = s.submit(list(range(100)), 10_000)
     await finish(req)
-    assert len(req.output_ids) == 500 - 1 - 100
+    assert len(req.output_ids) == s.capacity - 1 - 100 == 496 - 1 - 100
 
 
 async def test_speedup_paces_wall_time_without_drift(make: Factory) -> None:
@@ -186,3 +186,15 @@ async def test_speedup_paces_wall_time_without_drift(make: Factory) -> None:
     expected = s.sim_time / 20.0
     assert expected > 0.03
     assert 0.9 * expected <= wall <= 2 * expected + 0.05
+
+
+async def test_pool_is_handed_out_in_whole_pages(make: Factory) -> None:
+    s = make(page_size=16, capacity_tokens=1000)
+    assert s.capacity == 992
+    req = s.submit(list(range(17)), 100)
+    while not req.output_ids:
+        await asyncio.sleep(0)
+    # 16 prompt tokens in the tree (locked) + the 17th in a private page of its own.
+    assert s.used_tokens == 32 and s.free_tokens == 992 - 32
+    await finish(req)
+    assert s.used_tokens == 0 and s.free_tokens + s.cache.evictable_size == 992
