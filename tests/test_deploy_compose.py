@@ -154,22 +154,35 @@ def test_router_configs_load_and_name_the_compose_services(compose: dict[str, An
     assert "4317" in compose["services"]["otel-collector"]["expose"]
 
 
+def generated_envoy_config(path: Path) -> dict[str, Any]:
+    """Check ``path`` equals the output of the ``prefix-router envoy-config`` command in its header;
+    returns the generated bootstrap."""
+    import argparse
+
+    from extproc import envoy_config
+
+    text = path.read_text()
+    prefix = "#   prefix-router envoy-config"
+    command = next(line for line in text.splitlines() if line.startswith(prefix))
+    parser = argparse.ArgumentParser()
+    envoy_config.configure(parser)
+    expected = envoy_config.bootstrap(envoy_config.spec_from_args(parser.parse_args(shlex.split(command[len(prefix):]))))
+    assert yaml.safe_load(text) == yaml.safe_load(envoy_config.dump(expected)), (
+        f"{path.relative_to(ROOT)} is stale: regenerate it with the command in its header")
+    return expected
+
+
+def envoy_validate(envoy_bin: str, path: Path) -> None:
+    result = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
 def test_envoy_config_is_the_generator_output_and_valid(envoy_bin: str) -> None:
     from extproc import envoy_config
 
-    text = (DEPLOY / "envoy.yaml").read_text()
-    command = next(line for line in text.splitlines() if line.startswith("#   prefix-router envoy-config"))
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    envoy_config.configure(parser)
-    args = parser.parse_args(shlex.split(command[len("#   prefix-router envoy-config"):]))
-    expected = envoy_config.bootstrap(envoy_config.spec_from_args(args))
-    assert yaml.safe_load(text) == yaml.safe_load(envoy_config.dump(expected)), (
-        "deploy/compose/envoy.yaml is stale: regenerate it with the command in its header")
-    result = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(DEPLOY / "envoy.yaml")],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    expected = generated_envoy_config(DEPLOY / "envoy.yaml")
+    envoy_validate(envoy_bin, DEPLOY / "envoy.yaml")
     clusters = {c["name"]: c for c in expected["static_resources"]["clusters"]}
     extproc = clusters[envoy_config.EXTPROC_CLUSTER]
     # STRICT_DNS on the service name: every router replica becomes a host of the ext_proc cluster.
