@@ -27,6 +27,7 @@ import bisect
 from array import array
 import hashlib
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -40,6 +41,8 @@ from .radix_cache import RadixCache, TreeNode
 from .timing import TimingProfile
 
 __all__ = ["Request", "Scheduler", "SchedulerStats", "Step"]
+
+logger = logging.getLogger(__name__)
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
 LPM_FALLBACK_QUEUE = 128  # lpm turns into fcfs above this many waiting requests
@@ -79,6 +82,7 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
+    error: str | None = None  # set when the request failed instead of finishing
     updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
     rng: random.Random | None = None
 
@@ -251,29 +255,49 @@ class Scheduler:
     # -- the loop ----------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            if self.idle:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                self._paced_until = None
-            batch = self._next_prefill_batch()
-            if batch:
-                duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
-                self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch),
-                                       duration))
-                await self._sleep(duration)
-                self._finish_prefill(batch)
-            elif self.running:
-                context = sum(r.kv_len for r in self.running) + len(self.running)
-                duration = self.profile.decode_time(len(self.running), context)
-                self.steps.append(Step("decode", tuple(r.rid for r in self.running), len(self.running), duration))
-                await self._sleep(duration)
-                self._decode_step()
-            else:
-                # Nothing fits right now (e.g. KV budget); wait for a request or a change.
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                self._paced_until = None
-            self._publish()
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not hang every client: fail in-flight requests, start clean
+                logger.exception("scheduler step failed; failing in-flight requests and flushing the cache")
+                self._fail_all("internal scheduler error")
+
+    def _fail_all(self, message: str) -> None:
+        reqs = self.waiting + self.prefilling + self.running + ([self.chunked] if self.chunked else [])
+        for req in dict.fromkeys(reqs):
+            req.error = message
+            req.finished_at = time.monotonic()
+            req.updates.put_nowait(None)
+        self.waiting, self.prefilling, self.running, self.chunked = [], [], [], None
+        self.cache.reset()
+        self._publish()
+
+    async def _step(self) -> None:
+        """One iteration of SGLang's event loop: a prefill batch if one forms, else a decode step."""
+        if self.idle:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            self._paced_until = None
+        batch = self._next_prefill_batch()
+        if batch:
+            duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
+            self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch),
+                                   duration))
+            await self._sleep(duration)
+            self._finish_prefill(batch)
+        elif self.running:
+            context = sum(r.kv_len for r in self.running) + len(self.running)
+            duration = self.profile.decode_time(len(self.running), context)
+            self.steps.append(Step("decode", tuple(r.rid for r in self.running), len(self.running), duration))
+            await self._sleep(duration)
+            self._decode_step()
+        else:
+            # Nothing fits right now (e.g. KV budget); wait for a request or a change.
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            self._paced_until = None
+        self._publish()
 
     async def _sleep(self, simulated: float) -> None:
         """Let a step take ``simulated / speedup`` seconds of wall time, without drift.

@@ -252,6 +252,17 @@ class SimWorker:
     async def _wait(self, req: Request) -> None:
         async for _ in self._tokens(req):
             pass
+        if req.error is not None:
+            raise ApiError(500, req.error)
+
+    async def _stream_failed(self, resp: web.StreamResponse, req: Request) -> bool:
+        """After a stream's last token: if the request failed, end the stream with an error event."""
+        if req.error is None:
+            return False
+        await self._send(resp, {"error": {"message": req.error, "type": _ERROR_TYPES[500], "code": 500}})
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return True
 
     @staticmethod
     def _finish_reason(req: Request) -> dict[str, Any]:
@@ -313,9 +324,10 @@ class SimWorker:
         stream = bool(body.get("stream", False))
         if stream and batch:
             raise ApiError(400, "Streaming is not supported for batched /generate requests.", "stream")
-        for p, n in zip(prompts, max_new):
+        for p, n in zip(prompts, max_new):  # check all before queueing any
             self._check_length(p, n)
-        reqs = [self._submit(p, n, salt, rid if not batch else None) for p, n in zip(prompts, max_new)]
+        scheduler = self._require_ready()
+        reqs = [scheduler.submit(p, n, salt, rid if not batch else None) for p, n in zip(prompts, max_new)]
 
         if not stream:
             await asyncio.gather(*(self._wait(r) for r in reqs))
@@ -328,6 +340,8 @@ class SimWorker:
         async for _ in self._tokens(req):
             await self._send(resp, {"text": self.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids),
                                     "meta_info": self._meta(req, req.finished)})
+        if await self._stream_failed(resp, req):
+            return resp
         if not req.output_ids or not req.finished:
             await self._send(resp, {"text": self.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids),
                                     "meta_info": self._meta(req, True)})
@@ -371,6 +385,8 @@ class SimWorker:
             await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
                                     "choices": [{"index": 0, "text": self.tokenizer.decode(tokens), "logprobs": None,
                                                  "finish_reason": None, "matched_stop": None}]})
+        if await self._stream_failed(resp, req):
+            return resp
         await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
                                              "matched_stop": None}]})
@@ -417,6 +433,8 @@ class SimWorker:
         await self._send(resp, chunk({"role": "assistant", "content": ""}, None))
         async for tokens in self._tokens(req):
             await self._send(resp, chunk({"content": self.tokenizer.decode(tokens)}, None))
+        if await self._stream_failed(resp, req):
+            return resp
         await self._send(resp, chunk({}, "length"))
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created,

@@ -198,3 +198,21 @@ async def test_pool_is_handed_out_in_whole_pages(make: Factory) -> None:
     assert s.used_tokens == 32 and s.free_tokens == 992 - 32
     await finish(req)
     assert s.used_tokens == 0 and s.free_tokens + s.cache.evictable_size == 992
+
+
+async def test_a_failing_step_fails_in_flight_requests_and_keeps_serving(make: Factory,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    s = make()
+    original = s._decode_step
+
+    def broken() -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(s, "_decode_step", broken)
+    req = s.submit(list(range(40)), 5)
+    await finish(req)
+    assert req.error == "internal scheduler error"
+    monkeypatch.setattr(s, "_decode_step", original)
+    ok = s.submit(list(range(40)), 5)
+    await finish(ok)
+    assert ok.error is None and len(ok.output_ids) == 5
