@@ -265,3 +265,40 @@ def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
     load = parse_metrics(text)
     assert load is not None and (load.num_running_reqs, load.num_waiting_reqs, load.num_used_tokens) == (7, 2, 1000)
     assert parse_loads({"unrelated": 1}) is None and parse_metrics("up 1\n") is None
+
+
+def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None:
+    from extproc.events import event_endpoints, worker_block_size
+
+    worker = _workers(1)[0]
+    worker.info = {"page_size": 32, "kv_events": {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557,
+                                                  "replay_endpoint_port_base": 5600, "dp_size": 2, "block_size": 32}}
+    assert event_endpoints(worker) == [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600"),
+                                       ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601")]
+    assert worker_block_size(worker) == 32
+    worker.info["kv_events"]["endpoint_host"] = "10.1.2.3"
+    assert event_endpoints(worker)[0][0] == "tcp://10.1.2.3:5557"
+    worker.kv_events_endpoint = "tcp://127.0.0.9:7000"  # configured endpoints win
+    assert event_endpoints(worker) == [("tcp://127.0.0.9:7000", None)]
+
+
+def test_decision_span_explains_the_choice_without_prompt_text() -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    router = Router(RouterConfig(), WorkerRegistry(_workers(3)))
+    exporter = InMemorySpanExporter()
+    router.telemetry.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    secret = "the launch codes are " + "zebra " * 80
+    outcome = router.route(ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
+                                         messages=[{"role": "user", "content": secret}]))
+    router.finish(outcome)
+    (span,) = exporter.get_finished_spans()
+    attrs = dict(span.attributes or {})
+    assert attrs["router.chosen"] == outcome.worker.id and attrs["router.reason"] == outcome.decision.reason
+    assert attrs["router.prompt_tokens"] == len(outcome.request.token_ids or [])
+    assert attrs["router.blocks"] == len(outcome.request.block_keys) > 0
+    assert len(attrs["router.candidates.predicted_ttft_s"]) == 3 and attrs["router.decision_ms"] > 0
+    assert not any("zebra" in str(v) for v in attrs.values())
+    trace_id = format(span.context.trace_id, "032x")
+    assert outcome.upstream_headers["traceparent"].split("-")[1] == trace_id
