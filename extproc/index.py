@@ -231,8 +231,8 @@ class BlockIndex:
             fallback_ttl = self.config.fallback_ttl_s
             unknown = self._unknown
             for i, key in enumerate(keys):
-                mask = holders.get(key, 0)
-                entry = recent.get(key)
+                mask = holders.get(key, 0) & alive
+                entry = recent.get(key) if mask != alive else None  # confirmed for all: skip the record
                 if entry:
                     for slot, stamp in entry.items():
                         ttl = fallback_ttl if unknown >> slot & 1 else spec_ttl

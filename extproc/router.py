@@ -109,7 +109,9 @@ class Router:
             return list(parsed.input_ids), parsed.prompt_text or ""
         tokenizer = self.tokenizer_for(parsed.model)
         if parsed.kind == "chat" and parsed.messages is not None:
-            text = tokenizer.render_chat(parsed.messages, parsed.tools, **(parsed.chat_template_kwargs or {}))
+            kwargs = dict(parsed.chat_template_kwargs or {})
+            generation = bool(kwargs.pop("add_generation_prompt", True))
+            text = tokenizer.render_chat(parsed.messages, parsed.tools, generation, **kwargs)
             return (tokenizer.encode_rendered(text) if want_tokens else None), text
         text = parsed.prompt_text or ""
         return (tokenizer.encode_text(text) if want_tokens else None), text
