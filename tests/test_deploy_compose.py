@@ -241,4 +241,4 @@ def test_dockerfile_is_slim_non_root_and_runs_prefix_router_serve() -> None:
         if line.startswith("COPY ") and "--from=" not in line:
             for source in line.split()[1:-1]:
                 assert source in allowed, f"{source} is excluded by .dockerignore"
-                assert (ROOT / source).exists() or source == "README.md", source
+                assert (ROOT / source).exists(), source
