@@ -10,15 +10,17 @@ The pieces, in request order:
    ext_proc fails open (measured: without it, Envoy proxies to any ``ip:port`` the client names).
 2. ``ext_proc`` filter: request headers SEND, body BUFFERED, responses SKIP (streams flow through
    unbuffered), ``failure_mode_allow`` (fail open), ``envoy.lb`` metadata accepted.
-3. Routes: with the destination header (only the router can have set it) -> ORIGINAL_DST cluster that
-   connects to that ``ip:port``; without it (pass-through paths, router down or slow) -> an ordinary
-   least-request cluster of the same workers.
+3. Routes: with the router's header and ``envoy.lb`` metadata -> ORIGINAL_DST cluster that connects
+   to that ``ip:port``; a generation request without them (router down or slow) -> an ordinary
+   least-request cluster of the same workers; any other path -> the same cluster, with ext_proc
+   disabled on that route (no round trip, body not buffered).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from extproc.request import GENERATION_PATHS
 from extproc.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE
 from extproc.workers import parse_worker_url
 
@@ -209,12 +212,20 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
 
 
 def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
-    """Header present (set by the router) -> ORIGINAL_DST; otherwise -> least-request (fail-open)."""
+    """Router's pick -> ORIGINAL_DST; other generation requests (fail-open) and other paths -> least-request.
+
+    Paths the router does not parse never reach ext_proc at all (disabled per route): no gRPC round
+    trip for them, and their bodies stream through instead of being buffered (a buffered body over
+    Envoy's buffer limit would be refused).
+    """
     action: dict[str, Any] = {"timeout": "0s"}  # generations may stream for minutes; idle timeout still applies
     extra: dict[str, Any] = {}
     if spec.upstream_host_header:
         extra["response_headers_to_add"] = [{"header": {"key": UPSTREAM_HOST_HEADER, "value": "%UPSTREAM_HOST%"},
                                              "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    failopen = {"cluster": FAILOPEN_CLUSTER, **action}
+    if spec.extproc is None:
+        return [{"name": "workers", "match": {"prefix": "/"}, "route": failopen, **extra}]
     # Match on the router's metadata as well as its header: a client cannot set dynamic metadata, and a
     # route cached before ext_proc ran (filters look up per-route config) must be the fail-open one.
     picked = {"name": "router-picked",
@@ -222,9 +233,14 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
                         "dynamic_metadata": [{"filter": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}],
                                               "value": {"present_match": True}}]},
               "route": {"cluster": ORIGINAL_DST_CLUSTER, **action}, **extra}
-    failopen = {"name": "fail-open", "match": {"prefix": "/"},
-                "route": {"cluster": FAILOPEN_CLUSTER, **action}, **extra}
-    return [picked, failopen] if spec.extproc is not None else [failopen]
+    paths = "|".join(re.escape(p.lstrip("/")) for p in GENERATION_PATHS)
+    generation = {"name": "fail-open", "match": {"safe_regex": {"regex": f"^/({paths})$"}},
+                  "route": failopen, **extra}
+    other = {"name": "pass-through", "match": {"prefix": "/"}, "route": failopen,
+             "typed_per_filter_config": {"envoy.filters.http.ext_proc": {
+                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                 "disabled": True}}, **extra}
+    return [picked, generation, other]
 
 
 def local_reply_config() -> dict[str, Any]:
@@ -310,8 +326,15 @@ def example_files(spec: GatewaySpec = EXAMPLE_SPEC) -> dict[str, str]:
     }
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Spell repeated pieces out instead of YAML anchors/aliases: the output is for people to paste."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump(data: Any) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    return yaml.dump(data, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -406,8 +406,8 @@ Try it (the x-upstream-host response header names the worker that served):
     -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE). ROUTE is router-picked when
-the router chose the worker, fail-open when Envoy's least-request route served it (other paths, or
-the router down). Ctrl-C stops everything.
+the router chose the worker, fail-open when Envoy's least-request route served a generation request
+(router down or slow), pass-through for other paths. Ctrl-C stops everything.
 """.rstrip() + "\n"
 
 

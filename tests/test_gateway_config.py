@@ -62,6 +62,9 @@ def test_filter_order_and_modes() -> None:
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ext_proc["processing_mode"]["response_header_mode"] == "SKIP"
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    names = [r["name"] for r in envoy_config.routes(EXAMPLE_SPEC)]
+    assert names == ["router-picked", "fail-open", "pass-through"]
+    assert envoy_config.routes(EXAMPLE_SPEC)[2]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
     picked = envoy_config.clusters(EXAMPLE_SPEC)[1]
     assert picked["type"] == "ORIGINAL_DST" and picked["lb_policy"] == "CLUSTER_PROVIDED"
     assert picked["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"

@@ -101,12 +101,25 @@ def test_router_reply_sets_header_metadata_and_clears_route_cache(stack: Gateway
     assert listed[0] == option.header.raw_value.decode() and set(listed) == workers(stack)
 
 
+STREAMS = "http.gateway.ext_proc.streams_started"
+
+
 def test_other_paths_pass_through_to_ordinary_routing(stack: GatewayStack) -> None:
     picked_before, failopen_before = stats(stack)
+    streams_before = envoy_stats(stack.admin_url).get(STREAMS, 0)
     reply = request(stack.url + "/v1/models")
     assert reply.status == 200 and reply.json()["object"] == "list"
     assert reply.headers["x-upstream-host"] in workers(stack)
     assert stats(stack) == (picked_before, failopen_before + 1)
+    assert envoy_stats(stack.admin_url).get(STREAMS, 0) == streams_before  # the router was not even asked
+
+
+def test_pass_through_bodies_are_not_buffered_for_the_router(stack: GatewayStack) -> None:
+    # Bigger than Envoy's buffer limit (2 x LIMIT): a buffered body would be refused with 413.
+    before = envoy_stats(stack.admin_url).get(FAILOPEN, 0)
+    reply = post(stack.url + "/v1/embeddings", b'{"input": "' + b"a" * (3 * LIMIT) + b'"}')
+    assert reply.status != 413 and reply.headers["x-upstream-host"] in workers(stack)
+    assert envoy_stats(stack.admin_url)[FAILOPEN] == before + 1
 
 
 @pytest.mark.parametrize("path, body, status, message", [
