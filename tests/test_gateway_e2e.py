@@ -20,6 +20,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from conftest import free_port
 from gateway_http import SpoofTarget, envoy_stats, post, request, stream_lines
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -296,3 +297,22 @@ def test_router_port_binds_loopback_by_default() -> None:
 def test_envoy_config_on_disk_is_what_the_stack_runs(stack: GatewayStack) -> None:
     text = Path(stack.envoy_config_path).read_text()
     assert "x-gateway-destination-endpoint" in text and "failure_mode_allow: true" in text
+
+
+async def test_health_checker_discovers_model_and_page_size(stack: GatewayStack) -> None:
+    from extproc.config import HealthConfig, WorkerConfig
+    from extproc.workers import HealthChecker, WorkerRegistry
+
+    registry = WorkerRegistry.from_configs([WorkerConfig(url=url) for url in stack.worker_urls]
+                                           + [WorkerConfig(url=f"http://127.0.0.1:{free_port()}")])
+    checker = HealthChecker(registry, HealthConfig(timeout_s=0.5))
+    await checker.start()
+    try:
+        *alive, dead = registry.workers
+        assert not dead.healthy and registry.candidates() == alive  # never routed to, even at start-up
+        for worker in alive:
+            assert worker.model == "meta-llama/Llama-3.1-8B-Instruct"  # the sim worker's served name
+            assert worker.info["page_size"] == 16 and worker.info["model_info"]["is_generation"] is True
+        assert registry.candidates("some-other-name") == alive  # unknown names are served anyway
+    finally:
+        await checker.stop()
