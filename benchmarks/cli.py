@@ -102,6 +102,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="Skip this many (sampled) records: the start of the window.")
     t.add_argument("--time-scale", type=_positive(float), default=1.0,
                    help="Divide the trace's inter-arrival times by this (10 = ten times faster).")
+    t.add_argument("--max-input-tokens", type=_positive(int), default=None,
+                   help="Truncate longer trace prompts to this many tokens (their leading blocks, and so their "
+                        "reuse, stay); keeps every prompt inside one worker's --capacity-tokens.")
     t.add_argument("--max-output-tokens", type=_positive(int), default=None,
                    help="Cap each trace request's output_length (decode length does not change routing, "
                         "but streams cost client CPU).")
@@ -146,7 +149,8 @@ def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
         if args.trace is None:
             raise TraceError("--workload trace needs --trace FILE")
         window = TraceWindow(sample=args.trace_sample, start=args.trace_start, max_requests=args.max_requests, time_scale=args.time_scale,
-                             rate=rate, max_output=args.max_output_tokens)
+                             rate=rate, max_output=args.max_output_tokens,
+                             max_input=args.max_input_tokens)
         return trace_workload(args.trace, block_size=args.trace_block_size, window=window, seed=args.seed)
     if args.max_requests is not None:
         w.requests = w.requests[: args.max_requests]
@@ -210,7 +214,7 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
         if not workload.requests:
             raise TraceError("the workload has no requests")
         oracles[rate] = oracle_hit_rate(iter_token_ids(workload.requests), spec.workers * spec.capacity_tokens,
-                                        spec.page_size)
+                                        spec.page_size, max_prompt_tokens=spec.capacity_tokens)
         offered = workload.offered_rate
         print(f"# {workload.name}: {len(workload.requests)} requests over {workload.duration_s:.1f} s "
               f"(offered {offered:.2f} req/s); oracle hit rate {oracles[rate]:.3f}", file=sys.stderr)

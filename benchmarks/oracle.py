@@ -5,8 +5,9 @@ cache of N x capacity that sees every request. The oracle replays the request se
 order) through one LRU prefix cache of full pages, like SGLang's radix cache with ``page_size``:
 a request hits its longest cached run of leading pages, then its pages are inserted. Eviction is
 LRU over pages with leaves going first (a page is touched no earlier than its children), which is
-what SGLang's radix-cache eviction does. Running requests do not pin pages here, so this is an
-upper bound, not a prediction.
+what SGLang's radix-cache eviction does. Running requests do not pin pages here. It is a reference,
+not a strict bound: LRU is not optimal, and N separate caches can occasionally beat one pooled LRU
+(a huge prompt flushes one worker instead of the whole pool).
 """
 
 from __future__ import annotations
@@ -57,9 +58,15 @@ class PooledCache:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def oracle_hit_rate(token_sequences: Iterable[Sequence[int]], capacity_tokens: int, page_size: int) -> float:
-    """Hit rate of one pooled cache of ``capacity_tokens`` over the requests in order."""
+def oracle_hit_rate(token_sequences: Iterable[Sequence[int]], capacity_tokens: int, page_size: int,
+                    max_prompt_tokens: int | None = None) -> float:
+    """Hit rate of one pooled cache of ``capacity_tokens`` over the requests in order.
+
+    Prompts longer than ``max_prompt_tokens`` (one worker's pool: every worker rejects them, so no
+    contender's hit rate counts them) are skipped here too.
+    """
     cache = PooledCache(capacity_tokens, page_size)
     for tokens in token_sequences:
-        cache.access(tokens)
+        if max_prompt_tokens is None or len(tokens) <= max_prompt_tokens:
+            cache.access(tokens)
     return cache.hit_rate

@@ -6,14 +6,15 @@ the other replicas' *unconfirmed* decisions: a request routed by replica A is in
 index at once, but B learns about it only when the worker publishes ``BlockStored`` after the
 prefill. Requests that share a prefix and arrive within that window may be split across workers.
 
-This benchmark measures exactly that: the same workload (same bytes, same arrival times) through
+This benchmark measures exactly that: the same workload (same bytes, same arrival times; by default
+fan-out bursts of requests sharing a prefix, the case that exposes the window) through
 1, 2 and 3 replicas, each time on a fresh identical cluster of simulated workers, with Envoy's
 ext_proc cluster listing all replicas (round robin per request). It prints cache hit rate (cached
 prompt tokens / prompt tokens, as the workers report them), affinity (share of a prefix group's
 requests, after the first, that landed on a worker which had already served that group), workers
 touched per group, and TTFT::
 
-    python -m benchmarks.replicas                       # 1, 2, 3 replicas, gsp workload
+    python -m benchmarks.replicas                       # 1, 2, 3 replicas, burst workload
     python -m benchmarks.replicas --replicas 1,3 --rate 8 --json out/replicas.json
     python -m benchmarks.replicas --shared-state start   # replicas share decisions via Redis
 """
@@ -46,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.client import ClientOptions, run_load
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.metrics import RequestResult, percentile
-from benchmarks.workloads import Workload, gsp_workload, prefix_hash
+from benchmarks.workloads import BenchRequest, Workload, block_text, gsp_workload, prefix_hash
 from extproc import envoy_config
 from extproc.envoy_config import GatewaySpec, split_host_port
 from extproc.stack import find_envoy, free_port
@@ -236,6 +237,44 @@ def affinity(groups: Sequence[str], results: Sequence[RequestResult]) -> tuple[f
     return (warm / later if later else math.nan), (sum(per_group) / len(per_group) if per_group else math.nan)
 
 
+def burst_workload(*, groups: int, burst_size: int, bursts_per_group: int, system_prompt_len: int,
+                   question_len: int, output_len: int, gap_s: float, spacing_s: float, seed: int) -> Workload:
+    """Fan-out bursts: ``burst_size`` requests sharing a group's system prompt within a few ms.
+
+    The pattern of an agent issuing parallel calls on one context: all requests of a burst arrive
+    before the worker that got the first one has finished its prefill, so only the routers' own
+    (unconfirmed) decisions can keep the burst together. Bursts start every ``gap_s`` and cycle over
+    the groups, so a group's later bursts also test that confirmed state (events) is shared.
+    """
+    if min(groups, burst_size, bursts_per_group, system_prompt_len, question_len, output_len) <= 0 or gap_s <= 0:
+        raise ValueError("burst sizes and the gap must be positive")
+    ns = f"burst/{seed}"
+    requests = []
+    for b in range(groups * bursts_per_group):
+        group, round_ = b % groups, b // groups
+        system = block_text(ns + "/system", group, system_prompt_len)
+        for i in range(burst_size):
+            question = block_text(ns + f"/q{group}", round_ * burst_size + i, question_len)
+            requests.append(BenchRequest(index=len(requests), arrival_s=b * gap_s + i * spacing_s,
+                                         max_tokens=output_len,
+                                         messages=[{"role": "system", "content": system},
+                                                   {"role": "user", "content": question}]))
+    return Workload("burst", requests, {"groups": groups, "burst_size": burst_size,
+                                        "bursts_per_group": bursts_per_group, "system_prompt_len": system_prompt_len,
+                                        "question_len": question_len, "output_len": output_len, "gap_s": gap_s,
+                                        "spacing_s": spacing_s, "seed": seed})
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    if args.workload == "burst":
+        return burst_workload(groups=args.groups, burst_size=args.burst_size, bursts_per_group=args.bursts_per_group,
+                              system_prompt_len=args.system_len, question_len=args.question_len,
+                              output_len=args.output_len, gap_s=args.gap, spacing_s=args.spacing, seed=args.seed)
+    return gsp_workload(groups=args.groups, prompts_per_group=args.prompts_per_group,
+                        system_prompt_len=args.system_len, question_len=args.question_len,
+                        output_len=args.output_len, rate=args.rate, seed=args.seed)
+
+
 def _groups(workload: Workload) -> list[str]:
     """A request's prefix group: its first message (gsp: the shared system prompt)."""
     return [prefix_hash(r.messages[0]["content"], 1 << 20) for r in workload.requests]
@@ -264,9 +303,7 @@ async def run_one(replicas: int, workload: Workload, spec: ClusterSpec, options:
 
 
 async def run(args: argparse.Namespace) -> list[ReplicaResult]:
-    workload = gsp_workload(groups=args.groups, prompts_per_group=args.prompts_per_group,
-                            system_prompt_len=args.system_len, question_len=args.question_len,
-                            output_len=args.output_len, rate=args.rate, seed=args.seed)
+    workload = build_workload(args)
     spec = ClusterSpec(workers=args.workers, profile=args.profile, speedup=args.speedup,
                        capacity_tokens=args.capacity_tokens, page_size=args.page_size, seed=args.seed)
     router_config: dict[str, Any] = {"policy": {"name": args.policy}}
@@ -343,12 +380,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=1.0, help="Run the workers' clock this much faster.")
     parser.add_argument("--capacity-tokens", type=int, default=65536, help="KV capacity of each worker in tokens.")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size (= router block size).")
-    parser.add_argument("--groups", type=int, default=24, help="Shared system prompts (prefix groups).")
-    parser.add_argument("--prompts-per-group", type=int, default=8, help="Requests per group.")
+    parser.add_argument("--workload", choices=["burst", "gsp"], default="burst",
+                        help="burst: fan-out bursts of requests sharing a prefix (the case replicas can split); "
+                             "gsp: generated shared prefix with Poisson arrivals.")
+    parser.add_argument("--groups", type=int, default=16, help="Shared system prompts (prefix groups).")
+    parser.add_argument("--burst-size", type=int, default=6, help="burst: requests per burst.")
+    parser.add_argument("--bursts-per-group", type=int, default=2, help="burst: bursts of each group.")
+    parser.add_argument("--gap", type=float, default=0.5, help="burst: seconds between burst starts.")
+    parser.add_argument("--spacing", type=float, default=0.005, help="burst: seconds between requests of a burst.")
+    parser.add_argument("--prompts-per-group", type=int, default=8, help="gsp: requests per group.")
     parser.add_argument("--system-len", type=int, default=2048, help="System prompt tokens.")
     parser.add_argument("--question-len", type=int, default=64, help="Question tokens.")
     parser.add_argument("--output-len", type=int, default=16, help="Output tokens per request.")
-    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrival rate, requests/s.")
+    parser.add_argument("--rate", type=float, default=8.0, help="gsp: Poisson arrival rate, requests/s.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of prompts, arrivals and workers.")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="Per-request timeout, seconds.")
     parser.add_argument("--json", type=Path, default=None, help="Also write the figures as JSON here.")
@@ -359,9 +403,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     configure(parser)
     args = parser.parse_args(argv)
-    print(f"gsp: {args.groups} groups x {args.prompts_per_group} prompts, system {args.system_len} tokens, "
-          f"{args.rate} req/s, {args.workers} workers ({args.profile}, speedup {args.speedup}), "
-          f"policy {args.policy}{', shared state ' + args.shared_state if args.shared_state else ''}")
+    if args.workload == "burst":
+        shape = (f"burst: {args.groups} groups x {args.bursts_per_group} bursts of {args.burst_size} "
+                 f"({args.spacing * 1000:.0f} ms apart, a burst every {args.gap} s)")
+    else:
+        shape = f"gsp: {args.groups} groups x {args.prompts_per_group} prompts at {args.rate} req/s"
+    print(f"{shape}, system {args.system_len} tokens, {args.workers} workers ({args.profile}, speedup "
+          f"{args.speedup}), policy {args.policy}{', shared state ' + args.shared_state if args.shared_state else ''}")
     print(HEADER, flush=True)
     try:
         results = asyncio.run(run(args))

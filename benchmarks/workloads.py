@@ -222,6 +222,7 @@ class TraceWindow:
     time_scale: float = 1.0
     rate: float | None = None
     max_output: int | None = None  # cap output_length (long decodes cost client CPU, not routing insight)
+    max_input: int | None = None  # truncate longer prompts (their leading blocks, hence their reuse, stay)
 
 
 def _family_kept(hash_ids: Sequence[int], sample: float) -> bool:
@@ -310,6 +311,8 @@ def trace_workload(path: str | Path, *, block_size: int = 512, window: TraceWind
     ns = f"trace/{seed}"
     requests = []
     for i, (record, t) in enumerate(zip(records, arrivals)):
+        if window.max_input is not None and record.input_length > window.max_input:
+            record = TraceRecord(record.timestamp_ms, window.max_input, record.output_length, record.hash_ids)
         out = max(1, record.output_length)
         if window.max_output is not None:
             out = min(out, window.max_output)
@@ -318,7 +321,8 @@ def trace_workload(path: str | Path, *, block_size: int = 512, window: TraceWind
     return Workload("trace", requests, {"trace": str(path), "block_size": block_size, "sample": window.sample,
                                         "start": window.start,
                                         "max_requests": window.max_requests, "time_scale": window.time_scale,
-                                        "rate": window.rate, "max_output": window.max_output, "seed": seed})
+                                        "rate": window.rate, "max_output": window.max_output,
+                                        "max_input": window.max_input, "seed": seed})
 
 
 def iter_token_ids(requests: Sequence[BenchRequest]) -> Iterator[list[int]]:

@@ -76,6 +76,9 @@ def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
     assert [len(tok.encode_text(t, add_special_tokens=False)) for t in texts] == [40, 30, 20]
     assert texts[1] == texts[0][: len(texts[1])]  # shares ids 0,1 (second block cut to 14 tokens)
     assert texts[2][: len(texts[2]) // 2] != texts[0][len(texts[2]) // 2:]
+    cut = trace_workload(trace, block_size=16, window=TraceWindow(max_input=20))
+    assert [len(tok.encode_text(r.messages[0]["content"], add_special_tokens=False)) for r in cut.requests] == [20, 20, 20]
+    assert cut.requests[0].messages[0]["content"] == texts[0][: len(cut.requests[0].messages[0]["content"])]
     poisson = trace_workload(trace, block_size=16, window=TraceWindow(rate=1.0, start=1, max_requests=1))
     assert len(poisson.requests) == 1 and poisson.requests[0].messages == w.requests[1].messages
 
@@ -147,6 +150,9 @@ def test_oracle_on_gsp_matches_the_closed_form() -> None:
     # Each group's 2nd..4th request hits the system prompt's full pages (template header included).
     assert 0.6 < rate < 0.75
     assert oracle_hit_rate(tokens, capacity_tokens=0, page_size=16) == 0.0
+    # Prompts no single worker could hold are rejected by every worker: the oracle skips them too.
+    assert oracle_hit_rate(tokens + [list(range(5000))], capacity_tokens=1_000_000, page_size=16,
+                           max_prompt_tokens=4096) == rate
 
 
 def test_percentiles_and_summary() -> None:
