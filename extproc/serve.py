@@ -29,18 +29,25 @@ log = logging.getLogger("prefix_router")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path,
+    # Flags left out do not override the config file or environment (hence SUPPRESS, not None).
+    unset = argparse.SUPPRESS
+    parser.add_argument("--config", type=Path, default=unset,
                         help="YAML router config (sections as in docs/gateway.md); environment and flags override it.")
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="Worker base URL or host:port; repeat for each worker (added to the config's workers).")
-    parser.add_argument("--host", help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy).")
-    parser.add_argument("--port", type=int, help="gRPC port for ext_proc + health (default 9002).")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9102; 0 disables).")
-    parser.add_argument("--policy", help="Routing policy, e.g. prefix-aware, least-load, round-robin.")
-    parser.add_argument("--max-body-bytes", type=int, help="Larger request bodies are answered 413 (default 8 MiB).")
-    parser.add_argument("--tls-cert", type=Path, help="PEM certificate: serve the gRPC port over TLS.")
-    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert.")
-    parser.add_argument("--tls-client-ca", type=Path, help="Require client certificates signed by this CA (mTLS).")
+    parser.add_argument("--host", default=unset,
+                        help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy can connect).")
+    parser.add_argument("--port", type=int, default=unset, help="gRPC port for ext_proc + health (default 9002).")
+    parser.add_argument("--metrics-port", type=int, default=unset,
+                        help="Prometheus /metrics port (default 9102; 0 disables).")
+    parser.add_argument("--policy", default=unset,
+                        help="Routing policy: prefix-aware (default), session, least-load, round-robin, ...")
+    parser.add_argument("--max-body-bytes", type=int, default=unset,
+                        help="Larger request bodies are answered 413 (default 8 MiB).")
+    parser.add_argument("--tls-cert", type=Path, default=unset, help="PEM certificate: serve the gRPC port over TLS.")
+    parser.add_argument("--tls-key", type=Path, default=unset, help="PEM private key for --tls-cert.")
+    parser.add_argument("--tls-client-ca", type=Path, default=unset,
+                        help="Require client certificates signed by this CA (mTLS).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -52,12 +59,12 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         value = getattr(args, flag, None)
         if value is not None:
             server[key] = value
-    if args.metrics_port is not None:
+    if getattr(args, "metrics_port", None) is not None:
         server["metrics_port"] = args.metrics_port or None
     overrides: dict[str, Any] = {"server": server} if server else {}
-    if args.policy:
+    if getattr(args, "policy", None):
         overrides["policy"] = {"name": args.policy}
-    config = load_config(args.config, overrides)
+    config = load_config(getattr(args, "config", None), overrides)
     if args.worker:
         from extproc.config import WorkerConfig
 
