@@ -83,7 +83,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return self._decide(kind, path, headers, b"", phase="request_headers")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            # Refuse before Envoy buffers the body at all.
+            # Refuse as soon as the size is known: no worker and no parser need to see this body.
             return error_response(413, f"request body is {length} bytes; the limit is {self.max_body_bytes} bytes",
                                   type_="request_too_large"), None
         return continue_headers(), None

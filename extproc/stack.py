@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -349,7 +349,7 @@ class GatewayStack:
             handle.close()
         return _Child(name, process, log)
 
-    async def _wait(self, child: _Child, ready: Any, what: str) -> None:
+    async def _wait(self, child: _Child, ready: Callable[[], Awaitable[bool]], what: str) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while not await ready():
             if child.process.poll() is not None:
