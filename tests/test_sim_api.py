@@ -155,3 +155,18 @@ def test_not_ready_answers_503() -> None:
         status, body = http("POST", w.url + "/generate", {"input_ids": [1, 2, 3]})
         assert status == 503 and json.loads(body)["code"] == 503
         assert http("GET", w.url + "/server_info")[0] == 200  # info is served while loading, as in SGLang
+
+
+def test_latency_follows_the_timing_profile_over_http() -> None:
+    """8B on H100 at real speed: a 4096-token prefill (~118 ms) then 10 decode steps (~7 ms each)."""
+    with start_sim_worker(profile="llama-3.1-8b-h100", page_size=16) as w:
+        status, body = post_json(w, "/generate", {"input_ids": list(range(10, 4106)),
+                                                  "sampling_params": {"max_new_tokens": 11}})
+        assert status == 200
+        expected = (0.015 + 23e-6 * 4096 + 0.52e-9 * 4096 ** 2) + 10 * (0.007 + 0.06e-3 + 49e-9 * 4100)
+        assert expected * 0.95 <= body["meta_info"]["e2e_latency"] <= expected * 3
+        # The same prompt again: all but its last page is cached, so it is much faster.
+        status, again = post_json(w, "/generate", {"input_ids": list(range(10, 4106)),
+                                                   "sampling_params": {"max_new_tokens": 11}})
+        assert again["meta_info"]["cached_tokens"] == 4080
+        assert again["meta_info"]["e2e_latency"] < body["meta_info"]["e2e_latency"] - 0.05
