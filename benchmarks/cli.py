@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.client import ClientOptions, run_load
+from benchmarks.client import ClientOptions, LatencyProbe, run_load
 from benchmarks.cluster import Cluster, ClusterError, ClusterSpec
 from benchmarks.contenders import ContenderError, create_contender, validate_contender_names
-from benchmarks.metrics import RequestResult, Summary, failed, summarize
+from benchmarks.metrics import RequestResult, Summary, failed, percentile, summarize
 from benchmarks.oracle import oracle_hit_rate
-from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
-from benchmarks.workloads import (TraceError, TraceWindow, Workload, gsp_workload, iter_token_ids,
+from benchmarks.report import (BenchReport, markdown_table, overhead_table, plot_ttft_cdf, plot_ttft_vs_load,
+                               write_json)
+from benchmarks.workloads import (TraceError, TraceWindow, Workload, block_text, gsp_workload, iter_token_ids,
                                   multiturn_workload, trace_workload)
 
 __all__ = ["configure", "main"]
@@ -133,6 +135,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="Write PNG plots here (TTFT CDF per offered load; TTFT vs load for sweeps).")
     r.add_argument("--no-progress", action="store_true", help="No progress bar (for logs).")
 
+    o = parser.add_argument_group("--suite overhead (plain Envoy vs ours:<policy> from --contenders vs sgl-router)")
+    o.add_argument("--overhead-sizes", type=lambda t: [int(x) for x in _rates(t)], default=[1024, 8192, 32768],
+                   help="Prompt sizes in tokens, comma-separated.")
+    o.add_argument("--overhead-requests", type=_positive(int), default=100,
+                   help="Measured sequential requests per prompt size and gateway.")
+    o.add_argument("--overhead-warmup", type=int, default=5, help="Unmeasured requests first, per size.")
+
 
 def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
     """The workload at one offered load (``rate`` None: the trace's own timestamps)."""
@@ -235,11 +244,88 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
     return BenchReport(workload.name, params, oracles, summaries, ttfts, setup)
 
 
+async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """Plain Envoy vs our gateway vs sgl-router over the same instant workers.
+
+    The same methodology as ``benchmarks.router_overhead`` (sequential requests over kept-alive
+    connections, gateways interleaved request by request so machine noise hits all alike, unique
+    prompts so nothing is cached), extended with sgl-router and a closed-loop throughput run.
+    """
+    from extproc.stack import GatewayStack
+
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    policy = next((n[5:] for n in names if n.startswith("ours:")), "prefix-aware")
+    spec = ClusterSpec(workers=args.workers, profile="instant", speedup=1.0, capacity_tokens=1_000_000,
+                       page_size=args.page_size, seed=args.seed)
+    cluster = Cluster(spec)
+    await cluster.start()
+    gateways: dict[str, Any] = {}
+    sgl = create_contender("sgl-router")
+    try:
+        plain = GatewayStack(worker_urls=cluster.urls, router=False, upstream_host_header=False)
+        ours = GatewayStack(worker_urls=cluster.urls, policy=policy, upstream_host_header=False)
+        await plain.start()
+        gateways["envoy-direct"] = plain
+        await ours.start()
+        gateways[f"ours:{policy}"] = ours
+        urls = {"envoy-direct": plain.url, f"ours:{policy}": ours.url}
+        try:
+            urls["sgl-router"] = await sgl.start(cluster.urls)
+        except ContenderError as exc:
+            print(f"  sgl-router did not start: {exc}", file=sys.stderr)
+        latencies: dict[str, dict[int, list[float]]] = {name: {} for name in urls}
+        order = list(urls)
+        async with LatencyProbe(urls) as probe:
+            for size in args.overhead_sizes:
+                bar = _progress(args.overhead_requests, f"overhead {size} tokens", args.no_progress)
+                for name in order:
+                    latencies[name][size] = []
+                for i in range(args.overhead_warmup + args.overhead_requests):
+                    body = _overhead_body(args.seed, size, i)
+                    rotated = order[i % len(order):] + order[: i % len(order)]
+                    for name in rotated:
+                        elapsed = await probe.time_one(name, body)
+                        if i >= args.overhead_warmup:
+                            latencies[name][size].append(elapsed)
+                    if i >= args.overhead_warmup:
+                        bar.update(1)
+                bar.close()
+            bodies = [_overhead_body(args.seed + 1, 1024, i) for i in range(256)]
+            throughput = {name: await probe.throughput(name, bodies, concurrency=16, duration_s=5.0)
+                          for name in order}
+    finally:
+        await sgl.stop()
+        for stack in gateways.values():
+            await stack.stop()
+        await cluster.stop()
+    table = overhead_table(latencies, throughput, "envoy-direct")
+    data = {"suite": "overhead", "workers": args.workers, "policy": policy,
+            "latency_ms": {name: {str(size): {"p50": percentile(v, 50) * 1000, "p99": percentile(v, 99) * 1000,
+                                              "added_p50": (percentile(v, 50) - percentile(latencies["envoy-direct"][size], 50)) * 1000,
+                                              "added_p99": (percentile(v, 99) - percentile(latencies["envoy-direct"][size], 99)) * 1000,
+                                              "requests": len(v)}
+                                  for size, v in by_size.items()} for name, by_size in latencies.items()},
+            "requests_per_s": throughput}
+    return table, data
+
+
+def _overhead_body(seed: int, tokens: int, i: int) -> bytes:
+    text = block_text(f"overhead/{seed}/{tokens}", i, tokens)
+    return json.dumps({"model": "default", "max_tokens": 1, "stream": False,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+
+
 def main(args: argparse.Namespace) -> int:
     if args.suite == "overhead":
-        from benchmarks.router_overhead import main as overhead_main
-
-        return int(overhead_main(args) or 0)
+        try:
+            table, data = asyncio.run(run_overhead(args))
+        except (ClusterError, RuntimeError, OSError) as exc:
+            print(f"prefix-router bench: overhead suite failed: {exc}", file=sys.stderr)
+            return 1
+        print(table)
+        if args.json is not None:
+            args.json.write_text(json.dumps(data, indent=2) + "\n")
+        return 0
     if args.workload == "trace" and args.trace is None:
         print("prefix-router bench: --workload trace needs --trace FILE", file=sys.stderr)
         return 2

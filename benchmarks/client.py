@@ -23,7 +23,7 @@ import aiohttp
 from benchmarks.metrics import RequestResult
 from benchmarks.workloads import BenchRequest, prefix_hash
 
-__all__ = ["ClientOptions", "PREFIX_HEADER", "UPSTREAM_HEADER", "run_load"]
+__all__ = ["ClientOptions", "LatencyProbe", "PREFIX_HEADER", "UPSTREAM_HEADER", "run_load"]
 
 PREFIX_HEADER = "x-prefix-hash"  # ring-hash key, computed by the client from the prompt's first characters
 UPSTREAM_HEADER = "x-upstream-host"  # the worker that served the request, when the gateway reports it
@@ -125,3 +125,51 @@ async def run_load(base_url: str, requests: Sequence[BenchRequest], options: Cli
             return result
 
         return list(await asyncio.gather(*(one(p) for p in prepared)))
+
+
+async def _timed_post(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    start = time.perf_counter()
+    async with session.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+        payload = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {payload[:200]!r}")
+    return time.perf_counter() - start
+
+
+class LatencyProbe:
+    """Sequential requests over one kept-alive connection per gateway (what the overhead suite times)."""
+
+    def __init__(self, base_urls: dict[str, str]) -> None:
+        self.urls = {name: url.rstrip("/") + "/v1/chat/completions" for name, url in base_urls.items()}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> LatencyProbe:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def time_one(self, name: str, body: bytes) -> float:
+        assert self._session is not None
+        return await _timed_post(self._session, self.urls[name], body)
+
+    async def throughput(self, name: str, bodies: Sequence[bytes], concurrency: int, duration_s: float) -> float:
+        """Completed requests per second with ``concurrency`` requests always in flight (closed loop)."""
+        assert self._session is not None
+        session, url = self._session, self.urls[name]
+        done = 0
+        stop_at = time.perf_counter() + duration_s
+
+        async def worker(offset: int) -> None:
+            nonlocal done
+            i = offset
+            while time.perf_counter() < stop_at:
+                await _timed_post(session, url, bodies[i % len(bodies)])
+                done += 1
+                i += concurrency
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        return done / (time.perf_counter() - start)
