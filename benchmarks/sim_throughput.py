@@ -6,6 +6,7 @@ GPU worker would take per request. This starts one real worker process with ``--
 and drives it with concurrent aiohttp clients for a fixed time::
 
     python -m benchmarks.sim_throughput --concurrency 64 --duration 10
+    python -m benchmarks.sim_throughput --workers 4      # four processes sharing the machine
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from sglang_workers.process import start_sim_worker
+from sglang_workers.process import start_sim_workers
 
 __all__ = ["main", "run"]
 
@@ -36,7 +37,7 @@ def _body(endpoint: str, rng: random.Random, shared: list[int], args: argparse.N
                          {"role": "user", "content": words}]}
 
 
-async def run(url: str, args: argparse.Namespace) -> dict[str, float]:
+async def run(urls: list[str], args: argparse.Namespace) -> dict[str, float]:
     path = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}[args.endpoint]
     rng = random.Random(args.seed)
     shared = [rng.randrange(10, 8000) for _ in range(args.shared_prefix_tokens)]
@@ -48,6 +49,7 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, float]:
     async def client(session: aiohttp.ClientSession, seed: int) -> None:
         nonlocal errors
         crng = random.Random(seed)
+        url = urls[seed % len(urls)]  # clients spread evenly over the workers
         while (now := time.perf_counter()) < deadline:
             async with session.post(url + path, json=_body(args.endpoint, crng, shared, args)) as resp:
                 await resp.read()
@@ -83,12 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="Output tokens per request.")
     parser.add_argument("--page-size", type=int, default=16, help="Worker page size.")
     parser.add_argument("--seed", type=int, default=0, help="Workload seed.")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="Worker processes sharing the machine (clients spread over them); 1 = one worker's capacity.")
     args = parser.parse_args(argv)
     args.shared_prefix_tokens = min(args.shared_prefix_tokens, args.prompt_tokens - 1)
-    with start_sim_worker(profile="instant", page_size=args.page_size, log_level="warning") as worker:
-        result = asyncio.run(run(worker.url, args))
-    print(f"sim-worker throughput (profile instant, /{args.endpoint}, {args.prompt_tokens}-token prompts, "
-          f"{args.max_new_tokens} output tokens, concurrency {args.concurrency}, {args.duration:.0f}s):")
+    workers = start_sim_workers(args.workers, profile="instant", page_size=args.page_size, log_level="warning")
+    try:
+        result = asyncio.run(run([w.url for w in workers], args))
+    finally:
+        for worker in workers:
+            worker.stop()
+    print(f"sim-worker throughput ({args.workers} worker process(es), profile instant, /{args.endpoint}, "
+          f"{args.prompt_tokens}-token prompts, {args.max_new_tokens} output tokens, concurrency {args.concurrency}, "
+          f"{args.duration:.0f}s):")
     print(f"  {result['req_per_s']:.0f} requests/s  ({result['requests']:.0f} ok, {result['errors']:.0f} errors)  "
           f"latency p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms")
     return 0 if result["errors"] == 0 else 1
