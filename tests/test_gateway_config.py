@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
 
 from extproc import envoy_config
 from extproc.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
@@ -112,3 +114,39 @@ def test_serve_explains_missing_workers_and_bad_config(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "extproc", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "server.port" in run.stderr and "Traceback" not in run.stderr
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as the kernel prints them) of sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A = LISTEN
+                found.append(address)
+    return found
+
+
+def test_router_binds_loopback_by_default() -> None:
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc/net/tcp to see bound addresses")
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "extproc", "serve", "--port", str(port), "--metrics-port", "0",
+                              "--worker", f"127.0.0.1:{free_port()}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening_addresses(port):
+            assert serve.poll() is None and time.monotonic() < deadline, serve.stderr.read() if serve.stderr else ""
+            time.sleep(0.05)
+        # 127.0.0.1, ::ffff:127.0.0.1 (gRPC binds IPv4 through a dual-stack socket), ::1
+        loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+        assert set(_listening_addresses(port)) <= loopback
+    finally:
+        serve.terminate()
+        serve.wait(10)

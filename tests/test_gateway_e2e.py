@@ -288,10 +288,6 @@ def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
     assert stats(stack)[0] == picked_before + 1
 
 
-def test_router_port_binds_loopback_by_default() -> None:
-    from extproc.config import RouterConfig
-
-    assert RouterConfig().server.host == "127.0.0.1"
 
 
 def test_envoy_config_on_disk_is_what_the_stack_runs(stack: GatewayStack) -> None:
