@@ -216,3 +216,16 @@ async def test_a_failing_step_fails_in_flight_requests_and_keeps_serving(make: F
     ok = s.submit(list(range(40)), 5)
     await finish(ok)
     assert ok.error is None and len(ok.output_ids) == 5
+
+
+async def test_lpm_falls_back_to_fcfs_above_128_waiting(make: Factory) -> None:
+    s = make(schedule_policy="lpm", max_running_requests=1)
+    await finish(s.submit(list(range(1000)), 1))
+    blocker = s.submit(list(range(5000, 5040)), 5)
+    while not blocker.output_ids:
+        await asyncio.sleep(0)
+    fillers = [s.submit([20_000 + i] * 20, 1, rid=f"f{i}") for i in range(128)]
+    long = s.submit(list(range(900)) + [9] * 50, 1, rid="long")  # the 129th waiting request
+    await finish(blocker, long, *fillers)
+    order = [st.rids[0] for st in s.steps if st.kind == "prefill" and st.rids[0] not in (blocker.rid,)]
+    assert order[1] == "f0"  # queue order, not the long cached prefix
