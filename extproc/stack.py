@@ -385,6 +385,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-port", type=int, default=0, help="Router gRPC port (0: any free port).")
     parser.add_argument("--metrics-port", type=int, default=0, help="Router /metrics port (0: any free port).")
     parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0: any free port).")
+    parser.add_argument("--timeout-ms", type=int, default=500,
+                        help="Envoy's ext_proc message timeout: a slower router is bypassed (fail-open).")
     parser.add_argument("--sim-speedup", type=float, default=1.0,
                         help="Simulated workers run this many times faster than the GPU they model.")
     parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
@@ -418,7 +420,8 @@ async def _run_up(args: argparse.Namespace) -> int:
     stack = GatewayStack(worker_urls=args.worker, sim_workers=0 if args.worker else args.sim_workers,
                          sim_worker_options=options, port=args.port, host=args.host, policy=args.policy,
                          config=args.config, router_port=args.router_port, metrics_port=args.metrics_port,
-                         admin_port=args.admin_port, access_log=not args.quiet, log_dir=args.log_dir)
+                         admin_port=args.admin_port, timeout_ms=args.timeout_ms, access_log=not args.quiet,
+                         log_dir=args.log_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
