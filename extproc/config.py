@@ -106,6 +106,8 @@ class PrefixAwareOptions(_Section):
     kv_pressure_penalty_s: float = Field(0.25, ge=0, description="Penalty at 100% KV usage, linear from the threshold.")
     tie_abs_s: float = Field(0.003, ge=0, description="Predicted TTFTs within this many seconds of the best count as a tie.")
     tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
+    work_weight: float = Field(1.0, ge=0, description="Ranking adds this times the request's own prefill seconds (GPU time spent); 0 ranks by TTFT alone.")
+    balance_window_s: float = Field(10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window.")
     speedup: float = Field(1.0, gt=0, description="Time compression of simulated workers (their --speedup); 1 for real GPUs.")
 
 

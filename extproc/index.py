@@ -98,7 +98,7 @@ class BlockIndex:
         self._recent: dict[int, dict[int, float]] = {}
         self._recent_fifo: dict[int, deque[tuple[float, Sequence[int]]]] = {}
         self._recent_count: dict[int, int] = {}
-        self._unknown: int = 0  # bitmask of slots whose confirmed state is unknown
+        self._synced: int = 0  # bitmask of slots whose event stream is in sync (others: state unknown)
 
     # -- worker slots -------------------------------------------------------------------------
     def slot(self, worker_id: str) -> int:
@@ -120,7 +120,7 @@ class BlockIndex:
                 return
             self._clear_confirmed(slot)
             self._drop_recent(slot)
-            self._unknown &= ~(1 << slot)
+            self._synced &= ~(1 << slot)
             self._free.append(slot)
 
     # -- write path (events) ------------------------------------------------------------------
@@ -147,10 +147,13 @@ class BlockIndex:
             tier.clear(slot)
 
     def set_unknown(self, worker_id: str, unknown: bool) -> None:
-        """Mark whether the worker's confirmed entries can be trusted (changes the record's TTL)."""
+        """Mark whether the worker's events are in sync (changes the record's TTL).
+
+        Workers start unknown: one that never publishes events is judged by the router's record.
+        """
         with self._lock:
             bit = 1 << self._slot(worker_id)
-            self._unknown = (self._unknown | bit) if unknown else (self._unknown & ~bit)
+            self._synced = (self._synced & ~bit) if unknown else (self._synced | bit)
 
     # -- the router's own record ----------------------------------------------------------------
     def record_routed(self, worker_id: str, keys: Sequence[int]) -> None:
@@ -174,9 +177,6 @@ class BlockIndex:
             fifo = self._recent_fifo[slot]
             while self._recent_count[slot] > self.config.max_blocks_per_worker and len(fifo) > 1:
                 self._pop_recent(slot, fifo, force=True)
-
-    def _ttl(self, slot: int) -> float:
-        return self.config.fallback_ttl_s if self._unknown >> slot & 1 else self.config.speculative_ttl_s
 
     def _expire(self, slot: int, now: float) -> None:
         fifo = self._recent_fifo.get(slot)
@@ -229,13 +229,13 @@ class BlockIndex:
             recent = self._recent
             spec_ttl = self.config.speculative_ttl_s
             fallback_ttl = self.config.fallback_ttl_s
-            unknown = self._unknown
+            synced = self._synced
             for i, key in enumerate(keys):
                 mask = holders.get(key, 0) & alive
                 entry = recent.get(key) if mask != alive else None  # confirmed for all: skip the record
                 if entry:
                     for slot, stamp in entry.items():
-                        ttl = fallback_ttl if unknown >> slot & 1 else spec_ttl
+                        ttl = spec_ttl if synced >> slot & 1 else fallback_ttl
                         if now - stamp < ttl:
                             mask |= 1 << slot
                 mask &= alive

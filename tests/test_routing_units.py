@@ -58,6 +58,7 @@ def test_speculative_entries_expire_unless_confirmed() -> None:
     clock = Clock()
     index = BlockIndex(IndexConfig(speculative_ttl_s=2.0, fallback_ttl_s=60.0), clock=clock)
     keys = block_keys(list(range(64)), 16)
+    index.set_unknown("a", False)  # its events flow
     index.record_routed("a", keys)
     assert index.match(keys, ["a"]) == {"a": 4}
     clock.now += 2.5
@@ -66,7 +67,7 @@ def test_speculative_entries_expire_unless_confirmed() -> None:
     index.store("a", keys[:2])  # events confirm part of it
     clock.now += 2.5
     assert index.match(keys, ["a"]) == {"a": 2}
-    index.set_unknown("b", True)  # no events: the router's own record lives longer
+    # "b" never reported events: the router's own record lives longer
     index.record_routed("b", keys)
     clock.now += 30
     assert index.match(keys, ["b"]) == {"b": 4}
@@ -222,7 +223,7 @@ def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
 def test_router_tokenizes_records_and_traces() -> None:
     config = RouterConfig(observability=ObservabilityConfig(exporter="none"))
     router = Router(config, WorkerRegistry(_workers(3)))
-    messages = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "hi"}]
+    messages = [{"role": "system", "content": "You are terse. " * 400}, {"role": "user", "content": "hi"}]
     parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=messages,
                            headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
     first = router.route(parsed)

@@ -8,19 +8,24 @@ For every healthy worker the policy predicts time-to-first-token as
 with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones
 (linear part: the weights; quadratic part: attention over the whole context). The queue wait is
 a virtual FCFS queue per worker: each decision appends its predicted prefill, which drains in real
-time; what the worker itself reports waiting (requests from elsewhere) sets a floor. Queued
-requests are prefilled together in batches, so only their per-token work queues up; the fixed
-``c0`` is paid once, by the batch the new request joins.
+time; what the worker itself reports waiting (requests from elsewhere) sets a floor. A request
+that arrives during a prefill batch waits for all of it, so the whole predicted prefill (``c0``
+included) queues up.
 
-So a long cached prefix wins while its holder is lightly loaded, and a hot prefix spills to a
-second worker exactly when recomputing it there is predicted to be faster than queueing behind
-the holder. Near-ties (within ``tie_abs_s`` or ``tie_rel``) are broken by rendezvous hashing of the
-first block not every tied worker holds: one prefix lands consistently on one worker while
-different prefixes spread, instead of all herding onto the argmax.
+The ranking adds ``work_weight`` times the request's own prefill time, the GPU time the decision
+spends: recomputing a prefix another worker holds costs the fleet capacity that later requests
+queue for, so back-to-back requests with one prefix stay together, and a hot prefix spills to a
+second worker only once queueing behind its holder costs more than the recomputation (about
+``(1 + work_weight)`` times the prefix's prefill time). Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the
+least traffic recently (requests, exponentially decayed over ``balance_window_s``): a new prefix
+is placed where it will least unbalance the fleet, since it attracts its followers there, instead
+of every tie herding onto one argmax. Exact ties fall to rendezvous hashing of the first block not
+every tied worker holds, so placement is deterministic per prefix.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +58,7 @@ class PrefixAwarePolicy(Policy):
         except ValidationError as exc:
             raise PolicyError(f"invalid prefix-aware options: {exc}") from exc
         self._busy_until: dict[str, float] = {}  # worker id -> when its predicted prefill queue drains
+        self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._turn = 0
 
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
@@ -75,13 +81,15 @@ class PrefixAwarePolicy(Policy):
         if usage > opts.kv_pressure_threshold and opts.kv_pressure_threshold < 1:
             penalty += opts.kv_pressure_penalty_s * (usage - opts.kv_pressure_threshold) / \
                 (1 - opts.kv_pressure_threshold) / opts.speedup
+        ttft = queue + prefill + penalty
         return {"matched_blocks": c.matched_blocks, "cached_tokens": gpu + host, "queue_s": queue,
-                "prefill_s": prefill, "in_flight": c.in_flight, "ttft_s": queue + prefill + penalty}
+                "prefill_s": prefill, "in_flight": c.in_flight, "ttft_s": ttft,
+                "score": ttft + opts.work_weight * prefill}
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = time.monotonic()
         figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
-        ttft = {wid: f["ttft_s"] for wid, f in figures.items()}
+        ttft = {wid: f["score"] for wid, f in figures.items()}
         best = min(ttft.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
         tied = [c for c in candidates if ttft[c.worker.id] <= band]
@@ -109,7 +117,9 @@ class PrefixAwarePolicy(Policy):
             return idle[self._turn % len(idle)]
         depth = min(min(c.matched_blocks for c in tied), len(keys) - 1)
         key = keys[depth].to_bytes(8, "little")
-        return max(tied, key=lambda c: xxhash.xxh3_64_intdigest(key + c.worker.id.encode()))
+        now = time.monotonic()
+        return min(tied, key=lambda c: (round(self._recent_traffic(c.worker.id, now), 3),
+                                        -xxhash.xxh3_64_intdigest(key + c.worker.id.encode())))
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         worker = decision.ranked[0]
@@ -118,7 +128,12 @@ class PrefixAwarePolicy(Policy):
             return
         now = time.monotonic()
         start = max(now, self._busy_until.get(worker.id, 0.0))
-        self._busy_until[worker.id] = start + max(0.0, figures["prefill_s"] - self.opts.prefill_floor_s / self.opts.speedup)
+        self._busy_until[worker.id] = start + figures["prefill_s"]
+        self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
+
+    def _recent_traffic(self, worker_id: str, now: float) -> float:
+        count, stamp = self._traffic.get(worker_id, (0.0, now))
+        return count * math.exp(-(now - stamp) / self.opts.balance_window_s)
 
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
         if worker.in_flight == 0:
@@ -126,3 +141,4 @@ class PrefixAwarePolicy(Policy):
 
     def remove_worker(self, worker: Worker) -> None:
         self._busy_until.pop(worker.id, None)
+        self._traffic.pop(worker.id, None)
