@@ -5,7 +5,8 @@ time, so the worker costs only its HTTP handling and tokenization, the same in b
 Envoy (least-request, no ext_proc) and the full gateway (header strip, ext_proc, the router's policy,
 ORIGINAL_DST). One client sends chat requests one at a time over a kept-alive connection,
 alternating between the two gateways so that machine noise hits both alike, for prompts of about
-1k, 8k and 32k tokens. It prints p50 and p99 of both and the difference.
+1k, 8k and 32k tokens. It prints p50 and p99 of both, the difference, and the router process's CPU
+time per request (what bounds one router's throughput).
 
 Run: ``python -m benchmarks.router_overhead`` (``--help`` for the knobs).
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from extproc.stack import GatewayStack
@@ -44,6 +47,8 @@ class OverheadRow:
     router_p50: float
     router_p99: float
 
+    router_cpu_ms: float | None = None  # router process CPU time per routed request (Linux only)
+
     @property
     def added_p50(self) -> float:
         return self.router_p50 - self.direct_p50
@@ -59,6 +64,15 @@ def _prompt(tokens: int, rng: random.Random, tokenizer: object) -> str:
     text = " ".join(words)
     ids = tokenizer.encode_text(text)  # type: ignore[attr-defined]
     return text if len(ids) <= tokens else tokenizer.decode(ids[:tokens])  # type: ignore[attr-defined]
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process, from /proc (None where there is no /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -102,8 +116,10 @@ def measure_overhead(sizes: tuple[int, ...] = DEFAULT_SIZES, requests: int = 200
                 GatewayStack(worker_urls=urls, policy=policy, upstream_host_header=False) as routed:
             clients = {"direct": _Client(direct.url), "router": _Client(routed.url)}
             try:
+                router_pid = routed.router_process.pid if routed.router_process else 0
                 for size in sizes:
                     times: dict[str, list[float]] = {"direct": [], "router": []}
+                    cpu_before = _cpu_seconds(router_pid)
                     for i in range(warmup + requests):
                         body = json.dumps({"model": "default", "max_tokens": 1, "messages": [
                             {"role": "user", "content": _prompt(size, rng, tokenizer)}]}).encode()
@@ -112,9 +128,13 @@ def measure_overhead(sizes: tuple[int, ...] = DEFAULT_SIZES, requests: int = 200
                             elapsed = clients[name].chat(body)
                             if i >= warmup:
                                 times[name].append(elapsed)
+                    cpu_after = _cpu_seconds(router_pid)
+                    cpu_ms = (None if cpu_before is None or cpu_after is None
+                              else (cpu_after - cpu_before) * 1000 / (warmup + requests))
                     rows.append(OverheadRow(size, requests,
                                             statistics.median(times["direct"]), _percentile(times["direct"], 0.99),
-                                            statistics.median(times["router"]), _percentile(times["router"], 0.99)))
+                                            statistics.median(times["router"]), _percentile(times["router"], 0.99),
+                                            cpu_ms))
             finally:
                 for client in clients.values():
                     client.close()
@@ -128,11 +148,12 @@ def format_table(rows: list[OverheadRow], policy: str) -> str:
     lines = [f"Router overhead (policy {policy}; instant sim workers; sequential requests, ms)",
              "",
              "| prompt tokens | requests | direct p50 | direct p99 | via router p50 | via router p99 "
-             "| added p50 | added p99 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| added p50 | added p99 | router CPU / request |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        cpu = "n/a" if r.router_cpu_ms is None else f"{r.router_cpu_ms:.2f}"
         lines.append(f"| {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | {r.direct_p99:.2f} | "
-                     f"{r.router_p50:.2f} | {r.router_p99:.2f} | {r.added_p50:+.2f} | {r.added_p99:+.2f} |")
+                     f"{r.router_p50:.2f} | {r.router_p99:.2f} | {r.added_p50:+.2f} | {r.added_p99:+.2f} | {cpu} |")
     return "\n".join(lines)
 
 
