@@ -150,3 +150,19 @@ def test_router_binds_loopback_by_default() -> None:
     finally:
         serve.terminate()
         serve.wait(10)
+
+
+def test_serve_merges_config_file_and_flags(tmp_path: Path) -> None:
+    import argparse
+
+    from extproc.serve import build_config, configure
+
+    config = tmp_path / "router.yaml"
+    config.write_text("server: {port: 9100, max_body_bytes: 1000}\nworkers: [{url: 10.0.0.1:30000, name: a}]\n")
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    merged = build_config(parser.parse_args(["--config", str(config), "--worker", "10.0.0.2:30000",
+                                             "--policy", "round-robin", "--metrics-port", "0"]))
+    assert [w.url for w in merged.workers] == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    assert merged.server.port == 9100 and merged.server.max_body_bytes == 1000  # the file, not defaults
+    assert merged.policy.name == "round-robin" and merged.server.metrics_port is None
