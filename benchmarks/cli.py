@@ -30,6 +30,7 @@ from benchmarks.workloads import (TraceError, TraceWindow, Workload, block_text,
 __all__ = ["configure", "main"]
 
 DEFAULT_CONTENDERS = "envoy-rr,envoy-lr,envoy-ringhash,sgl-router,ours:prefix-aware"
+DEFAULT_RATE = 8.0  # req/s for gsp and multiturn: below saturation for every contender at the default sizes
 
 
 def _rates(text: str) -> list[float]:
@@ -70,7 +71,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="gsp: generated shared prefix (groups of prompts sharing a system prompt); "
                         "multiturn: chat sessions whose history grows; trace: replay a Mooncake JSONL trace.")
     g.add_argument("--rate", type=_positive(float), default=None,
-                   help="Poisson arrival rate in req/s (gsp and multiturn: default 2; trace: replaces the "
+                   help="Poisson arrival rate in req/s (gsp and multiturn: default 8; trace: replaces the "
                         "trace's timestamps with Poisson arrivals at this rate).")
     g.add_argument("--rates", type=_rates, default=None,
                    help="Comma-separated sweep of rates, e.g. 1,2,4: the whole comparison runs once per rate.")
@@ -78,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="Keep at most this many requests (trace: from --trace-start on; others: the first N arrivals).")
     g.add_argument("--seed", type=int, default=0,
                    help="Seed of prompt text, arrival times and the simulated workers.")
-    g.add_argument("--gsp-groups", type=_positive(int), default=16, help="gsp: number of shared system prompts.")
+    g.add_argument("--gsp-groups", type=_positive(int), default=32, help="gsp: number of shared system prompts.")
     g.add_argument("--gsp-prompts-per-group", type=_positive(int), default=8, help="gsp: questions per system prompt.")
     g.add_argument("--gsp-system-len", type=_positive(int), default=2048, help="gsp: system prompt length in tokens.")
     g.add_argument("--gsp-question-len", type=_positive(int), default=128, help="gsp: question length in tokens.")
@@ -115,10 +116,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--workers", type=_positive(int), default=4, help="Simulated workers per cluster.")
     c.add_argument("--profile", default="llama-3.1-8b-h100",
                    help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`).")
-    c.add_argument("--speedup", type=_positive(float), default=1.0,
-                   help="Simulated GPU time is divided by this. Arrival times are NOT scaled by it: to keep "
-                        "the same utilisation at speedup S, multiply the rate (or --time-scale) by S too.")
-    c.add_argument("--capacity-tokens", type=_positive(int), default=32768,
+    c.add_argument("--speedup", type=_positive(float), default=0.25,
+                   help="Simulated GPU time is divided by this (0.25: a GPU four times slower than the profile, "
+                        "so a 2-core machine can offer loads at which prefill time and queueing matter). Arrival "
+                        "times are NOT scaled by it: the same utilisation at speedup S needs the rate (or "
+                        "--time-scale) multiplied by S. Gateway overheads are real time, so they weigh 1/S "
+                        "times less than on a real GPU of the profile; see `--suite overhead` for them.")
+    c.add_argument("--capacity-tokens", type=_positive(int), default=24576,
                    help="KV cache capacity per worker in tokens (small enough that placement matters).")
     c.add_argument("--page-size", type=_positive(int), default=16, help="KV page size of the workers in tokens.")
 
@@ -148,12 +152,12 @@ def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
     if args.workload == "gsp":
         w = gsp_workload(groups=args.gsp_groups, prompts_per_group=args.gsp_prompts_per_group,
                          system_prompt_len=args.gsp_system_len, question_len=args.gsp_question_len,
-                         output_len=args.output_len, rate=rate or 2.0, seed=args.seed)
+                         output_len=args.output_len, rate=rate or DEFAULT_RATE, seed=args.seed)
     elif args.workload == "multiturn":
         w = multiturn_workload(sessions=args.mt_sessions, turns=args.mt_turns, system_prompt_len=args.mt_system_len,
                                question_len=args.mt_question_len, answer_len=args.mt_answer_len,
                                output_len=args.output_len, turn_interval_s=args.mt_turn_interval,
-                               rate=rate or 2.0, seed=args.seed)
+                               rate=rate or DEFAULT_RATE, seed=args.seed)
     else:
         if args.trace is None:
             raise TraceError("--workload trace needs --trace FILE")
@@ -213,7 +217,7 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
     options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
     rates: list[float | None] = list(args.rates) if args.rates else [args.rate]
     if args.workload != "trace":
-        rates = [r if r is not None else 2.0 for r in rates]
+        rates = [r if r is not None else DEFAULT_RATE for r in rates]
     summaries: list[Summary] = []
     ttfts: dict[tuple[str, float | None], list[float]] = {}
     oracles: dict[float | None, float] = {}
