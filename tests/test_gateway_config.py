@@ -166,3 +166,14 @@ def test_serve_merges_config_file_and_flags(tmp_path: Path) -> None:
     assert [w.url for w in merged.workers] == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
     assert merged.server.port == 9100 and merged.server.max_body_bytes == 1000  # the file, not defaults
     assert merged.policy.name == "round-robin" and merged.server.metrics_port is None
+
+
+def test_configuration_example_in_docs_is_valid(tmp_path: Path) -> None:
+    from extproc.config import load_config
+
+    text = (ROOT / "docs/gateway.md").read_text()
+    example = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "router.yaml"
+    path.write_text(example)
+    config = load_config(path, environ={})
+    assert len(config.workers) == 2 and config.server.host == "127.0.0.1"
