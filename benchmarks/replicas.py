@@ -306,7 +306,7 @@ async def run(args: argparse.Namespace) -> list[ReplicaResult]:
     workload = build_workload(args)
     spec = ClusterSpec(workers=args.workers, profile=args.profile, speedup=args.speedup,
                        capacity_tokens=args.capacity_tokens, page_size=args.page_size, seed=args.seed)
-    router_config: dict[str, Any] = {"policy": {"name": args.policy}}
+    router_config: dict[str, Any] = {"policy": {"name": args.policy, "options": dict(args.policy_option)}}
     out = []
     with contextlib.ExitStack() as stack:
         if args.shared_state:
@@ -369,9 +369,18 @@ def _counts(text: str) -> list[int]:
     return values
 
 
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"want KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=_counts, default=[1, 2, 3], help="Replica counts to compare, e.g. 1,2,3.")
     parser.add_argument("--policy", default="prefix-aware", help="Routing policy of every replica.")
+    parser.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="A policy constant (policy.options), e.g. tie_rel=0; repeatable.")
     parser.add_argument("--shared-state", metavar="URL", default=None,
                         help="Replicas share their unconfirmed decisions through Redis/Valkey: a redis:// URL, "
                              "or 'start' to run a throw-away redis-server for the benchmark.")
@@ -409,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         shape = f"gsp: {args.groups} groups x {args.prompts_per_group} prompts at {args.rate} req/s"
     print(f"{shape}, system {args.system_len} tokens, {args.workers} workers ({args.profile}, speedup "
-          f"{args.speedup}), policy {args.policy}{', shared state ' + args.shared_state if args.shared_state else ''}")
+          f"{args.speedup}), policy {args.policy} {dict(args.policy_option) or ''}{', shared state ' + args.shared_state if args.shared_state else ''}")
     print(HEADER, flush=True)
     try:
         results = asyncio.run(run(args))
