@@ -426,7 +426,7 @@ async def _run_up(args: argparse.Namespace) -> int:
                          log_dir=args.log_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
         loop.add_signal_handler(sig, stop.set)
     starting = asyncio.create_task(stack.start())
     stopping = asyncio.create_task(stop.wait())
