@@ -5,8 +5,10 @@ N simulated SGLang workers (or workers you name), the router (``prefix-router se
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
 ``stop_router``/``start_router``) is kept stable.
 
-Children run in their own sessions, so a terminal Ctrl-C reaches only this process, which then stops
-them in order: Envoy first (no new requests), then the router, then the workers.
+Under ``up`` the router and Envoy run in their own sessions, so a terminal Ctrl-C reaches only this
+process, which then stops them in order: Envoy first (no new requests), then the router, then the
+workers. Programmatic stacks keep them in the caller's process group, so an interrupted test or
+benchmark run takes them down with it.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class GatewayStack:
                  upstream_host_header: bool = True, access_log: bool = False, envoy_concurrency: int = 1,
                  tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None,
                  tls_sni: str | None = None, log_dir: Path | str | None = None,
-                 startup_timeout_s: float = 60.0) -> None:
+                 startup_timeout_s: float = 60.0, own_sessions: bool = False) -> None:
         if not worker_urls and sim_workers <= 0:
             raise ValueError("give worker_urls or sim_workers > 0")
         self.worker_urls = list(worker_urls)
@@ -149,6 +151,7 @@ class GatewayStack:
         self.envoy_concurrency = envoy_concurrency
         self.tls_cert, self.tls_key, self.tls_ca, self.tls_sni = tls_cert, tls_key, tls_ca, tls_sni
         self.startup_timeout_s = startup_timeout_s
+        self.own_sessions = own_sessions
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="prefix-router-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -346,7 +349,7 @@ class GatewayStack:
         handle: IO[bytes] = log.open("ab")
         try:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle if stdout else None,
-                                       stderr=handle, start_new_session=True)
+                                       stderr=handle, start_new_session=self.own_sessions)
         finally:
             handle.close()
         return _Child(name, process, log)
@@ -423,7 +426,7 @@ async def _run_up(args: argparse.Namespace) -> int:
                          sim_worker_options=options, port=args.port, host=args.host, policy=args.policy,
                          config=args.config, router_port=args.router_port, metrics_port=args.metrics_port,
                          admin_port=args.admin_port, timeout_ms=args.timeout_ms, access_log=not args.quiet,
-                         log_dir=args.log_dir)
+                         log_dir=args.log_dir, own_sessions=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
