@@ -42,6 +42,8 @@ async def test_a_decision_reaches_the_other_replica(redis_url: str) -> None:
     now = [0.0]
     index_a, index_b = BlockIndex(IndexConfig(speculative_ttl_s=2.0)), BlockIndex(
         IndexConfig(speculative_ttl_s=2.0), clock=lambda: now[0])
+    for index in (index_a, index_b):
+        index.set_unknown("w0", False)  # w0's events are in sync: decisions live speculative_ttl_s
     a, b = SharedDecisions(config, index_a), SharedDecisions(config, index_b)
     await a.start()
     await b.start()
