@@ -89,12 +89,12 @@ class PrefixAwarePolicy(Policy):
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = time.monotonic()
         figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
-        ttft = {wid: f["score"] for wid, f in figures.items()}
-        best = min(ttft.values())
+        score = {wid: f["score"] for wid, f in figures.items()}
+        best = min(score.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
-        tied = [c for c in candidates if ttft[c.worker.id] <= band]
+        tied = [c for c in candidates if score[c.worker.id] <= band]
         winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
-        rest = sorted((c for c in candidates if c is not winner), key=lambda c: ttft[c.worker.id])
+        rest = sorted((c for c in candidates if c is not winner), key=lambda c: score[c.worker.id])
         ranked = [winner, *rest]
         top = max(c.matched_blocks for c in candidates)
         if winner.matched_blocks and winner.matched_blocks == top:
