@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -199,6 +200,7 @@ class WorkerCacheView:
     index: BlockIndex
     model: str | Callable[[], str] = ""  # the worker's served model (a callable: read at use, it may be discovered late)
     resync_after_s: float = 60.0
+    max_hashes: int = 6_000_000  # engine-hash map bound (the index's per-tier bound x tiers)
     clock: Callable[[], float] = time.monotonic
     last_seq: int | None = None
     block_size: int | None = None  # learnt from events
@@ -350,6 +352,9 @@ class WorkerCacheView:
         for engine_hash, key in zip(event.block_hashes, keys):
             previous = own.get(engine_hash)
             own[engine_hash] = (key, (previous[1] if previous else 0) | bit)
+        if len(own) > self.max_hashes:  # oldest mappings first; their later removals become no-ops
+            for stale in list(itertools.islice(own, len(own) - self.max_hashes)):
+                del own[stale]
         stored = keys[: len(event.block_hashes)]
         self.index.store(self.worker_id, stored, tier)
         self.stats.blocks_stored += len(stored)
@@ -599,7 +604,8 @@ class EventHub:
         views, tasks, subs = [], [], []
         for events_ep, replay_ep in endpoints:
             view = WorkerCacheView(worker.id, self.index, model=lambda w=worker: w.model or "",
-                                   resync_after_s=self.config.resync_after_s)
+                                   resync_after_s=self.config.resync_after_s,
+                                   max_hashes=self.index.config.max_blocks_per_worker * 3)
             sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
             views.append(view)
             subs.append(sub)

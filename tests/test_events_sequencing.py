@@ -122,3 +122,12 @@ def test_tiers_are_tracked_separately_through_the_hash_map() -> None:
     assert index.blocks("w", "host") == set(_keys(A))
     view.ingest(4, _removed([11, 12], medium="CPU_PINNED"))
     assert index.blocks("w", "host") == set() and view._own == {}
+
+
+def test_engine_hash_map_is_bounded() -> None:
+    index = BlockIndex()
+    view = WorkerCacheView("w", index, max_hashes=5)
+    view.ingest(0, CLEARED)
+    for i in range(1, 5):
+        view.ingest(i, _stored([i] * 8, [10 * i, 10 * i + 1]))
+    assert len(view._own) == 5 and 41 in view._own and 10 not in view._own
