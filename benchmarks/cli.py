@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -190,6 +191,9 @@ async def run_one(name: str, workload: Workload, spec: ClusterSpec, options: Cli
             url = await contender.start(cluster.urls)
         except ContenderError as exc:
             return failed(name, rate, str(exc)), []
+        model = await cluster.served_model()
+        if model is not None:
+            options = dataclasses.replace(options, model=model)
         bar = _progress(len(workload.requests), f"{name} @ {rate:g} req/s" if rate else name, not progress)
         results: list[RequestResult]
         try:

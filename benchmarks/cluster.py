@@ -63,6 +63,19 @@ class Cluster:
     def kv_events_endpoints(self) -> list[str]:
         return [str(w.kv_events_endpoint) for w in self._workers]
 
+    async def served_model(self) -> str | None:
+        """The model name the workers serve (``/v1/models``), which clients put in ``model``."""
+        if not self._workers:
+            return None
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{self._workers[0].url}/v1/models",
+                                       timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    data = await resp.json()
+            return str(data["data"][0]["id"])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return None
+
     async def request_counts(self) -> dict[str, int]:
         """Requests each worker processed (``sglang:num_requests_total``); {} if they do not say."""
         counts: dict[str, int] = {}
