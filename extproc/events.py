@@ -436,7 +436,15 @@ class EventSubscriber:
         poller.register(monitor, zmq.POLLIN)
         try:
             while True:
-                ready = dict(await poller.poll())
+                # Until the first batch is in, keep asking the replay socket: a worker that just
+                # (re)started may not have bound it, or published anything, when we connected.
+                catching_up = self.view.last_seq is None and self.replay_endpoint is not None
+                ready = dict(await poller.poll(self.config.replay_timeout_s * 1000 if catching_up else None))
+                if not ready and catching_up and self.connected.is_set():
+                    await self._repair(0)
+                if sub in ready:
+                    # Everything queued from the old connection first, then the reconnect (below).
+                    await self._drain(sub)
                 if monitor in ready:
                     await monitor.recv_multipart()
                     # (Re)connected: the publisher may have restarted or batches were lost while we
@@ -446,18 +454,23 @@ class EventSubscriber:
                     if self.replay_endpoint:
                         await self._repair(0)
                     self.connected.set()
-                if sub in ready:
-                    frames = await sub.recv_multipart()
-                    if len(frames) < 2:
-                        continue
-                    seq, payload = _decode_seq(frames[-2]), frames[-1]
-                    start = self.view.ingest(seq, payload)
-                    if start is not None:
-                        await self._repair(start)
         finally:
             sub.disable_monitor()
             monitor.close(0)
             sub.close()
+
+    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            seq, payload = _decode_seq(frames[-2]), frames[-1]
+            start = self.view.ingest(seq, payload)
+            if start is not None:
+                await self._repair(start)
 
     async def _repair(self, start: int) -> None:
         entries = None
