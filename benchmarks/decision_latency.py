@@ -113,7 +113,7 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
         sock.bind(f"tcp://127.0.0.1:{port}")
         socks.append(sock)
     payloads: list[list[bytes]] = []
-    for w in range(len(ports)):
+    for _ in ports:
         out = [msgpack.packb([time.time(), [{"type": "AllBlocksCleared"}], 0])]
         parent = None
         for b in range(batches):

@@ -136,3 +136,22 @@ def test_tokenizer_with_a_normalizer_is_encoded_whole(tmp_path: Path) -> None:
     ours = ModelTokenizer.from_path(tmp_path)
     assert ours._splitter is None  # splitting could change ids: not used
     assert ours.encode_text("Hello\n\nWorld") == tok.encode("Hello\n\nWorld").ids
+
+
+def test_router_uses_each_models_own_tokenizer(chatml_dir: Path) -> None:
+    from extproc.config import ModelConfig, RouterConfig
+    from extproc.request import ParsedRequest
+    from extproc.router import Router
+    from extproc.workers import Worker, WorkerRegistry
+
+    config = RouterConfig(models=[ModelConfig(name="small-chatml", tokenizer=str(chatml_dir))])
+    workers = [Worker(id="w", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]
+    router = Router(config, WorkerRegistry(workers))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there\n\nfriend"}]
+    for model, folder in (("small-chatml", chatml_dir), ("anything-else", DEFAULT_TOKENIZER_DIR)):
+        outcome = router.route(ParsedRequest(path="/v1/chat/completions", kind="chat", model=model, messages=messages))
+        router.finish(outcome)
+        expected = _reference(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(expected, list):
+            expected = expected["input_ids"]
+        assert outcome.request.token_ids == list(expected), model
