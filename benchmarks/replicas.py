@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -156,9 +157,12 @@ class ReplicaGateway:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     await asyncio.to_thread(process.wait)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {name}\n{path.read_text(errors='replace')[-1500:]}" for name, _, path in self._children)
+        """The end of every child's log (while the gateway runs; ``stop()`` removes them)."""
+        return "\n".join(f"--- {name}\n{path.read_text(errors='replace')[-1500:]}"
+                         for name, _, path in self._children if path.exists())
 
     async def __aenter__(self) -> ReplicaGateway:
         return await self.start()
@@ -323,8 +327,6 @@ async def run(args: argparse.Namespace) -> list[ReplicaResult]:
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """A throw-away ``redis-server`` (Debian package redis-server) on a free loopback port."""
-    import shutil
-
     binary = shutil.which("redis-server") or shutil.which("valkey-server")
     if binary is None:
         raise RuntimeError("redis-server not found (apt-get install redis-server), or pass --shared-state redis://...")
