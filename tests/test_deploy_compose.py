@@ -83,6 +83,9 @@ def test_each_profile_is_a_complete_stack(compose: dict[str, Any], profile: str)
     for dns in ("router", "worker-0", "worker-1", "otel-collector", "jaeger", "envoy"):
         assert len(names.get(dns, [])) == 1, f"{profile}: {dns} -> {names.get(dns)}"
     assert len(names["workers"]) == 2
+    # The router resolves worker names at start: it must start after the workers of its profile.
+    (router,) = names["router"]
+    assert set(services[router]["depends_on"]) == {w for w in services if "workers" in _dns_names({w: services[w]})}
     assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40.0"
     assert any(p.startswith("${GATEWAY_PORT:-8080}:8080") for p in services["envoy"]["ports"])
 
