@@ -208,3 +208,29 @@ def test_report_table_json_and_plots(tmp_path: Path) -> None:
     assert len(paths) == 2 and sweep is not None
     for p in [*paths, sweep]:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["envoy-rr", "envoy-lr", "envoy-ringhash"])
+def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
+    import subprocess
+
+    from benchmarks.contenders import ContenderError, EnvoyBaseline, envoy_binary
+
+    try:
+        binary = envoy_binary()
+    except ContenderError as exc:
+        pytest.skip(str(exc))
+    contender = EnvoyBaseline(name)
+    path, _, _ = contender.write_config(["http://127.0.0.1:30001", "http://127.0.0.1:30002"])
+    try:
+        text = path.read_text()
+        done = subprocess.run([binary, "--mode", "validate", "-c", str(path), "--disable-hot-restart",
+                               "--log-level", "error"], capture_output=True, text=True, timeout=30)
+    finally:
+        import asyncio
+
+        asyncio.run(contender.stop())  # removes its temporary directory
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = {"envoy-rr": "ROUND_ROBIN", "envoy-lr": "LEAST_REQUEST", "envoy-ringhash": "RING_HASH"}[name]
+    assert f"lb_policy: {expected}" in text
+    assert ("header_name: x-prefix-hash" in text) == (name == "envoy-ringhash")
