@@ -15,7 +15,7 @@ requests, after the first, that landed on a worker which had already served that
 touched per group, and TTFT::
 
     python -m benchmarks.replicas                       # 1, 2, 3 replicas, burst workload
-    python -m benchmarks.replicas --replicas 1,3 --rate 8 --json out/replicas.json
+    python -m benchmarks.replicas --replicas 1,3 --workload gsp --rate 32 --json out/replicas.json
     python -m benchmarks.replicas --shared-state start   # replicas share decisions via Redis
 """
 
@@ -53,7 +53,8 @@ from extproc import envoy_config
 from extproc.envoy_config import GatewaySpec, split_host_port
 from extproc.stack import find_envoy, free_port
 
-__all__ = ["ReplicaGateway", "ReplicaResult", "affinity", "main", "replica_bootstrap", "run"]
+__all__ = ["ReplicaGateway", "ReplicaResult", "affinity", "burst_workload", "main", "redis_server", "replica_bootstrap",
+           "run"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -424,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(HEADER, flush=True)
     try:
         results = asyncio.run(run(args))
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, ValueError) as exc:
         print(f"replicas benchmark failed: {exc}", file=sys.stderr)
         return 1
     if args.json:
