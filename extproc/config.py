@@ -108,7 +108,7 @@ class PrefixAwareOptions(_Section):
     tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
     work_weight: float = Field(1.0, ge=0, description="Ranking adds this times the request's own prefill seconds (GPU time spent); 0 ranks by TTFT alone.")
     balance_window_s: float = Field(10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window.")
-    speedup: float = Field(1.0, gt=0, description="Time compression of simulated workers (their --speedup); 1 for real GPUs.")
+    speedup: float = Field(1.0, gt=0, description="Divides every time constant (a fleet faster than the constants describe). Simulated workers report their own --speedup in /server_info and are scaled by it automatically.")
 
 
 class SessionOptions(_Section):

@@ -303,3 +303,13 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     assert not any("zebra" in str(v) for v in attrs.values())
     trace_id = format(span.context.trace_id, "032x")
     assert outcome.upstream_headers["traceparent"].split("-")[1] == trace_id
+
+
+def test_simulated_workers_time_scale_is_applied() -> None:
+    policy = create_policy("prefix-aware")
+    slow, fast = _workers(2)
+    slow.info = {"simulator": {"speedup": 0.25}}  # four times slower than its profile
+    fast.info = {"simulator": {"speedup": 4.0}}
+    decision = policy.select(_request(4096), _candidates([slow, fast], [0, 0]))
+    assert decision.scores["w0"]["prefill_s"] == pytest.approx(16 * decision.scores["w1"]["prefill_s"])
+    assert decision.ranked[0] is fast

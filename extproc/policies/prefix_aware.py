@@ -47,6 +47,13 @@ def prefill_seconds(opts: PrefixAwareOptions, new_tokens: int, cached_tokens: in
             + opts.attention_per_token2_s * (n * n + 2 * p * n)) / opts.speedup
 
 
+def _time_scale(worker: Worker) -> float:
+    """A simulated worker says how much faster than its profile it runs; real GPUs say nothing."""
+    sim = worker.info.get("simulator") if isinstance(worker.info, dict) else None
+    speedup = sim.get("speedup") if isinstance(sim, dict) else None
+    return 1.0 / speedup if isinstance(speedup, (int, float)) and speedup > 0 else 1.0
+
+
 class PrefixAwarePolicy(Policy):
     name = "prefix-aware"
     needs_tokens = True
@@ -64,23 +71,24 @@ class PrefixAwarePolicy(Policy):
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT (also reported on the decision span)."""
         opts = self.opts
+        scale = _time_scale(c.worker)  # on top of opts.speedup, which is already in every constant
         total = request.prompt_tokens
         limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
         gpu = min(c.matched_blocks * c.block_size, limit)
         host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
         new = total - gpu - host
-        prefill = prefill_seconds(opts, new, gpu + host) + \
-            opts.host_load_ratio * opts.prefill_per_token_s * host / opts.speedup
+        prefill = (prefill_seconds(opts, new, gpu + host)
+                   + opts.host_load_ratio * opts.prefill_per_token_s * host / opts.speedup) * scale
         backlog = max(0.0, self._busy_until.get(c.worker.id, 0.0) - now)
         load = c.load
         waiting = load.num_waiting_reqs if load else 0
-        queue = max(backlog, waiting * opts.waiting_prefill_s / opts.speedup)
+        queue = max(backlog, waiting * opts.waiting_prefill_s / opts.speedup * scale)
         running = max(load.num_running_reqs if load else 0, c.in_flight)
-        penalty = running * opts.running_penalty_s / opts.speedup
+        penalty = running * opts.running_penalty_s / opts.speedup * scale
         usage = load.token_usage if load else 0.0
         if usage > opts.kv_pressure_threshold and opts.kv_pressure_threshold < 1:
             penalty += opts.kv_pressure_penalty_s * (usage - opts.kv_pressure_threshold) / \
-                (1 - opts.kv_pressure_threshold) / opts.speedup
+                (1 - opts.kv_pressure_threshold) / opts.speedup * scale
         ttft = queue + prefill + penalty
         return {"matched_blocks": c.matched_blocks, "cached_tokens": gpu + host, "queue_s": queue,
                 "prefill_s": prefill, "in_flight": c.in_flight, "ttft_s": ttft,
