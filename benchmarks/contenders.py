@@ -171,10 +171,12 @@ def baseline_envoy_config(lb_policy: str, listen_port: int, admin_port: int,
                           worker_urls: Sequence[str]) -> dict[str, Any]:
     """Envoy bootstrap: one listener, one STATIC cluster of the workers with ``lb_policy``."""
     endpoints = []
-    for url in worker_urls:
+    for i, url in enumerate(worker_urls):
         parts = urlsplit(url)
         endpoints.append({"endpoint": {"address": {"socket_address": {
-            "address": parts.hostname, "port_value": parts.port or 80}}}})
+            "address": parts.hostname, "port_value": parts.port or 80}}},
+            # Ring positions come from this key, not from the (random, free) port: the same ring every run.
+            "metadata": {"filter_metadata": {"envoy.lb": {"hash_key": f"worker-{i}"}}}})
     route: dict[str, Any] = {"cluster": "workers", "timeout": "0s"}
     cluster: dict[str, Any] = {
         "name": "workers", "type": "STATIC", "connect_timeout": "2s", "lb_policy": lb_policy,
