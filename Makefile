@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	# xds-protos bundles an older copy of opentelemetry/proto; whichever installs last wins. Put the real
+	# one back so the OTLP exporters import (the router reports a clear error if they cannot).
+	$(BIN)/pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $@
 
 install: $(VENV)/.installed
