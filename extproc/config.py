@@ -59,6 +59,7 @@ class ServerConfig(_Section):
     tls_client_ca: Path | None = Field(None, description="If set, require client certificates signed by this CA (mTLS).")
     fallback_endpoints: int = Field(2, description="How many fallback endpoints follow the primary in the destination header.")
     grace_period_s: float = Field(5.0, description="On SIGTERM, how long in-flight streams may finish.")
+    tokenize_threads: int = Field(4, ge=1, description="Threads that render, tokenize and hash prompts off the gRPC event loop (tokenizers releases the GIL, so they also run in parallel).")
 
 
 class WorkerConfig(_Section):

@@ -1,19 +1,28 @@
 """The routing pipeline, wired in order: request -> tokens -> block keys -> index + load -> policy.
 
-The ext_proc servicer calls ``route()`` once per generation request (after the buffered body is
-parsed) and ``finish()`` when that request's ext_proc stream ends, which Envoy only does once the
-response has been completely sent: that brackets the router's in-flight count per worker.
+The ext_proc servicer awaits ``aroute()`` once per generation request (after the buffered body is
+parsed) and calls ``finish()`` when that request's ext_proc stream ends, which Envoy only does once
+the response has been completely sent: that brackets the router's in-flight count per worker.
+
+A decision has two halves. Rendering, tokenizing and hashing the prompt is CPU work that reads no
+shared state; ``aroute()`` runs it in a small thread pool (``server.tokenize_threads``) so a cold
+32k-token prompt never stalls the other streams on the event loop (tokenizers releases the GIL).
+The index lookup, the policy and the in-flight counts then run on the loop, so the index and the
+policies stay single-threaded. ``route()`` does the same on the calling thread (tests, benchmarks).
 
 The write path runs in the background (``start()``): ``extproc.events`` keeps the block index in
-step with the workers' KV events, ``extproc.load`` polls their reported load. ``route()`` itself
-does no I/O and never raises for a bad prompt: a request that cannot be tokenized is still routed
-(by load alone) rather than lost.
+step with the workers' KV events, ``extproc.load`` polls their reported load. Routing does no I/O
+and never raises for a bad prompt: a request that cannot be tokenized is still routed (by load
+alone) rather than lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from extproc.blocks import block_keys, chain_seed
@@ -31,6 +40,10 @@ from extproc.workers import Worker, WorkerRegistry
 __all__ = ["NoWorkerError", "RouteOutcome", "Router"]
 
 log = logging.getLogger(__name__)
+
+
+# Client-given token ids shorter than this are hashed on the loop: a thread hop costs more.
+_INLINE_TOKENS = 2048
 
 
 class NoWorkerError(Exception):
@@ -60,6 +73,16 @@ class RouteOutcome:
         return next((c.matched_blocks for c in self.candidates if c.worker is self.worker), 0)
 
 
+@dataclass
+class _Prompt:
+    """What ``_prepare`` computed off the loop: token ids, rendered text, key chains, or the error."""
+
+    tokens: list[int] | None = None
+    text: str = ""
+    keys: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    error: str | None = None
+
+
 class Router:
     """Owns the policy, the block index and the per-worker in-flight counts; knows nothing of gRPC."""
 
@@ -79,6 +102,7 @@ class Router:
         if config.shared_state.backend != "none":
             self.shared = SharedDecisions(config.shared_state, self.index)
         self._models: dict[str, ModelConfig] = {m.name: m for m in config.models}
+        self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
         """Start background work (event subscriptions, load polling)."""
@@ -93,6 +117,7 @@ class Router:
             await self.shared.stop()
         await self.loads.stop()
         await self.events.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.telemetry.shutdown()
 
     # -- request -> tokens ------------------------------------------------------------------------
@@ -123,32 +148,94 @@ class Router:
             return cfg.block_size
         return worker_block_size(worker) or self.events.block_size(worker) or self.config.index.default_block_size
 
+    def _prepare(self, parsed: ParsedRequest, chains: Collection[tuple[int, str]]) -> _Prompt:
+        """The CPU-heavy, state-free part of a decision: render, tokenize, hash the key chains.
+
+        Reads nothing the event loop mutates (tokenizers and their piece cache are thread-safe), so
+        ``aroute`` runs it in the tokenize pool; the index and the policy are only touched after.
+        """
+        policy = self.policy
+        prompt = _Prompt()
+        if not (policy.needs_tokens or policy.needs_text):
+            return prompt
+        try:
+            prompt.tokens, prompt.text = self._prompt(parsed, policy.needs_tokens, policy.needs_text)
+        except Exception as exc:  # a template that refuses the conversation must not lose the request
+            prompt.error = str(exc)
+            return prompt
+        if prompt.tokens is not None and policy.needs_tokens:
+            for chain in chains:
+                prompt.keys[chain] = self._chain(parsed, prompt.tokens, chain)
+        return prompt
+
+    def _chain(self, parsed: ParsedRequest, tokens: list[int], chain: tuple[int, str]) -> list[int]:
+        size, model = chain
+        return block_keys(tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt),
+                          limit=self.config.index.max_lookup_blocks)
+
+    def _needs_pool(self, parsed: ParsedRequest) -> bool:
+        """Whether the decision has CPU work worth a thread hop (tokenizing, or hashing given ids)."""
+        policy = self.policy
+        if parsed.input_ids is not None:
+            return policy.needs_tokens and len(parsed.input_ids) >= _INLINE_TOKENS
+        return policy.needs_tokens or policy.needs_text
+
     # -- the decision -----------------------------------------------------------------------------
     def route(self, parsed: ParsedRequest) -> RouteOutcome:
-        """Choose a worker for ``parsed``; raises NoWorkerError when none is healthy."""
-        start_ns = time.perf_counter_ns()
-        wall_start_ns = time.time_ns()
-        model = parsed.model or ""
+        """Choose a worker for ``parsed`` on the calling thread; raises NoWorkerError when none is healthy.
+
+        For tests and benchmarks; the server uses ``aroute`` so that tokenizing never blocks its loop.
+        """
+        start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
+        workers = self._workers(parsed)
+        prompt = self._prepare(parsed, self._chains(workers))
+        return self._decide(parsed, workers, prompt, start_ns, wall_ns)
+
+    async def aroute(self, parsed: ParsedRequest) -> RouteOutcome:
+        """``route`` for the event loop: the CPU-heavy part runs in the tokenize thread pool.
+
+        Everything that reads or changes shared state (registry, index, in-flight counts, policy)
+        runs on the loop after the await, in one synchronous step, so it stays single-threaded. If
+        the caller is cancelled while the pool works, no slot has been taken yet: nothing leaks.
+        """
+        start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
+        workers = self._workers(parsed)
+        if self._needs_pool(parsed):
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._pool, self._prepare, parsed, self._chains(workers))
+            workers = self._workers(parsed)  # health may have changed meanwhile
+        else:
+            prompt = self._prepare(parsed, self._chains(workers))
+        return self._decide(parsed, workers, prompt, start_ns, wall_ns)
+
+    def _workers(self, parsed: ParsedRequest) -> list[Worker]:
         workers = self.registry.candidates(parsed.model)
         if not workers:
+            model = parsed.model or ""
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
+        return workers
+
+    def _chains(self, workers: list[Worker]) -> set[tuple[int, str]]:
+        """The (block size, model) key chains the candidates need (workers sharing both share one)."""
+        return {(self.block_size_for(w), w.model or "") for w in workers}
+
+    def _decide(self, parsed: ParsedRequest, workers: list[Worker], prompt: _Prompt, start_ns: int,
+                wall_ns: int) -> RouteOutcome:
+        model = parsed.model or ""
         policy = self.policy
-        tokens: list[int] | None = None
-        text = ""
-        if policy.needs_tokens or policy.needs_text:
-            try:
-                tokens, text = self._prompt(parsed, policy.needs_tokens, policy.needs_text)
-            except Exception as exc:  # a template that refuses the conversation must not lose the request
-                log.info("routing %s without tokens: %s", parsed.path, exc)
-                self.telemetry.tokenize_failed(model)
-        candidates = [Candidate(worker=w, in_flight=w.in_flight, load=self.loads.get(w),
-                                index_state=self.events.state(w), block_size=self.block_size_for(w))
+        if prompt.error is not None:
+            log.info("routing %s without tokens: %s", parsed.path, prompt.error)
+            self.telemetry.tokenize_failed(model)
+        tokens = prompt.tokens
+        loads, events = self.loads, self.events
+        candidates = [Candidate(worker=w, in_flight=w.in_flight, load=loads.get(w),
+                                index_state=events.state(w), block_size=self.block_size_for(w))
                       for w in workers]
         keys_of: dict[str, list[int]] = {}
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
-            first_keys = self._match(parsed, tokens, candidates, keys_of)
-        request = RoutingRequest(model=model, path=parsed.path, prompt_text=text if policy.needs_text else "",
+            first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of)
+        request = RoutingRequest(model=model, path=parsed.path, prompt_text=prompt.text if policy.needs_text else "",
                                  token_ids=tokens, block_keys=first_keys, block_size=candidates[0].block_size,
                                  headers=parsed.headers, lora=parsed.lora, cache_salt=parsed.cache_salt)
         decision = policy.select(request, candidates)
@@ -162,26 +249,29 @@ class Router:
         end_ns = time.perf_counter_ns()
         headers = self.telemetry.decision(
             model=model, path=parsed.path, headers=parsed.headers, request=request, candidates=candidates,
-            decision=decision, start_ns=wall_start_ns, end_ns=wall_start_ns + (end_ns - start_ns),
+            decision=decision, start_ns=wall_ns, end_ns=wall_ns + (end_ns - start_ns),
             blocks=len(keys_of.get(chosen.id, first_keys)), tokenized=tokens is not None)
         return RouteOutcome(request=request, decision=decision, worker=chosen, upstream_headers=headers,
                             candidates=candidates, decision_s=(end_ns - start_ns) / 1e9)
 
-    def _match(self, parsed: ParsedRequest, tokens: list[int], candidates: list[Candidate],
-               keys_of: dict[str, list[int]]) -> list[int]:
+    def _match(self, parsed: ParsedRequest, tokens: list[int], chains: dict[tuple[int, str], list[int]],
+               candidates: list[Candidate], keys_of: dict[str, list[int]]) -> list[int]:
         """Fill each candidate's matched blocks; workers sharing page size and model share one key chain."""
         groups: dict[tuple[int, str], list[Candidate]] = {}
         for c in candidates:
             groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
         first: list[int] | None = None
-        limit = self.config.index.max_lookup_blocks
-        for (size, model), members in groups.items():
-            keys = block_keys(tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt), limit=limit)
+        index = self.index
+        host = index.has_tier("host")
+        for chain, members in groups.items():
+            keys = chains.get(chain)
+            if keys is None:  # a worker's page size became known while the pool hashed
+                keys = self._chain(parsed, tokens, chain)
             if first is None:
                 first = keys
             ids = [c.worker.id for c in members]
-            gpu = self.index.match(keys, ids, "gpu")
-            lower = self.index.match(keys, ids, "host") if self.index.has_tier("host") else {}
+            gpu = index.match(keys, ids, "gpu")
+            lower = index.match(keys, ids, "host") if host else {}
             for c in members:
                 c.matched_blocks = gpu[c.worker.id]
                 c.host_matched_blocks = max(c.matched_blocks, lower.get(c.worker.id, 0))

@@ -6,6 +6,8 @@ with CONTINUE (or an early 413 / pass-through), parse the body, ask the router, 
 destination. The stream then stays open until Envoy has sent the complete response, so its end is
 the request's end: ``router.finish()`` runs there, whatever ended it (normal close, client cancel,
 Envoy reset). Messages are upb protobufs (``xds-protos``); the body is never re-serialized.
+The router's heavy CPU work (tokenizing) runs in its thread pool, so one huge prompt never holds up
+the other streams or the health service on this event loop.
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     headers = _headers(message.request_headers)
                     path = headers.get(":path", "")
                     kind = generation_kind(headers.get(":method", ""), path)
-                    reply, outcome = self._on_headers(kind, path, headers, message.request_headers.end_of_stream)
+                    reply, outcome = await self._on_headers(kind, path, headers,
+                                                            message.request_headers.end_of_stream)
                 elif phase == "request_body":
                     if kind is None or outcome is not None:
                         reply = continue_body()
                     else:
-                        reply, outcome = self._decide(kind, path, headers, message.request_body.body)
+                        reply, outcome = await self._decide(kind, path, headers, message.request_body.body)
                 else:
                     # Only reachable if Envoy is configured to send more than we asked for: never block it.
                     reply = _continue_for(phase)
@@ -75,12 +78,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if outcome is not None:
                 self.router.finish(outcome)
 
-    def _on_headers(self, kind: RequestKind | None, path: str, headers: dict[str, str],
-                    end_of_stream: bool) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
+    async def _on_headers(self, kind: RequestKind | None, path: str, headers: dict[str, str],
+                          end_of_stream: bool) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
         if kind is None:
             return continue_headers(), None  # not a generation request: ordinary routing
         if end_of_stream:  # no body will follow, so this reply is the only chance to answer
-            return self._decide(kind, path, headers, b"", phase="request_headers")
+            return await self._decide(kind, path, headers, b"", phase="request_headers")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             # Refuse as soon as the size is known: no worker and no parser need to see this body.
@@ -88,11 +91,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                                   type_="request_too_large"), None
         return continue_headers(), None
 
-    def _decide(self, kind: RequestKind, path: str, headers: dict[str, str], body: bytes,
-                phase: str = "request_body") -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
+    async def _decide(self, kind: RequestKind, path: str, headers: dict[str, str], body: bytes,
+                      phase: str = "request_body") -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
         try:
             parsed = parse_request(kind, path, body, headers, self.max_body_bytes)
-            outcome = self.router.route(parsed)
+            # Tokenizing runs in the router's pool; a cancel here (client gone) leaves no slot taken.
+            outcome = await self.router.aroute(parsed)
         except RequestError as exc:
             return error_response(exc.status, exc.message, exc.type, exc.param), None
         except NoWorkerError as exc:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import REGISTRY, Counter, Histogram
@@ -114,10 +114,18 @@ class Telemetry:
         self.config = config
         self.policy_name = policy_name
         self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
+        self.tracer = self.provider.get_tracer("extproc.router")
+        # With no exporter a span would be built, filled and dropped on every request (~0.1 ms):
+        # skip it, and leave the client's own trace context to reach the worker untouched.
+        self.tracing = False
         exporter = _exporter(config)
         if exporter is not None:
-            self.provider.add_span_processor(BatchSpanProcessor(exporter))
-        self.tracer = self.provider.get_tracer("extproc.router")
+            self.add_span_processor(BatchSpanProcessor(exporter))
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        """Send decision spans to ``processor`` too (the configured exporter, or a test's)."""
+        self.provider.add_span_processor(processor)
+        self.tracing = True
 
     def watch(self, router: Router) -> None:
         _routers.add(router)
@@ -125,16 +133,17 @@ class Telemetry:
     def decision(self, *, model: str, path: str, headers: Mapping[str, str], request: RoutingRequest,
                  candidates: Sequence[Candidate], decision: Decision, start_ns: int, end_ns: int,
                  blocks: int, tokenized: bool) -> dict[str, str]:
-        """Record one decision; returns the headers that carry its trace context upstream."""
+        """Record one decision; returns the headers that carry its trace context upstream (none untraced)."""
         elapsed = (end_ns - start_ns) / 1e9
         reason = decision.reason
         DECISIONS.labels(self.policy_name, reason).inc()
         DECISION_SECONDS.observe(elapsed)
         chosen = decision.ranked[0]
-        by_id = {c.worker.id: c for c in candidates}
-        MATCHED_BLOCKS.observe(by_id[chosen.id].matched_blocks if chosen.id in by_id else 0)
+        MATCHED_BLOCKS.observe(next((c.matched_blocks for c in candidates if c.worker is chosen), 0))
         if request.token_ids is not None:
             PROMPT_TOKENS.observe(len(request.token_ids))
+        if not self.tracing:
+            return {}
         parent = _propagator.extract(headers) if "traceparent" in headers else None
         span = self.tracer.start_span("route", context=parent, start_time=start_ns,
                                       kind=trace.SpanKind.INTERNAL)

@@ -221,8 +221,16 @@ def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
 
 # -- router wiring, telemetry -----------------------------------------------------------------------
 def test_router_tokenizes_records_and_traces() -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     config = RouterConfig(observability=ObservabilityConfig(exporter="none"))
     router = Router(config, WorkerRegistry(_workers(3)))
+    untraced = router.route(ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="hi",
+                                          headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}))
+    router.finish(untraced)
+    assert untraced.upstream_headers == {}  # exporter none: no span, the client's context goes on untouched
+    router.telemetry.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     messages = [{"role": "system", "content": "You are terse. " * 400}, {"role": "user", "content": "hi"}]
     parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=messages,
                            headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
@@ -289,7 +297,7 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
 
     router = Router(RouterConfig(), WorkerRegistry(_workers(3)))
     exporter = InMemorySpanExporter()
-    router.telemetry.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    router.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
     secret = "the launch codes are " + "zebra " * 80
     outcome = router.route(ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
                                          messages=[{"role": "user", "content": secret}]))
