@@ -59,7 +59,8 @@ class ServerConfig(_Section):
     tls_client_ca: Path | None = Field(None, description="If set, require client certificates signed by this CA (mTLS).")
     fallback_endpoints: int = Field(2, description="How many fallback endpoints follow the primary in the destination header.")
     grace_period_s: float = Field(5.0, description="On SIGTERM, how long in-flight streams may finish.")
-    tokenize_threads: int = Field(4, ge=1, description="Threads that render, tokenize and hash prompts off the gRPC event loop (tokenizers releases the GIL, so they also run in parallel).")
+    tokenize_threads: int = Field(4, ge=1, description="Threads that tokenize and hash prompts off the gRPC event loop (tokenizers releases the GIL, so they also run in parallel).")
+    inline_tokenize_chars: int = Field(4096, ge=0, description="A prompt with at most this many characters missing the tokenizer's piece cache is tokenized on the event loop (cheaper than a thread hop); more goes to the tokenize threads.")
 
 
 class WorkerConfig(_Section):
@@ -177,6 +178,7 @@ class IndexConfig(_Section):
     speculative_ttl_s: float = Field(2.0, description="Entries inserted by routing decisions expire after this unless events confirm them.")
     max_lookup_blocks: int = Field(8192, description="At most this many leading blocks of a prompt are hashed and looked up.")
     fallback_ttl_s: float = Field(120.0, description="While a worker's event state is unknown, the router trusts its own record of what it sent there for this long.")
+    key_cache_bytes: int = Field(32 * 1024 * 1024, ge=0, description="Token bytes of recent prompts kept so that a shared prefix's block keys are reused, not hashed again; 0 disables.")
     default_block_size: int = Field(16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size.")
 
 

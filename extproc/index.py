@@ -227,18 +227,23 @@ class BlockIndex:
             depth = dict.fromkeys(slots, 0)
             holders = self._tiers[tier].holders
             recent = self._recent
-            spec_ttl = self.config.speculative_ttl_s
-            fallback_ttl = self.config.fallback_ttl_s
+            # Per slot, the oldest record time still fresh (its TTL depends on the event state);
+            # slots not asked about never match. Hoisted out of the per-key loop (the hot part).
+            fresh = [float("inf")] * (len(self._slots) + len(self._free))
+            spec_cut = now - self.config.speculative_ttl_s
+            fallback_cut = now - self.config.fallback_ttl_s
             synced = self._synced
+            for slot in slots:
+                fresh[slot] = spec_cut if synced >> slot & 1 else fallback_cut
+            holders_get, recent_get = holders.get, recent.get
             for i, key in enumerate(keys):
-                mask = holders.get(key, 0) & alive
-                entry = recent.get(key) if mask != alive else None  # confirmed for all: skip the record
+                mask = holders_get(key, 0) & alive
+                entry = recent_get(key) if mask != alive else None  # confirmed for all: skip the record
                 if entry:
                     for slot, stamp in entry.items():
-                        ttl = spec_ttl if synced >> slot & 1 else fallback_ttl
-                        if now - stamp < ttl:
+                        if stamp > fresh[slot]:
                             mask |= 1 << slot
-                mask &= alive
+                    mask &= alive
                 if mask != alive:
                     gone = alive & ~mask
                     for slot in slots:

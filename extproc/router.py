@@ -25,10 +25,11 @@ from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from extproc.blocks import block_keys, chain_seed
+from extproc.blocks import chain_seed
 from extproc.config import ModelConfig, RouterConfig
 from extproc.events import EventHub, worker_block_size
 from extproc.index import BlockIndex
+from extproc.key_cache import KeyCache
 from extproc.load import LoadTracker
 from extproc.policies import Candidate, Decision, RoutingRequest, create_policy
 from extproc.request import ParsedRequest
@@ -42,7 +43,7 @@ __all__ = ["NoWorkerError", "RouteOutcome", "Router"]
 log = logging.getLogger(__name__)
 
 
-# Client-given token ids shorter than this are hashed on the loop: a thread hop costs more.
+# Client-given token ids shorter than this are hashed on the loop (~50 us): a thread hop costs more.
 _INLINE_TOKENS = 2048
 
 
@@ -102,6 +103,7 @@ class Router:
         if config.shared_state.backend != "none":
             self.shared = SharedDecisions(config.shared_state, self.index)
         self._models: dict[str, ModelConfig] = {m.name: m for m in config.models}
+        self._key_cache = KeyCache(config.index.key_cache_bytes)
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
@@ -128,18 +130,31 @@ class Router:
             return load_tokenizer()
         return load_tokenizer(cfg.tokenizer, cfg.chat_template)
 
-    def _prompt(self, parsed: ParsedRequest, want_tokens: bool, want_text: bool) -> tuple[list[int] | None, str]:
-        """Token ids exactly as the worker will build them (and the rendered text for text policies)."""
+    def _prompt(self, parsed: ParsedRequest, want_tokens: bool, want_text: bool,
+                budget: int | None = None) -> tuple[list[int] | None, str] | None:
+        """Token ids exactly as the worker will build them (and the rendered text for text policies).
+
+        With a ``budget`` (characters that may miss the piece cache) it returns None instead of
+        doing more work than that: the caller then tokenizes in the pool.
+        """
         if parsed.input_ids is not None:
+            if budget is not None and want_tokens and len(parsed.input_ids) >= _INLINE_TOKENS:
+                return None
             return list(parsed.input_ids), parsed.prompt_text or ""
         tokenizer = self.tokenizer_for(parsed.model)
         if parsed.kind == "chat" and parsed.messages is not None:
             kwargs = dict(parsed.chat_template_kwargs or {})
             generation = bool(kwargs.pop("add_generation_prompt", True))
             text = tokenizer.render_chat(parsed.messages, parsed.tools, generation, **kwargs)
-            return (tokenizer.encode_rendered(text) if want_tokens else None), text
-        text = parsed.prompt_text or ""
-        return (tokenizer.encode_text(text) if want_tokens else None), text
+            special = False  # the template wrote the special tokens
+        else:
+            text, special = parsed.prompt_text or "", True
+        if not want_tokens:
+            return None, text
+        if budget is None:
+            return tokenizer.encode_text(text, add_special_tokens=special), text
+        tokens = tokenizer.encode_cached(text, special, budget)
+        return None if tokens is None else (tokens, text)
 
     def block_size_for(self, worker: Worker) -> int:
         """Tokens per block for this worker: model config, then /server_info, then its events."""
@@ -148,21 +163,26 @@ class Router:
             return cfg.block_size
         return worker_block_size(worker) or self.events.block_size(worker) or self.config.index.default_block_size
 
-    def _prepare(self, parsed: ParsedRequest, chains: Collection[tuple[int, str]]) -> _Prompt:
+    def _prepare(self, parsed: ParsedRequest, chains: Collection[tuple[int, str]],
+                 budget: int | None = None) -> _Prompt | None:
         """The CPU-heavy, state-free part of a decision: render, tokenize, hash the key chains.
 
-        Reads nothing the event loop mutates (tokenizers and their piece cache are thread-safe), so
-        ``aroute`` runs it in the tokenize pool; the index and the policy are only touched after.
+        Reads nothing the event loop mutates (tokenizers, the piece cache and the key cache are
+        thread-safe), so ``aroute`` can run it in the tokenize pool; the index and the policy are
+        only touched after. With a ``budget`` it returns None rather than tokenize more than that.
         """
         policy = self.policy
         prompt = _Prompt()
         if not (policy.needs_tokens or policy.needs_text):
             return prompt
         try:
-            prompt.tokens, prompt.text = self._prompt(parsed, policy.needs_tokens, policy.needs_text)
+            result = self._prompt(parsed, policy.needs_tokens, policy.needs_text, budget)
         except Exception as exc:  # a template that refuses the conversation must not lose the request
             prompt.error = str(exc)
             return prompt
+        if result is None:
+            return None
+        prompt.tokens, prompt.text = result
         if prompt.tokens is not None and policy.needs_tokens:
             for chain in chains:
                 prompt.keys[chain] = self._chain(parsed, prompt.tokens, chain)
@@ -170,15 +190,8 @@ class Router:
 
     def _chain(self, parsed: ParsedRequest, tokens: list[int], chain: tuple[int, str]) -> list[int]:
         size, model = chain
-        return block_keys(tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt),
-                          limit=self.config.index.max_lookup_blocks)
-
-    def _needs_pool(self, parsed: ParsedRequest) -> bool:
-        """Whether the decision has CPU work worth a thread hop (tokenizing, or hashing given ids)."""
-        policy = self.policy
-        if parsed.input_ids is not None:
-            return policy.needs_tokens and len(parsed.input_ids) >= _INLINE_TOKENS
-        return policy.needs_tokens or policy.needs_text
+        return self._key_cache.keys(tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt),
+                                    limit=self.config.index.max_lookup_blocks)
 
     # -- the decision -----------------------------------------------------------------------------
     def route(self, parsed: ParsedRequest) -> RouteOutcome:
@@ -189,23 +202,27 @@ class Router:
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers = self._workers(parsed)
         prompt = self._prepare(parsed, self._chains(workers))
+        assert prompt is not None  # no budget, so never refused
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
 
     async def aroute(self, parsed: ParsedRequest) -> RouteOutcome:
-        """``route`` for the event loop: the CPU-heavy part runs in the tokenize thread pool.
+        """``route`` for the event loop: a prompt that is mostly new is tokenized in the thread pool.
 
-        Everything that reads or changes shared state (registry, index, in-flight counts, policy)
-        runs on the loop after the await, in one synchronous step, so it stays single-threaded. If
-        the caller is cancelled while the pool works, no slot has been taken yet: nothing leaks.
+        A warm prompt (at most ``server.inline_tokenize_chars`` characters missing the piece cache)
+        costs less than a thread hop and is done in place. Everything that reads or changes shared
+        state (registry, index, in-flight counts, policy) runs on the loop after the await, in one
+        synchronous step, so it stays single-threaded. If the caller is cancelled while the pool
+        works, no slot has been taken yet: nothing leaks.
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers = self._workers(parsed)
-        if self._needs_pool(parsed):
+        chains = self._chains(workers)
+        prompt = self._prepare(parsed, chains, self.config.server.inline_tokenize_chars)
+        if prompt is None:
             loop = asyncio.get_running_loop()
-            prompt = await loop.run_in_executor(self._pool, self._prepare, parsed, self._chains(workers))
+            prompt = await loop.run_in_executor(self._pool, self._prepare, parsed, chains)
+            assert prompt is not None  # no budget, so never refused
             workers = self._workers(parsed)  # health may have changed meanwhile
-        else:
-            prompt = self._prepare(parsed, self._chains(workers))
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
 
     def _workers(self, parsed: ParsedRequest) -> list[Worker]:

@@ -165,6 +165,7 @@ class ModelTokenizer:
         if self._splitter is None:
             return self.encode_whole(text, add_special_tokens)
         ids = self._encode_pieces(text)
+        assert ids is not None  # no budget, so never refused
         if add_special_tokens:
             prefix, suffix = self._special_affixes
             return [*prefix, *ids, *suffix] if prefix or suffix else ids
@@ -214,7 +215,21 @@ class ModelTokenizer:
                 return full[:i], full[i + len(bare):]
         raise TokenizerLoadError(f"tokenizer {self.name!r}: cannot locate special tokens around a sequence")
 
-    def _encode_pieces(self, text: str) -> list[int]:
+    def encode_cached(self, text: str, add_special_tokens: bool, max_uncached_chars: int) -> list[int] | None:
+        """``encode_text``, but only if at most ``max_uncached_chars`` of ``text`` miss the piece cache.
+
+        Returns None (having encoded nothing) when more is new: lets a caller on an event loop do
+        the cheap, warm case in place and hand a cold prompt to a thread.
+        """
+        if self._splitter is None:
+            return self.encode_whole(text, add_special_tokens) if len(text) <= max_uncached_chars else None
+        ids = self._encode_pieces(text, max_uncached_chars)
+        if ids is None or not add_special_tokens:
+            return ids
+        prefix, suffix = self._special_affixes
+        return [*prefix, *ids, *suffix] if prefix or suffix else ids
+
+    def _encode_pieces(self, text: str, max_uncached_chars: int | None = None) -> list[int] | None:
         assert self._splitter is not None
         pattern, added = self._splitter
         plan: list[str | int] = []
@@ -239,6 +254,8 @@ class ModelTokenizer:
                     found[item] = []
                 else:
                     found[item] = ids
+        if max_uncached_chars is not None and sum(map(len, missing)) > max_uncached_chars:
+            return None
         if missing:
             for piece, encoding in zip(missing, self.tokenizer.encode_batch(missing, add_special_tokens=False)):
                 found[piece] = encoding.ids

@@ -56,7 +56,7 @@ def _huge_prompt() -> str:
 
 
 class Gate:
-    """Marks when the router's off-loop half starts and ends for the first request (wraps the real ``_prepare``)."""
+    """Marks when the pool starts and ends tokenizing the first request (wraps the real ``_prepare``)."""
 
     def __init__(self, router: Router) -> None:
         self.started = threading.Event()
@@ -64,8 +64,10 @@ class Gate:
         inner = router._prepare
 
         def prepare(*args: object) -> object:
-            first = not self.started.is_set()  # only the first (huge) request is watched
-            self.started.set()
+            # Only the first call without a budget (the pool's, for the huge request) is watched.
+            first = len(args) < 3 and not self.started.is_set()
+            if first:
+                self.started.set()
             try:
                 return inner(*args)  # type: ignore[arg-type]
             finally:

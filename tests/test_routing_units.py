@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
@@ -52,6 +54,22 @@ def test_tiers_are_kept_apart() -> None:
     index.store("a", keys, "host")
     assert index.match(keys, ["a"], "gpu") == {"a": 0}
     assert index.match(keys, ["a"], "host") == {"a": 4}
+
+
+def test_key_cache_reuses_shared_prefixes_and_equals_block_keys() -> None:
+    from extproc.key_cache import KeyCache
+
+    cache = KeyCache(max_bytes=64 * 1024)
+    rng = random.Random(5)
+    bases = [[rng.randrange(128_000) for _ in range(rng.randint(0, 2000))] for _ in range(4)]
+    for _ in range(300):
+        base = rng.choice(bases)
+        tokens = base[:rng.randint(0, len(base))] + [rng.randrange(128_000) for _ in range(rng.randint(0, 300))]
+        size, seed, limit = rng.choice((16, 32)), rng.choice((0, 7)), rng.choice((None, 40))
+        assert cache.keys(tokens, size, seed, limit) == block_keys(tokens, size, seed, limit=limit)
+    assert 0 < cache.bytes <= cache.max_bytes
+    wide = [2**40, *range(40)]  # ids beyond u32 take block_keys' own path
+    assert cache.keys(wide, 16, 3) == block_keys(wide, 16, 3)
 
 
 def test_speculative_entries_expire_unless_confirmed() -> None:
