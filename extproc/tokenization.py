@@ -246,16 +246,18 @@ class ModelTokenizer:
         cache = self._cache
         found: dict[str, list[int]] = {}
         missing: list[str] = []
+        budget = len(text) if max_uncached_chars is None else max_uncached_chars
         for item in plan:
             if isinstance(item, str) and item not in found:
                 ids = cache.get(item) if len(item) >= _MIN_CACHED_PIECE else None
                 if ids is None:
+                    budget -= len(item)
+                    if budget < 0:
+                        return None  # more is new than the caller wants done here
                     missing.append(item)
                     found[item] = []
                 else:
                     found[item] = ids
-        if max_uncached_chars is not None and sum(map(len, missing)) > max_uncached_chars:
-            return None
         if missing:
             for piece, encoding in zip(missing, self.tokenizer.encode_batch(missing, add_special_tokens=False)):
                 found[piece] = encoding.ids
