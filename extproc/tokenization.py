@@ -94,6 +94,7 @@ def _token_content(value: Any) -> str | None:
 
 _LETTER_OR_DIGIT = frozenset(("Lu", "Ll", "Lt", "Lm", "Lo", "Nd", "Nl", "No"))
 _MIN_CACHED_PIECE = 16  # shorter pieces are cheaper to encode than to look up
+_PARALLEL_CHARS = 8192  # less new text than this is encoded on the calling thread, not in rayon's pool
 
 
 class _PieceCache:
@@ -246,20 +247,25 @@ class ModelTokenizer:
         cache = self._cache
         found: dict[str, list[int]] = {}
         missing: list[str] = []
-        budget = len(text) if max_uncached_chars is None else max_uncached_chars
+        new_chars = 0
         for item in plan:
             if isinstance(item, str) and item not in found:
                 ids = cache.get(item) if len(item) >= _MIN_CACHED_PIECE else None
                 if ids is None:
-                    budget -= len(item)
-                    if budget < 0:
+                    new_chars += len(item)
+                    if max_uncached_chars is not None and new_chars > max_uncached_chars:
                         return None  # more is new than the caller wants done here
                     missing.append(item)
                     found[item] = []
                 else:
                     found[item] = ids
         if missing:
-            for piece, encoding in zip(missing, self.tokenizer.encode_batch(missing, add_special_tokens=False)):
+            tokenizer = self.tokenizer
+            if len(missing) > 1 and new_chars > _PARALLEL_CHARS:
+                encodings = tokenizer.encode_batch(missing, add_special_tokens=False)  # in parallel (rayon)
+            else:  # waking the rayon pool costs more than encoding a little text here
+                encodings = [tokenizer.encode(piece, add_special_tokens=False) for piece in missing]
+            for piece, encoding in zip(missing, encodings):
                 found[piece] = encoding.ids
                 if len(piece) >= _MIN_CACHED_PIECE:
                     cache.put(piece, encoding.ids)
