@@ -122,7 +122,7 @@ def test_encode_cached_is_exact_within_its_budget_and_refuses_beyond() -> None:
     tok = load_tokenizer()
     fresh = ModelTokenizer(tok.name, tok.tokenizer, tok.chat_template, tok.special_tokens)
     rng = random.Random(11)
-    document = "<|eot_id|>".join(_text(rng, 3000) for _ in range(2))  # tens of kB, special tokens inside
+    document = "<|eot_id|>".join(_text(rng, 1500) for _ in range(2))  # kilobytes, special tokens inside
 
     def new_text(chars: int) -> str:
         return "".join(rng.choice(_ALPHABET) for _ in range(chars))
@@ -130,7 +130,7 @@ def test_encode_cached_is_exact_within_its_budget_and_refuses_beyond() -> None:
     assert fresh.encode_cached(document, False, 1000) is None  # all of it new: refused, nothing cached
     assert fresh.cache_stats["chars"] == 0
     fresh.encode_text(document, False)  # now cached
-    for _ in range(50):
+    for _ in range(20):
         text = document + "<|eot_id|>" + new_text(rng.randint(0, 900))  # a new turn after the document
         for special in (False, True):
             assert fresh.encode_cached(text, special, 1000) == fresh.encode_whole(text, special)
