@@ -284,7 +284,7 @@ def bootstrap(spec: GatewaySpec) -> dict[str, Any]:
         hcm["access_log"] = [{"name": "envoy.access_loggers.stdout", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
             "log_format": {"text_format_source": {"inline_string":
-                "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms (%ROUTE_NAME%)\n"}}}}]
+                "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms (%ROUTE_NAME%, %RESPONSE_CODE_DETAILS%)\n"}}}}]
     return {
         "admin": {"address": _address(*spec.admin)},
         "static_resources": {

@@ -412,9 +412,11 @@ Try it (the x-upstream-host response header names the worker that served):
   curl -i {stack.url}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
-Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE). ROUTE is router-picked when
-the router chose the worker, fail-open when Envoy's least-request route served a generation request
-(router down or slow), pass-through for other paths. Ctrl-C stops everything.
+Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE, DETAILS). ROUTE is router-picked
+when the router chose the worker, fail-open when Envoy's least-request route served a generation request
+(router down or slow), pass-through for other paths. DETAILS is via_upstream when a worker answered; a
+worker of "-" with DETAILS prefix_router means the router answered itself (400/413/503 errors), so the
+request never reached a worker. Ctrl-C stops everything.
 """.rstrip() + "\n"
 
 
