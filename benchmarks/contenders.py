@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,13 @@ async def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | 
     raise ContenderError(f"{url} not ready after {timeout_s:.0f} s ({last})")
 
 
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _tail(path: Path, limit: int = 600) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -151,11 +159,12 @@ class _ProcessContender(Contender):
     async def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            proc.terminate()
+            # The child leads its own process group: signal the group, so nothing it started outlives it.
+            _signal_group(proc, signal.SIGTERM)
             try:
                 await asyncio.to_thread(proc.wait, 5)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _signal_group(proc, signal.SIGKILL)
                 await asyncio.to_thread(proc.wait)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
