@@ -1,6 +1,6 @@
 # Two commands for a fresh clone (python3 + make are all you need):
 #   make up     run the local gateway stack (4 simulated workers + router + Envoy) on :8080
-#   make test   run the test suite
+#   make test   run the checks (ruff, mypy) and the test suite
 # Both create .venv and install the project into it on first use.
 
 PYTHON ?= python3
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 WORKERS ?= 4
 PORT ?= 8080
 
-.PHONY: up test bench install clean
+.PHONY: up test check bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ install: $(VENV)/.installed
 up: $(VENV)/.installed
 	$(BIN)/prefix-router up --sim-workers $(WORKERS) --port $(PORT)
 
-test: $(VENV)/.installed
+test: check
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Lint, format and types (also the first step of `make test`).
+check: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: $(VENV)/.installed
 	$(BIN)/prefix-router bench

@@ -23,7 +23,7 @@ import aiohttp
 from benchmarks.metrics import RequestResult
 from benchmarks.workloads import BenchRequest, prefix_hash
 
-__all__ = ["ClientOptions", "LatencyProbe", "PREFIX_HEADER", "UPSTREAM_HEADER", "run_load"]
+__all__ = ["PREFIX_HEADER", "UPSTREAM_HEADER", "ClientOptions", "LatencyProbe", "run_load"]
 
 PREFIX_HEADER = "x-prefix-hash"  # ring-hash key, computed by the client from the prompt's first characters
 UPSTREAM_HEADER = "x-upstream-host"  # the worker that served the request, when the gateway reports it
@@ -48,19 +48,28 @@ def prepare(requests: Sequence[BenchRequest], options: ClientOptions) -> list[_P
     """Serialize every body and header once; all contenders then send exactly these bytes."""
     out = []
     for r in requests:
-        body = {"model": options.model, "messages": r.messages, "max_tokens": r.max_tokens,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-                "ignore_eos": True}
-        headers = {"content-type": "application/json",
-                   PREFIX_HEADER: prefix_hash(r.prompt_chars(), options.prefix_chars)}
+        body = {
+            "model": options.model,
+            "messages": r.messages,
+            "max_tokens": r.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        headers = {
+            "content-type": "application/json",
+            PREFIX_HEADER: prefix_hash(r.prompt_chars(), options.prefix_chars),
+        }
         if r.session:
             headers[SESSION_HEADER] = r.session
         out.append(_Prepared(r, json.dumps(body).encode(), headers))
     return out
 
 
-async def _send(session: aiohttp.ClientSession, url: str, item: _Prepared, t0: float,
-                timeout: aiohttp.ClientTimeout) -> RequestResult:
+async def _send(
+    session: aiohttp.ClientSession, url: str, item: _Prepared, t0: float, timeout: aiohttp.ClientTimeout
+) -> RequestResult:
     sent = time.perf_counter()
     result = RequestResult(index=item.request.index, sent_s=sent - t0)
     chunks = 0
@@ -105,8 +114,12 @@ async def _send(session: aiohttp.ClientSession, url: str, item: _Prepared, t0: f
     return result
 
 
-async def run_load(base_url: str, requests: Sequence[BenchRequest], options: ClientOptions,
-                   on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+async def run_load(
+    base_url: str,
+    requests: Sequence[BenchRequest],
+    options: ClientOptions,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
     """Send ``requests`` to ``base_url`` at their arrival times; results in request order."""
     prepared = prepare(requests, options)
     url = base_url.rstrip("/") + "/v1/chat/completions"

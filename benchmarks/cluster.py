@@ -53,9 +53,15 @@ class Cluster:
 
         try:
             self._workers = await asyncio.to_thread(
-                start_sim_workers, self.spec.workers, profile=self.spec.profile, speedup=self.spec.speedup,
-                capacity_tokens=self.spec.capacity_tokens, page_size=self.spec.page_size, seed=self.spec.seed,
-                log_level="warning")
+                start_sim_workers,
+                self.spec.workers,
+                profile=self.spec.profile,
+                speedup=self.spec.speedup,
+                capacity_tokens=self.spec.capacity_tokens,
+                page_size=self.spec.page_size,
+                seed=self.spec.seed,
+                log_level="warning",
+            )
         except (SimWorkerError, OSError) as exc:  # reported in the contender's row
             raise ClusterError(str(exc)[-1000:]) from None
 
@@ -68,10 +74,11 @@ class Cluster:
         if not self._workers:
             return None
         try:
-            async with aiohttp.ClientSession() as session:
-                async with session.get(f"{self._workers[0].url}/v1/models",
-                                       timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    data = await resp.json()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"{self._workers[0].url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as resp,
+            ):
+                data = await resp.json()
             return str(data["data"][0]["id"])
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
             return None

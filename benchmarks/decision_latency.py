@@ -26,12 +26,12 @@ import time
 from typing import Any
 
 from extproc.config import EventsConfig, IndexConfig, RouterConfig
-from extproc.events import EventHub
 from extproc.index import BlockIndex
 from extproc.request import ParsedRequest
 from extproc.router import Router
+from extproc.sync.hub import EventHub
+from extproc.sync.workers import Worker, WorkerRegistry
 from extproc.tokenization import load_tokenizer
-from extproc.workers import Worker, WorkerRegistry
 
 PAGE = 16
 SIZES = (1024, 8192, 32768)
@@ -56,15 +56,16 @@ def _document(rng: random.Random, vocab: list[str], tokens: int) -> str:
 
 def _percentiles(values: list[float]) -> tuple[float, float]:
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return statistics.median(ordered) * 1000, p99 * 1000
 
 
 def decision_latency(samples: int, workers: int) -> list[tuple[int, int, tuple[float, float], tuple[float, float]]]:
     rng = random.Random(42)
     vocab = _vocabulary(rng)
-    fleet = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i)
-             for i in range(workers)]
+    fleet = [
+        Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(workers)
+    ]
     config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=PAGE))
     router = Router(config, WorkerRegistry(fleet))
     # One throw-away decision: the tokenizer's first call initialises lazily (~10 ms), once per process.
@@ -76,8 +77,10 @@ def decision_latency(samples: int, workers: int) -> list[tuple[int, int, tuple[f
         tokens = 0
         for i in range(samples):
             doc = _document(rng, vocab, size)
-            history = [{"role": "system", "content": "You answer questions about the document."},
-                       {"role": "user", "content": doc + "\n\nSummarise it."}]
+            history = [
+                {"role": "system", "content": "You answer questions about the document."},
+                {"role": "user", "content": doc + "\n\nSummarise it."},
+            ]
             parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=history)
             start = time.perf_counter()
             outcome = router.route(parsed)
@@ -119,8 +122,15 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
         for b in range(batches):
             tokens = [rng.randrange(128_000) for _ in range(pages * PAGE)]
             hashes = [rng.getrandbits(63) for _ in range(pages)]
-            event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                     "token_ids": tokens, "block_size": PAGE, "lora_id": None, "medium": "GPU"}
+            event = {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": tokens,
+                "block_size": PAGE,
+                "lora_id": None,
+                "medium": "GPU",
+            }
             out.append(msgpack.packb([time.time(), [event], 0]))
             parent = hashes[-1] if b % 8 else None  # chains of 8 batches, then a new root
         payloads.append(out)
@@ -134,13 +144,21 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
 
 
 async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
-    from sglang_workers.process import free_ports
+    from extproc.addresses import free_ports
 
     pages = 16
     batches = max(1, total_blocks // (workers * pages))
     ports = free_ports(workers)
-    fleet = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{ports[i]}", ip="127.0.0.1", port=ports[i],
-                    kv_events_endpoint=f"tcp://127.0.0.1:{ports[i]}") for i in range(workers)]
+    fleet = [
+        Worker(
+            id=f"w{i}",
+            url=f"http://127.0.0.1:{ports[i]}",
+            ip="127.0.0.1",
+            port=ports[i],
+            kv_events_endpoint=f"tcp://127.0.0.1:{ports[i]}",
+        )
+        for i in range(workers)
+    ]
     index = BlockIndex(IndexConfig(max_blocks_per_worker=10_000_000))
     hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index)
     ctx = mp.get_context("spawn")
@@ -168,8 +186,11 @@ async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.decision_latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.decision_latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--samples", type=int, default=30, help="Conversations per prompt size (3 warm turns each).")
     parser.add_argument("--workers", type=int, default=8, help="Workers in the fleet / event publishers.")
     parser.add_argument("--event-blocks", type=int, default=200_000, help="Blocks to publish for the ingestion run.")
@@ -180,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     for size, tokens, (c50, c99), (w50, w99) in decision_latency(args.samples, args.workers):
         print(f"{size // 1024:>7}k {tokens:>7} {c50:>9.2f} {c99:>9.2f} {w50:>9.2f} {w99:>9.2f}")
     done, elapsed = asyncio.run(event_ingestion(args.workers, args.event_blocks))
-    print(f"event ingestion: {done} blocks from {args.workers} workers in {elapsed:.2f} s "
-          f"= {done / elapsed:,.0f} blocks/s (BlockStored batches of 16 pages x {PAGE} tokens, real ZMQ)")
+    print(
+        f"event ingestion: {done} blocks from {args.workers} workers in {elapsed:.2f} s "
+        f"= {done / elapsed:,.0f} blocks/s (BlockStored batches of 16 pages x {PAGE} tokens, real ZMQ)"
+    )
     return 0
 
 

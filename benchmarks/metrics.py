@@ -38,8 +38,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def distribution(values: Sequence[float]) -> dict[str, float]:
     """p50/p90/p99/mean of ``values`` (NaN when empty, so a failed run never looks fast)."""
-    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
-            "mean": sum(values) / len(values) if values else math.nan}
+    return {
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "mean": sum(values) / len(values) if values else math.nan,
+    }
 
 
 @dataclass
@@ -62,11 +66,19 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name, "rate": self.rate, "requests": self.requests, "errors": self.errors,
-            "ttft_s": self.ttft_s, "e2e_s": self.e2e_s, "output_tok_s": self.output_tok_s,
-            "hit_rate": self.hit_rate, "max_mean_requests": self.max_mean_requests,
-            "requests_per_worker": self.requests_per_worker, "duration_s": self.duration_s,
-            "error_samples": self.error_samples, "start_error": self.start_error,
+            "name": self.name,
+            "rate": self.rate,
+            "requests": self.requests,
+            "errors": self.errors,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "output_tok_s": self.output_tok_s,
+            "hit_rate": self.hit_rate,
+            "max_mean_requests": self.max_mean_requests,
+            "requests_per_worker": self.requests_per_worker,
+            "duration_s": self.duration_s,
+            "error_samples": self.error_samples,
+            "start_error": self.start_error,
         }
 
 
@@ -79,8 +91,13 @@ def max_over_mean(counts: Mapping[str, int], workers: int) -> float:
     return max(values) / (total / workers)
 
 
-def summarize(name: str, rate: float | None, results: Sequence[RequestResult],
-              requests_per_worker: Mapping[str, int], workers: int) -> Summary:
+def summarize(
+    name: str,
+    rate: float | None,
+    results: Sequence[RequestResult],
+    requests_per_worker: Mapping[str, int],
+    workers: int,
+) -> Summary:
     """Aggregate one run. Hit rate is cached prompt tokens / prompt tokens over successful requests."""
     ok = [r for r in results if r.error is None]
     errors = [r for r in results if r.error is not None]
@@ -97,19 +114,35 @@ def summarize(name: str, rate: float | None, results: Sequence[RequestResult],
     out_tokens = sum(r.output_tokens for r in ok)
     samples = sorted({r.error for r in errors if r.error})[:5]
     return Summary(
-        name=name, rate=rate, requests=len(results), errors=len(errors),
-        ttft_s=distribution(ttfts), e2e_s=distribution(e2es),
+        name=name,
+        rate=rate,
+        requests=len(results),
+        errors=len(errors),
+        ttft_s=distribution(ttfts),
+        e2e_s=distribution(e2es),
         output_tok_s=out_tokens / duration if duration else math.nan,
         hit_rate=cached / prompt if prompt else math.nan,
         requests_per_worker=dict(sorted(requests_per_worker.items())),
         max_mean_requests=max_over_mean(requests_per_worker, workers),
-        duration_s=duration, error_samples=samples,
+        duration_s=duration,
+        error_samples=samples,
     )
 
 
 def failed(name: str, rate: float | None, reason: str) -> Summary:
     """The row of a contender that could not start: reported, never dropped."""
     nan = distribution([])
-    return Summary(name=name, rate=rate, requests=0, errors=0, ttft_s=nan, e2e_s=dict(nan),
-                   output_tok_s=math.nan, hit_rate=math.nan, requests_per_worker={},
-                   max_mean_requests=math.nan, duration_s=0.0, start_error=reason)
+    return Summary(
+        name=name,
+        rate=rate,
+        requests=0,
+        errors=0,
+        ttft_s=nan,
+        e2e_s=dict(nan),
+        output_tok_s=math.nan,
+        hit_rate=math.nan,
+        requests_per_worker={},
+        max_mean_requests=math.nan,
+        duration_s=0.0,
+        start_error=reason,
+    )

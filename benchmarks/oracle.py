@@ -58,8 +58,9 @@ class PooledCache:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def oracle_hit_rate(token_sequences: Iterable[Sequence[int]], capacity_tokens: int, page_size: int,
-                    max_prompt_tokens: int | None = None) -> float:
+def oracle_hit_rate(
+    token_sequences: Iterable[Sequence[int]], capacity_tokens: int, page_size: int, max_prompt_tokens: int | None = None
+) -> float:
     """Hit rate of one pooled cache of ``capacity_tokens`` over the requests in order.
 
     Prompts longer than ``max_prompt_tokens`` (one worker's pool: every worker rejects them, so no

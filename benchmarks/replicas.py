@@ -49,18 +49,32 @@ from benchmarks.client import ClientOptions, run_load
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.metrics import RequestResult, percentile
 from benchmarks.workloads import BenchRequest, Workload, block_text, gsp_workload, prefix_hash
-from extproc import envoy_config
-from extproc.envoy_config import GatewaySpec, split_host_port
-from extproc.stack import find_envoy, free_port
+from extproc.addresses import free_port, split_host_port
+from extproc.gateway import envoy_config
+from extproc.gateway.envoy_config import GatewaySpec
+from extproc.gateway.stack import find_envoy
 
-__all__ = ["ReplicaGateway", "ReplicaResult", "affinity", "burst_workload", "main", "redis_server", "replica_bootstrap",
-           "run"]
+__all__ = [
+    "ReplicaGateway",
+    "ReplicaResult",
+    "affinity",
+    "burst_workload",
+    "main",
+    "redis_server",
+    "replica_bootstrap",
+    "run",
+]
 
 LOOPBACK = "127.0.0.1"
 
 
-def replica_bootstrap(worker_urls: Sequence[str], extproc_ports: Sequence[int], listen_port: int,
-                      admin_port: int, upstream_host_header: bool = True) -> dict[str, Any]:
+def replica_bootstrap(
+    worker_urls: Sequence[str],
+    extproc_ports: Sequence[int],
+    listen_port: int,
+    admin_port: int,
+    upstream_host_header: bool = True,
+) -> dict[str, Any]:
     """``prefix-router envoy-config --bootstrap`` with one ext_proc host per router replica.
 
     The generator takes one ``--extproc`` address (a DNS name that resolves to every replica, as in
@@ -69,15 +83,24 @@ def replica_bootstrap(worker_urls: Sequence[str], extproc_ports: Sequence[int], 
     """
     if not extproc_ports:
         raise ValueError("at least one router replica")
-    spec = GatewaySpec(workers=[split_host_port(u) for u in worker_urls], extproc=(LOOPBACK, extproc_ports[0]),
-                       listen=(LOOPBACK, listen_port), admin=(LOOPBACK, admin_port),
-                       upstream_host_header=upstream_host_header)
+    spec = GatewaySpec(
+        workers=[split_host_port(u) for u in worker_urls],
+        extproc=(LOOPBACK, extproc_ports[0]),
+        listen=(LOOPBACK, listen_port),
+        admin=(LOOPBACK, admin_port),
+        upstream_host_header=upstream_host_header,
+    )
     config = envoy_config.bootstrap(spec)
     (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == envoy_config.EXTPROC_CLUSTER]
     cluster["lb_policy"] = "ROUND_ROBIN"
-    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-        {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
-        for port in extproc_ports]}]
+    cluster["load_assignment"]["endpoints"] = [
+        {
+            "lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": port}}}}
+                for port in extproc_ports
+            ]
+        }
+    ]
     return config
 
 
@@ -89,10 +112,17 @@ class ReplicaGateway:
     ``prefix-router`` (default: this interpreter's ``-m extproc``; the console script works too).
     """
 
-    def __init__(self, worker_urls: Sequence[str], replicas: int, *, router_config: dict[str, Any] | None = None,
-                 replica_configs: Sequence[dict[str, Any]] = (), env: dict[str, str] | None = None,
-                 router_command: Sequence[str] = (sys.executable, "-m", "extproc"),
-                 startup_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        replicas: int,
+        *,
+        router_config: dict[str, Any] | None = None,
+        replica_configs: Sequence[dict[str, Any]] = (),
+        env: dict[str, str] | None = None,
+        router_command: Sequence[str] = (sys.executable, "-m", "extproc"),
+        startup_timeout_s: float = 60.0,
+    ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.worker_urls = list(worker_urls)
@@ -130,8 +160,9 @@ class ReplicaGateway:
             for i in range(self.replicas):
                 path = self.dir / f"router-{i}.yaml"
                 path.write_text(yaml.safe_dump(self.replica_config(i)))
-                self._spawn(f"router-{i}", [*self.router_command, "serve", "--config", str(path),
-                                            "--log-level", "warning"])
+                self._spawn(
+                    f"router-{i}", [*self.router_command, "serve", "--config", str(path), "--log-level", "warning"]
+                )
             for i, port in enumerate(self.router_ports):
                 await self._wait(i, lambda port=port: _router_serving(port))
             envoy = find_envoy()
@@ -140,8 +171,10 @@ class ReplicaGateway:
             config_path = self.dir / "envoy.yaml"
             bootstrap = replica_bootstrap(self.worker_urls, self.router_ports, self.port, self.admin_port)
             config_path.write_text(envoy_config.dump(bootstrap))
-            self._spawn("envoy", [envoy, "-c", str(config_path), "--concurrency", "1", "--disable-hot-restart",
-                                  "--log-level", "warn"])
+            self._spawn(
+                "envoy",
+                [envoy, "-c", str(config_path), "--concurrency", "1", "--disable-hot-restart", "--log-level", "warn"],
+            )
             await self._wait(len(self._children) - 1, self._envoy_ready)
         except BaseException:
             await self.stop()
@@ -150,7 +183,7 @@ class ReplicaGateway:
 
     async def stop(self) -> None:
         children, self._children = self._children, []
-        for name, process, _ in reversed(children):  # Envoy first: no new requests reach a stopping router
+        for _, process, _ in reversed(children):  # Envoy first: no new requests reach a stopping router
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
@@ -162,8 +195,11 @@ class ReplicaGateway:
 
     def logs(self) -> str:
         """The end of every child's log (while the gateway runs; ``stop()`` removes them)."""
-        return "\n".join(f"--- {name}\n{path.read_text(errors='replace')[-1500:]}"
-                         for name, _, path in self._children if path.exists())
+        return "\n".join(
+            f"--- {name}\n{path.read_text(errors='replace')[-1500:]}"
+            for name, _, path in self._children
+            if path.exists()
+        )
 
     async def __aenter__(self) -> ReplicaGateway:
         return await self.start()
@@ -174,8 +210,14 @@ class ReplicaGateway:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = self.dir / f"{name}.log"
         with log.open("ab") as handle:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **self.env}, start_new_session=True)
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
         self._children.append((name, process, log))
 
     async def _wait(self, index: int, ready: Any) -> None:
@@ -183,17 +225,22 @@ class ReplicaGateway:
         deadline = time.monotonic() + self.startup_timeout_s
         while not await ready():
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{log.read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"{name} exited with {process.returncode}:\n{log.read_text(errors='replace')[-2000:]}"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not ready after {self.startup_timeout_s:.0f}s:\n"
-                                   f"{log.read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"{name} not ready after {self.startup_timeout_s:.0f}s:\n{log.read_text(errors='replace')[-2000:]}"
+                )
             await asyncio.sleep(0.05)
 
     async def _envoy_ready(self) -> bool:
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
-                async with session.get(f"http://{LOOPBACK}:{self.admin_port}/ready") as response:
-                    return response.status == 200
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
+                session.get(f"http://{LOOPBACK}:{self.admin_port}/ready") as response,
+            ):
+                return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
@@ -208,6 +255,7 @@ async def _router_serving(port: int) -> bool:
 
 
 # -- figures -------------------------------------------------------------------------------------
+
 
 @dataclass
 class ReplicaResult:
@@ -242,8 +290,18 @@ def affinity(groups: Sequence[str], results: Sequence[RequestResult]) -> tuple[f
     return (warm / later if later else math.nan), (sum(per_group) / len(per_group) if per_group else math.nan)
 
 
-def burst_workload(*, groups: int, burst_size: int, bursts_per_group: int, system_prompt_len: int,
-                   question_len: int, output_len: int, gap_s: float, spacing_s: float, seed: int) -> Workload:
+def burst_workload(
+    *,
+    groups: int,
+    burst_size: int,
+    bursts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    gap_s: float,
+    spacing_s: float,
+    seed: int,
+) -> Workload:
     """Fan-out bursts: ``burst_size`` requests sharing a group's system prompt within a few ms.
 
     The pattern of an agent issuing parallel calls on one context: all requests of a burst arrive
@@ -254,30 +312,59 @@ def burst_workload(*, groups: int, burst_size: int, bursts_per_group: int, syste
     if min(groups, burst_size, bursts_per_group, system_prompt_len, question_len, output_len) <= 0 or gap_s <= 0:
         raise ValueError("burst sizes and the gap must be positive")
     ns = f"burst/{seed}"
-    requests = []
+    requests: list[BenchRequest] = []
     for b in range(groups * bursts_per_group):
         group, round_ = b % groups, b // groups
         system = block_text(ns + "/system", group, system_prompt_len)
         for i in range(burst_size):
             question = block_text(ns + f"/q{group}", round_ * burst_size + i, question_len)
-            requests.append(BenchRequest(index=len(requests), arrival_s=b * gap_s + i * spacing_s,
-                                         max_tokens=output_len,
-                                         messages=[{"role": "system", "content": system},
-                                                   {"role": "user", "content": question}]))
-    return Workload("burst", requests, {"groups": groups, "burst_size": burst_size,
-                                        "bursts_per_group": bursts_per_group, "system_prompt_len": system_prompt_len,
-                                        "question_len": question_len, "output_len": output_len, "gap_s": gap_s,
-                                        "spacing_s": spacing_s, "seed": seed})
+            requests.append(
+                BenchRequest(
+                    index=len(requests),
+                    arrival_s=b * gap_s + i * spacing_s,
+                    max_tokens=output_len,
+                    messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+                )
+            )
+    return Workload(
+        "burst",
+        requests,
+        {
+            "groups": groups,
+            "burst_size": burst_size,
+            "bursts_per_group": bursts_per_group,
+            "system_prompt_len": system_prompt_len,
+            "question_len": question_len,
+            "output_len": output_len,
+            "gap_s": gap_s,
+            "spacing_s": spacing_s,
+            "seed": seed,
+        },
+    )
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
     if args.workload == "burst":
-        return burst_workload(groups=args.groups, burst_size=args.burst_size, bursts_per_group=args.bursts_per_group,
-                              system_prompt_len=args.system_len, question_len=args.question_len,
-                              output_len=args.output_len, gap_s=args.gap, spacing_s=args.spacing, seed=args.seed)
-    return gsp_workload(groups=args.groups, prompts_per_group=args.prompts_per_group,
-                        system_prompt_len=args.system_len, question_len=args.question_len,
-                        output_len=args.output_len, rate=args.rate, seed=args.seed)
+        return burst_workload(
+            groups=args.groups,
+            burst_size=args.burst_size,
+            bursts_per_group=args.bursts_per_group,
+            system_prompt_len=args.system_len,
+            question_len=args.question_len,
+            output_len=args.output_len,
+            gap_s=args.gap,
+            spacing_s=args.spacing,
+            seed=args.seed,
+        )
+    return gsp_workload(
+        groups=args.groups,
+        prompts_per_group=args.prompts_per_group,
+        system_prompt_len=args.system_len,
+        question_len=args.question_len,
+        output_len=args.output_len,
+        rate=args.rate,
+        seed=args.seed,
+    )
 
 
 def _groups(workload: Workload) -> list[str]:
@@ -285,8 +372,9 @@ def _groups(workload: Workload) -> list[str]:
     return [prefix_hash(r.messages[0]["content"], 1 << 20) for r in workload.requests]
 
 
-async def run_one(replicas: int, workload: Workload, spec: ClusterSpec, options: ClientOptions,
-                  router_config: dict[str, Any]) -> ReplicaResult:
+async def run_one(
+    replicas: int, workload: Workload, spec: ClusterSpec, options: ClientOptions, router_config: dict[str, Any]
+) -> ReplicaResult:
     cluster = Cluster(spec)
     await cluster.start()
     try:
@@ -301,16 +389,29 @@ async def run_one(replicas: int, workload: Workload, spec: ClusterSpec, options:
     counts: dict[str, int] = defaultdict(int)
     for r in ok:
         counts[r.upstream or "?"] += 1
-    return ReplicaResult(replicas=replicas, requests=len(results), errors=len(results) - len(ok),
-                         hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan,
-                         affinity=aff, workers_per_group=per_group, ttft_p50_s=percentile(ttfts, 50),
-                         ttft_p90_s=percentile(ttfts, 90), requests_per_worker=dict(sorted(counts.items())))
+    return ReplicaResult(
+        replicas=replicas,
+        requests=len(results),
+        errors=len(results) - len(ok),
+        hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan,
+        affinity=aff,
+        workers_per_group=per_group,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        requests_per_worker=dict(sorted(counts.items())),
+    )
 
 
 async def run(args: argparse.Namespace) -> list[ReplicaResult]:
     workload = build_workload(args)
-    spec = ClusterSpec(workers=args.workers, profile=args.profile, speedup=args.speedup,
-                       capacity_tokens=args.capacity_tokens, page_size=args.page_size, seed=args.seed)
+    spec = ClusterSpec(
+        workers=args.workers,
+        profile=args.profile,
+        speedup=args.speedup,
+        capacity_tokens=args.capacity_tokens,
+        page_size=args.page_size,
+        seed=args.seed,
+    )
     router_config: dict[str, Any] = {"policy": {"name": args.policy, "options": dict(args.policy_option)}}
     out = []
     with contextlib.ExitStack() as stack:
@@ -318,8 +419,9 @@ async def run(args: argparse.Namespace) -> list[ReplicaResult]:
             url = stack.enter_context(redis_server()) if args.shared_state == "start" else args.shared_state
             router_config["shared_state"] = {"backend": "redis", "url": url}
         for replicas in args.replicas:
-            result = await run_one(replicas, workload, spec, ClientOptions(request_timeout_s=args.request_timeout),
-                                   router_config)
+            result = await run_one(
+                replicas, workload, spec, ClientOptions(request_timeout_s=args.request_timeout), router_config
+            )
             print(_row(result), flush=True)
             out.append(result)
     return out
@@ -332,9 +434,13 @@ def redis_server() -> Iterator[str]:
     if binary is None:
         raise RuntimeError("redis-server not found (apt-get install redis-server), or pass --shared-state redis://...")
     port = free_port()
-    process = subprocess.Popen([binary, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no"],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [binary, "--bind", LOOPBACK, "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -353,13 +459,17 @@ def redis_server() -> Iterator[str]:
             process.wait()
 
 
-HEADER = ("| replicas | requests | errors | hit rate | affinity | workers/group | TTFT p50 (ms) | TTFT p90 (ms) |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| replicas | requests | errors | hit rate | affinity | workers/group | TTFT p50 (ms) | TTFT p90 (ms) |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
 
 
 def _row(r: ReplicaResult) -> str:
-    return (f"| {r.replicas} | {r.requests} | {r.errors} | {r.hit_rate:.3f} | {r.affinity:.3f} | "
-            f"{r.workers_per_group:.2f} | {r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} |")
+    return (
+        f"| {r.replicas} | {r.requests} | {r.errors} | {r.hit_rate:.3f} | {r.affinity:.3f} | "
+        f"{r.workers_per_group:.2f} | {r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} |"
+    )
 
 
 def _counts(text: str) -> list[int]:
@@ -382,19 +492,33 @@ def _option(text: str) -> tuple[str, Any]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=_counts, default=[1, 2, 3], help="Replica counts to compare, e.g. 1,2,3.")
     parser.add_argument("--policy", default="prefix-aware", help="Routing policy of every replica.")
-    parser.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
-                        help="A policy constant (policy.options), e.g. tie_rel=0; repeatable.")
-    parser.add_argument("--shared-state", metavar="URL", default=None,
-                        help="Replicas share their unconfirmed decisions through Redis/Valkey: a redis:// URL, "
-                             "or 'start' to run a throw-away redis-server for the benchmark.")
+    parser.add_argument(
+        "--policy-option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A policy constant (policy.options), e.g. tie_rel=0; repeatable.",
+    )
+    parser.add_argument(
+        "--shared-state",
+        metavar="URL",
+        default=None,
+        help="Replicas share their unconfirmed decisions through Redis/Valkey: a redis:// URL, "
+        "or 'start' to run a throw-away redis-server for the benchmark.",
+    )
     parser.add_argument("--workers", type=int, default=4, help="Simulated workers (fresh cluster per replica count).")
     parser.add_argument("--profile", default="llama-3.1-8b-h100", help="Timing profile of the simulated workers.")
     parser.add_argument("--speedup", type=float, default=1.0, help="Run the workers' clock this much faster.")
     parser.add_argument("--capacity-tokens", type=int, default=65536, help="KV capacity of each worker in tokens.")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size (= router block size).")
-    parser.add_argument("--workload", choices=["burst", "gsp"], default="burst",
-                        help="burst: fan-out bursts of requests sharing a prefix (the case replicas can split); "
-                             "gsp: generated shared prefix with Poisson arrivals.")
+    parser.add_argument(
+        "--workload",
+        choices=["burst", "gsp"],
+        default="burst",
+        help="burst: fan-out bursts of requests sharing a prefix (the case replicas can split); "
+        "gsp: generated shared prefix with Poisson arrivals.",
+    )
     parser.add_argument("--groups", type=int, default=16, help="Shared system prompts (prefix groups).")
     parser.add_argument("--burst-size", type=int, default=6, help="burst: requests per burst.")
     parser.add_argument("--bursts-per-group", type=int, default=2, help="burst: bursts of each group.")
@@ -411,17 +535,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.replicas", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.replicas",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     configure(parser)
     args = parser.parse_args(argv)
     if args.workload == "burst":
-        shape = (f"burst: {args.groups} groups x {args.bursts_per_group} bursts of {args.burst_size} "
-                 f"({args.spacing * 1000:.0f} ms apart, a burst every {args.gap} s)")
+        shape = (
+            f"burst: {args.groups} groups x {args.bursts_per_group} bursts of {args.burst_size} "
+            f"({args.spacing * 1000:.0f} ms apart, a burst every {args.gap} s)"
+        )
     else:
         shape = f"gsp: {args.groups} groups x {args.prompts_per_group} prompts at {args.rate} req/s"
-    print(f"{shape}, system {args.system_len} tokens, {args.workers} workers ({args.profile}, speedup "
-          f"{args.speedup}), policy {args.policy} {dict(args.policy_option) or ''}{', shared state ' + args.shared_state if args.shared_state else ''}")
+    print(
+        f"{shape}, system {args.system_len} tokens, {args.workers} workers ({args.profile}, speedup "
+        f"{args.speedup}), policy {args.policy} {dict(args.policy_option) or ''}"
+        f"{', shared state ' + args.shared_state if args.shared_state else ''}"
+    )
     print(HEADER, flush=True)
     try:
         results = asyncio.run(run(args))
@@ -430,9 +562,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                  for k, v in vars(args).items()},
-                                         "results": [asdict(r) for r in results]}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "results": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

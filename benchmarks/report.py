@@ -24,9 +24,15 @@ SGL_NAME = "sgl-router"
 class BenchReport:
     """Everything one ``prefix-router bench`` run measured."""
 
-    def __init__(self, workload: str, params: dict[str, Any], oracles: dict[float | None, float],
-                 summaries: Sequence[Summary], ttfts: dict[tuple[str, float | None], list[float]],
-                 setup: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        workload: str,
+        params: dict[str, Any],
+        oracles: dict[float | None, float],
+        summaries: Sequence[Summary],
+        ttfts: dict[tuple[str, float | None], list[float]],
+        setup: dict[str, Any],
+    ) -> None:
         self.workload = workload
         self.params = params
         self.oracles = oracles  # offered load -> pooled-cache oracle hit rate (request order can differ)
@@ -50,10 +56,20 @@ class BenchReport:
         return seen
 
     def to_json(self) -> dict[str, Any]:
-        return _clean({"workload": self.workload, "params": self.params, "setup": self.setup,
-                       "oracle_hit_rate": self.oracle_hit_rate,
-                       "contenders": [s.to_json() | {"hit_rate_vs_oracle": _ratio(s.hit_rate, self.oracle(s.rate)),
-                                                     **_ratios(s, self.summaries)} for s in self.summaries]})
+        out: dict[str, Any] = _clean(
+            {
+                "workload": self.workload,
+                "params": self.params,
+                "setup": self.setup,
+                "oracle_hit_rate": self.oracle_hit_rate,
+                "contenders": [
+                    s.to_json()
+                    | {"hit_rate_vs_oracle": _ratio(s.hit_rate, self.oracle(s.rate)), **_ratios(s, self.summaries)}
+                    for s in self.summaries
+                ],
+            }
+        )
+        return out
 
 
 def _clean(value: Any) -> Any:
@@ -85,11 +101,15 @@ def _ratios(s: Summary, summaries: Sequence[Summary]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, names in (("vs_round_robin", ROUND_ROBIN_NAMES), ("vs_sgl_router", (SGL_NAME,))):
         ref = _reference(summaries, names, s.rate)
-        out[label] = None if ref is None else {
-            "reference": ref.name,
-            "ttft_p50": _ratio(s.ttft_s["p50"], ref.ttft_s["p50"]),
-            "ttft_p99": _ratio(s.ttft_s["p99"], ref.ttft_s["p99"]),
-        }
+        out[label] = (
+            None
+            if ref is None
+            else {
+                "reference": ref.name,
+                "ttft_p50": _ratio(s.ttft_s["p50"], ref.ttft_s["p50"]),
+                "ttft_p99": _ratio(s.ttft_s["p99"], ref.ttft_s["p99"]),
+            }
+        )
     return out
 
 
@@ -110,11 +130,14 @@ def markdown_table(report: BenchReport) -> str:
         rows = [s for s in report.summaries if s.rate == rate]
         title = f"offered load {rate:g} req/s" if rate is not None else "trace arrivals"
         oracle = report.oracle(rate)
-        lines += [f"**{report.workload}, {title}** (pooled-cache oracle hit rate {_fmt(oracle)})", "",
-                  "| contender | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms "
-                  "| e2e p50 ms | e2e p99 ms | out tok/s | hit rate | hit / oracle | max/mean req "
-                  "| p50 / RR | p99 / RR | p50 / sgl | p99 / sgl |",
-                  "|" + "---|" * 17]
+        lines += [
+            f"**{report.workload}, {title}** (pooled-cache oracle hit rate {_fmt(oracle)})",
+            "",
+            "| contender | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms "
+            "| e2e p50 ms | e2e p99 ms | out tok/s | hit rate | hit / oracle | max/mean req "
+            "| p50 / RR | p99 / RR | p50 / sgl | p99 / sgl |",
+            "|" + "---|" * 17,
+        ]
         for s in rows:
             if s.start_error is not None:
                 lines.append(f"| {s.name} | did not start: {s.start_error[:160].replace('|', '/')} |" + " |" * 15)
@@ -126,7 +149,8 @@ def markdown_table(report: BenchReport) -> str:
                 f"| {_ms(s.ttft_s['p99'])} | {_ms(s.ttft_s['mean'])} | {_ms(s.e2e_s['p50'])} | {_ms(s.e2e_s['p99'])} "
                 f"| {_fmt(s.output_tok_s, 0)} | {_fmt(s.hit_rate)} | {_fmt(_ratio(s.hit_rate, oracle), 2)} "
                 f"| {_fmt(s.max_mean_requests, 2)} | {_fmt(rr.get('ttft_p50'), 2)} | {_fmt(rr.get('ttft_p99'), 2)} "
-                f"| {_fmt(sgl.get('ttft_p50'), 2)} | {_fmt(sgl.get('ttft_p99'), 2)} |")
+                f"| {_fmt(sgl.get('ttft_p50'), 2)} | {_fmt(sgl.get('ttft_p99'), 2)} |"
+            )
         errors = [s for s in rows if s.error_samples]
         for s in errors:
             lines.append(f"\n{s.name} errors (first kinds): " + "; ".join(s.error_samples))
@@ -184,8 +208,10 @@ def plot_ttft_vs_load(report: BenchReport, out_dir: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = list(dict.fromkeys(s.name for s in report.summaries))
     for i, name in enumerate(names):
-        rows = sorted((s for s in report.summaries if s.name == name and s.start_error is None and s.rate is not None),
-                      key=lambda s: s.rate or 0.0)
+        rows = sorted(
+            (s for s in report.summaries if s.name == name and s.start_error is None and s.rate is not None),
+            key=lambda s: s.rate or 0.0,
+        )
         if not rows:
             continue
         color = f"C{i % 10}"
@@ -205,20 +231,24 @@ def plot_ttft_vs_load(report: BenchReport, out_dir: Path) -> Path | None:
     return path
 
 
-def overhead_table(latencies: dict[str, dict[int, list[float]]], throughput: dict[str, float],
-                   direct: str) -> str:
+def overhead_table(latencies: dict[str, dict[int, list[float]]], throughput: dict[str, float], direct: str) -> str:
     """Added latency per gateway and prompt size vs ``direct`` (plain Envoy), then requests/s."""
-    lines = ["**Gateway overhead** (instant sim workers, sequential non-streamed requests, unique prompts, ms)", "",
-             "| gateway | prompt tokens | requests | p50 ms | p99 ms | added p50 ms | added p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "**Gateway overhead** (instant sim workers, sequential non-streamed requests, unique prompts, ms)",
+        "",
+        "| gateway | prompt tokens | requests | p50 ms | p99 ms | added p50 ms | added p99 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, by_size in latencies.items():
         for size, values in by_size.items():
             base = latencies[direct][size]
             p50, p99 = percentile(values, 50) * 1000, percentile(values, 99) * 1000
             add50 = p50 - percentile(base, 50) * 1000
             add99 = p99 - percentile(base, 99) * 1000
-            lines.append(f"| {name} | {size} | {len(values)} | {p50:.2f} | {p99:.2f} | "
-                         + ("- | - |" if name == direct else f"{add50:+.2f} | {add99:+.2f} |"))
+            lines.append(
+                f"| {name} | {size} | {len(values)} | {p50:.2f} | {p99:.2f} | "
+                + ("- | - |" if name == direct else f"{add50:+.2f} | {add99:+.2f} |")
+            )
     if throughput:
         lines += ["", "| gateway | requests/s (routing decisions/s), closed loop |", "|---|---:|"]
         lines += [f"| {name} | {value:.0f} |" for name, value in throughput.items()]

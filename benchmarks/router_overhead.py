@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from extproc.stack import GatewayStack
+from extproc.gateway.stack import GatewayStack
 from extproc.tokenization import load_tokenizer
 
 __all__ = ["OverheadRow", "format_table", "main", "measure_overhead"]
@@ -40,9 +40,49 @@ __all__ = ["OverheadRow", "format_table", "main", "measure_overhead"]
 DEFAULT_SIZES = (1024, 8192, 32768)
 DEFAULT_POLICIES = ("round-robin", "prefix-aware")
 CASES = ("cold", "warm")
-_WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu gateway router worker cache "
-          "prefix token block envoy filter stream header metadata cluster health policy").split()
+_WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "gateway",
+    "router",
+    "worker",
+    "cache",
+    "prefix",
+    "token",
+    "block",
+    "envoy",
+    "filter",
+    "stream",
+    "header",
+    "metadata",
+    "cluster",
+    "health",
+    "policy",
+]
 
 
 @dataclass
@@ -93,8 +133,13 @@ class _Prompts:
         # Cold bodies are new for each path too: a worker must not have seen the other path's copy.
         document = self.shared or _document(self.tokens, self.rng, self.tokenizer)
         question = f"Question {i} ({self.rng.randrange(10**9)}): what does paragraph {i % 7} say?"
-        return json.dumps({"model": "default", "max_tokens": 1, "messages": [
-            {"role": "system", "content": document}, {"role": "user", "content": question}]}).encode()
+        return json.dumps(
+            {
+                "model": "default",
+                "max_tokens": 1,
+                "messages": [{"role": "system", "content": document}, {"role": "user", "content": question}],
+            }
+        ).encode()
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -125,7 +170,7 @@ class _Client:
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        self.conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=60)
 
     def chat(self, body: bytes) -> float:
         start = time.perf_counter()
@@ -141,8 +186,18 @@ class _Client:
         self.conn.close()
 
 
-def _measure(policy: str, case: str, size: int, requests: int, warmup: int, clients: dict[str, _Client],
-             router_pid: int, idle_rate: float | None, rng: random.Random, tokenizer: object) -> OverheadRow:
+def _measure(
+    policy: str,
+    case: str,
+    size: int,
+    requests: int,
+    warmup: int,
+    clients: dict[str, _Client],
+    router_pid: int,
+    idle_rate: float | None,
+    rng: random.Random,
+    tokenizer: object,
+) -> OverheadRow:
     prompts = _Prompts(case, size, rng, tokenizer)
     paths = ("direct", "router")
     bodies = [{name: prompts.body(i) for name in paths} for i in range(warmup + requests)]  # before the clock
@@ -158,14 +213,28 @@ def _measure(policy: str, case: str, size: int, requests: int, warmup: int, clie
     cpu_ms = None
     if cpu_before is not None and cpu_after is not None and idle_rate is not None:
         cpu_ms = max(0.0, cpu_after - cpu_before - idle_rate * wall) * 1000 / len(bodies)
-    return OverheadRow(policy, case, size, requests,
-                       statistics.median(times["direct"]), _percentile(times["direct"], 0.99),
-                       statistics.median(times["router"]), _percentile(times["router"], 0.99), cpu_ms)
+    return OverheadRow(
+        policy,
+        case,
+        size,
+        requests,
+        statistics.median(times["direct"]),
+        _percentile(times["direct"], 0.99),
+        statistics.median(times["router"]),
+        _percentile(times["router"], 0.99),
+        cpu_ms,
+    )
 
 
-def measure_overhead(sizes: tuple[int, ...] = DEFAULT_SIZES, requests: int = 200, warmup: int = 10,
-                     workers: int = 2, policies: tuple[str, ...] = DEFAULT_POLICIES,
-                     cases: tuple[str, ...] = CASES, seed: int = 0) -> list[OverheadRow]:
+def measure_overhead(
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    requests: int = 200,
+    warmup: int = 10,
+    workers: int = 2,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
+    cases: tuple[str, ...] = CASES,
+    seed: int = 0,
+) -> list[OverheadRow]:
     """Start a plain Envoy and one gateway per policy over ``workers`` instant sim workers, measure, stop."""
     from sglang_workers.process import start_sim_workers
 
@@ -184,8 +253,20 @@ def measure_overhead(sizes: tuple[int, ...] = DEFAULT_SIZES, requests: int = 200
                         idle_rate = _idle_cpu_rate(router_pid)
                         for case in cases:
                             for size in sizes:
-                                rows.append(_measure(policy, case, size, requests, warmup, clients, router_pid,
-                                                     idle_rate, rng, tokenizer))
+                                rows.append(
+                                    _measure(
+                                        policy,
+                                        case,
+                                        size,
+                                        requests,
+                                        warmup,
+                                        clients,
+                                        router_pid,
+                                        idle_rate,
+                                        rng,
+                                        tokenizer,
+                                    )
+                                )
                     finally:
                         for client in clients.values():
                             client.close()
@@ -196,36 +277,54 @@ def measure_overhead(sizes: tuple[int, ...] = DEFAULT_SIZES, requests: int = 200
 
 
 def format_table(rows: list[OverheadRow]) -> str:
-    lines = ["Router overhead (instant sim workers; sequential requests; ms)",
-             "",
-             "| policy | case | prompt tokens | requests | direct p50 | direct p99 | via router p50 | via router p99 "
-             "| added p50 | added p99 | router CPU / request |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "Router overhead (instant sim workers; sequential requests; ms)",
+        "",
+        "| policy | case | prompt tokens | requests | direct p50 | direct p99 | via router p50 | via router p99 "
+        "| added p50 | added p99 | router CPU / request |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         cpu = "n/a" if r.router_cpu_ms is None else f"{r.router_cpu_ms:.2f}"
-        lines.append(f"| {r.policy} | {r.case} | {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | "
-                     f"{r.direct_p99:.2f} | {r.router_p50:.2f} | {r.router_p99:.2f} | {r.added_p50:+.2f} | "
-                     f"{r.added_p99:+.2f} | {cpu} |")
+        lines.append(
+            f"| {r.policy} | {r.case} | {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | "
+            f"{r.direct_p99:.2f} | {r.router_p50:.2f} | {r.router_p99:.2f} | {r.added_p50:+.2f} | "
+            f"{r.added_p99:+.2f} | {cpu} |"
+        )
     return "\n".join(lines)
 
 
 def _names(value: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
     names = tuple(v.strip() for v in value.split(",") if v.strip())
     if not names or (allowed is not None and not set(names) <= set(allowed)):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list{' of ' + ', '.join(allowed) if allowed else ''}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list{' of ' + ', '.join(allowed) if allowed else ''}"
+        )
     return names
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.router_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--requests", type=int, default=200, help="Measured requests per row and path.")
     parser.add_argument("--warmup", type=int, default=10, help="Unmeasured requests first (per row).")
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="Prompt sizes in tokens.")
-    parser.add_argument("--policies", "--policy", type=_names, default=DEFAULT_POLICIES,
-                        help="Router policies, comma-separated (default: round-robin,prefix-aware).")
-    parser.add_argument("--cases", type=lambda v: _names(v, CASES), default=CASES,
-                        help="cold (unique documents), warm (shared document, new question), or both (default).")
+    parser.add_argument(
+        "--policies",
+        "--policy",
+        type=_names,
+        default=DEFAULT_POLICIES,
+        help="Router policies, comma-separated (default: round-robin,prefix-aware).",
+    )
+    parser.add_argument(
+        "--cases",
+        type=lambda v: _names(v, CASES),
+        default=CASES,
+        help="cold (unique documents), warm (shared document, new question), or both (default).",
+    )
     parser.add_argument("--workers", type=int, default=2, help="Simulated workers behind both gateways.")
     args = parser.parse_args(argv)
     try:

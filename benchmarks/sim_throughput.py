@@ -32,9 +32,14 @@ def _body(endpoint: str, rng: random.Random, shared: list[int], args: argparse.N
     if endpoint == "completions":
         return {"model": "sim", "prompt": shared + tail, "max_tokens": args.max_new_tokens}
     words = " ".join(f"w{t}" for t in tail[: max(1, len(tail) // 2)])
-    return {"model": "sim", "max_tokens": args.max_new_tokens,
-            "messages": [{"role": "system", "content": "shared system prompt " * (len(shared) // 3)},
-                         {"role": "user", "content": words}]}
+    return {
+        "model": "sim",
+        "max_tokens": args.max_new_tokens,
+        "messages": [
+            {"role": "system", "content": "shared system prompt " * (len(shared) // 3)},
+            {"role": "user", "content": words},
+        ],
+    }
 
 
 async def run(urls: list[str], args: argparse.Namespace) -> dict[str, float]:
@@ -66,17 +71,26 @@ async def run(urls: list[str], args: argparse.Namespace) -> dict[str, float]:
     latencies.sort()
     n = len(latencies)
     return {
-        "requests": n, "errors": errors, "req_per_s": n / args.duration,
+        "requests": n,
+        "errors": errors,
+        "req_per_s": n / args.duration,
         "p50_ms": 1000 * statistics.median(latencies) if n else 0.0,
         "p99_ms": 1000 * latencies[min(n - 1, int(n * 0.99))] if n else 0.0,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_throughput", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--endpoint", choices=["generate", "completions", "chat"], default="generate",
-                        help="API to drive (chat adds chat-template rendering and tokenization).")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.sim_throughput",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--endpoint",
+        choices=["generate", "completions", "chat"],
+        default="generate",
+        help="API to drive (chat adds chat-template rendering and tokenization).",
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="Concurrent client connections.")
     parser.add_argument("--duration", type=float, default=10.0, help="Measured seconds.")
     parser.add_argument("--warmup", type=float, default=1.0, help="Seconds before measuring.")
@@ -85,8 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="Output tokens per request.")
     parser.add_argument("--page-size", type=int, default=16, help="Worker page size.")
     parser.add_argument("--seed", type=int, default=0, help="Workload seed.")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="Worker processes sharing the machine (clients spread over them); 1 = one worker's capacity.")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="Worker processes sharing the machine (clients spread over them); 1 = one worker's capacity.",
+    )
     args = parser.parse_args(argv)
     args.shared_prefix_tokens = min(args.shared_prefix_tokens, args.prompt_tokens - 1)
     workers = start_sim_workers(args.workers, profile="instant", page_size=args.page_size, log_level="warning")
@@ -95,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for worker in workers:
             worker.stop()
-    print(f"sim-worker throughput ({args.workers} worker process(es), profile instant, /{args.endpoint}, "
-          f"{args.prompt_tokens}-token prompts, {args.max_new_tokens} output tokens, concurrency {args.concurrency}, "
-          f"{args.duration:.0f}s):")
-    print(f"  {result['req_per_s']:.0f} requests/s  ({result['requests']:.0f} ok, {result['errors']:.0f} errors)  "
-          f"latency p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms")
+    print(
+        f"sim-worker throughput ({args.workers} worker process(es), profile instant, /{args.endpoint}, "
+        f"{args.prompt_tokens}-token prompts, {args.max_new_tokens} output tokens, concurrency {args.concurrency}, "
+        f"{args.duration:.0f}s):"
+    )
+    print(
+        f"  {result['req_per_s']:.0f} requests/s  ({result['requests']:.0f} ok, {result['errors']:.0f} errors)  "
+        f"latency p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms"
+    )
     return 0 if result["errors"] == 0 else 1
 
 

@@ -121,6 +121,7 @@ def prefix_hash(text: str, chars: int) -> str:
 
 # -- arrivals -------------------------------------------------------------------------------
 
+
 def poisson_arrivals(count: int, rate: float, rng: random.Random) -> list[float]:
     """``count`` arrival offsets of a Poisson process at ``rate`` per second, the first at 0."""
     if rate <= 0:
@@ -135,8 +136,17 @@ def poisson_arrivals(count: int, rate: float, rng: random.Random) -> list[float]
 
 # -- generated shared prefix ----------------------------------------------------------------
 
-def gsp_workload(*, groups: int, prompts_per_group: int, system_prompt_len: int, question_len: int,
-                 output_len: int, rate: float, seed: int) -> Workload:
+
+def gsp_workload(
+    *,
+    groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    rate: float,
+    seed: int,
+) -> Workload:
     """SGLang's generated-shared-prefix: each group's questions share one long system prompt."""
     if min(groups, prompts_per_group, system_prompt_len, question_len, output_len) <= 0:
         raise ValueError("gsp sizes must all be positive")
@@ -149,19 +159,44 @@ def gsp_workload(*, groups: int, prompts_per_group: int, system_prompt_len: int,
     for i, ((g, p), t) in enumerate(zip(pairs, arrivals)):
         system = block_text(ns + "/system", g, system_prompt_len)
         question = block_text(ns + f"/q{g}", p, question_len)
-        requests.append(BenchRequest(index=i, arrival_s=t, max_tokens=output_len,
-                                     messages=[{"role": "system", "content": system},
-                                               {"role": "user", "content": question}]))
-    return Workload("gsp", requests, {"groups": groups, "prompts_per_group": prompts_per_group,
-                                      "system_prompt_len": system_prompt_len, "question_len": question_len,
-                                      "output_len": output_len, "rate": rate, "seed": seed})
+        requests.append(
+            BenchRequest(
+                index=i,
+                arrival_s=t,
+                max_tokens=output_len,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            )
+        )
+    return Workload(
+        "gsp",
+        requests,
+        {
+            "groups": groups,
+            "prompts_per_group": prompts_per_group,
+            "system_prompt_len": system_prompt_len,
+            "question_len": question_len,
+            "output_len": output_len,
+            "rate": rate,
+            "seed": seed,
+        },
+    )
 
 
 # -- multi-turn chat ------------------------------------------------------------------------
 
-def multiturn_workload(*, sessions: int, turns: int, system_prompt_len: int, question_len: int,
-                       answer_len: int, output_len: int, turn_interval_s: float, rate: float,
-                       seed: int) -> Workload:
+
+def multiturn_workload(
+    *,
+    sessions: int,
+    turns: int,
+    system_prompt_len: int,
+    question_len: int,
+    answer_len: int,
+    output_len: int,
+    turn_interval_s: float,
+    rate: float,
+    seed: int,
+) -> Workload:
     """Chat sessions whose history grows: turn k resends turns 0..k-1 plus a new question.
 
     The assistant messages in the history are fixed text (``answer_len`` tokens), not what the
@@ -184,15 +219,29 @@ def multiturn_workload(*, sessions: int, turns: int, system_prompt_len: int, que
             timed.append((start + k * turn_interval_s, f"s{s}", list(history)))
             history = history + [{"role": "assistant", "content": block_text(ns + f"/s{s}/a", k, answer_len)}]
     timed.sort(key=lambda item: item[0])
-    requests = [BenchRequest(index=i, arrival_s=t, messages=msgs, max_tokens=output_len, session=sid)
-                for i, (t, sid, msgs) in enumerate(timed)]
-    return Workload("multiturn", requests, {"sessions": sessions, "turns": turns,
-                                            "system_prompt_len": system_prompt_len, "question_len": question_len,
-                                            "answer_len": answer_len, "output_len": output_len,
-                                            "turn_interval_s": turn_interval_s, "rate": rate, "seed": seed})
+    requests = [
+        BenchRequest(index=i, arrival_s=t, messages=msgs, max_tokens=output_len, session=sid)
+        for i, (t, sid, msgs) in enumerate(timed)
+    ]
+    return Workload(
+        "multiturn",
+        requests,
+        {
+            "sessions": sessions,
+            "turns": turns,
+            "system_prompt_len": system_prompt_len,
+            "question_len": question_len,
+            "answer_len": answer_len,
+            "output_len": output_len,
+            "turn_interval_s": turn_interval_s,
+            "rate": rate,
+            "seed": seed,
+        },
+    )
 
 
 # -- Mooncake traces ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TraceRecord:
@@ -250,11 +299,17 @@ def read_trace(path: str | Path, start: int = 0, limit: int | None = None, sampl
                 break
             try:
                 raw = json.loads(line)
-                record = TraceRecord(float(raw["timestamp"]), int(raw["input_length"]),
-                                     int(raw["output_length"]), tuple(int(h) for h in raw["hash_ids"]))
+                record = TraceRecord(
+                    float(raw["timestamp"]),
+                    int(raw["input_length"]),
+                    int(raw["output_length"]),
+                    tuple(int(h) for h in raw["hash_ids"]),
+                )
             except (ValueError, KeyError, TypeError) as exc:
-                raise TraceError(f"{path}:{lineno}: not a Mooncake record ({exc!r}); expected "
-                                 "timestamp, input_length, output_length, hash_ids") from exc
+                raise TraceError(
+                    f"{path}:{lineno}: not a Mooncake record ({exc!r}); expected "
+                    "timestamp, input_length, output_length, hash_ids"
+                ) from exc
             if record.input_length <= 0 or not record.hash_ids:
                 raise TraceError(f"{path}:{lineno}: input_length and hash_ids must be non-empty")
             if not _family_kept(record.hash_ids, sample):
@@ -293,8 +348,9 @@ def _cut_words(text: str, words: int) -> str:
     return text[:pos]
 
 
-def trace_workload(path: str | Path, *, block_size: int = 512, window: TraceWindow = TraceWindow(),
-                   seed: int = 0) -> Workload:
+def trace_workload(
+    path: str | Path, *, block_size: int = 512, window: TraceWindow = TraceWindow(), seed: int = 0
+) -> Workload:
     """Replay a Mooncake trace: one user message per record, its text built from the hash ids."""
     if block_size <= 0:
         raise ValueError("trace block size must be positive")
@@ -310,19 +366,37 @@ def trace_workload(path: str | Path, *, block_size: int = 512, window: TraceWind
         arrivals = [(r.timestamp_ms - t0) / 1000.0 / window.time_scale for r in records]
     ns = f"trace/{seed}"
     requests = []
-    for i, (record, t) in enumerate(zip(records, arrivals)):
+    for i, (original, t) in enumerate(zip(records, arrivals)):
+        record = original
         if window.max_input is not None and record.input_length > window.max_input:
             record = TraceRecord(record.timestamp_ms, window.max_input, record.output_length, record.hash_ids)
         out = max(1, record.output_length)
         if window.max_output is not None:
             out = min(out, window.max_output)
-        requests.append(BenchRequest(index=i, arrival_s=t, max_tokens=out,
-                                     messages=[{"role": "user", "content": trace_prompt(record, block_size, ns)}]))
-    return Workload("trace", requests, {"trace": str(path), "block_size": block_size, "sample": window.sample,
-                                        "start": window.start,
-                                        "max_requests": window.max_requests, "time_scale": window.time_scale,
-                                        "rate": window.rate, "max_output": window.max_output,
-                                        "max_input": window.max_input, "seed": seed})
+        requests.append(
+            BenchRequest(
+                index=i,
+                arrival_s=t,
+                max_tokens=out,
+                messages=[{"role": "user", "content": trace_prompt(record, block_size, ns)}],
+            )
+        )
+    return Workload(
+        "trace",
+        requests,
+        {
+            "trace": str(path),
+            "block_size": block_size,
+            "sample": window.sample,
+            "start": window.start,
+            "max_requests": window.max_requests,
+            "time_scale": window.time_scale,
+            "rate": window.rate,
+            "max_output": window.max_output,
+            "max_input": window.max_input,
+            "seed": seed,
+        },
+    )
 
 
 def iter_token_ids(requests: Sequence[BenchRequest]) -> Iterator[list[int]]:

@@ -5,7 +5,7 @@ partial page is never a block, exactly as SGLang never caches or publishes one. 
 chained: ``key_i = xxh3_64(key_{i-1} as 8 bytes LE || page tokens as u32 LE, seed)``, with a seed
 derived from the model name, LoRA adapter and cache salt, so the same tokens under another model,
 adapter or tenant salt never collide. The engine's own hash (SHA-256 in SGLang >= 0.5.6) is never
-trusted for identity: events are re-keyed from their ``token_ids`` (see ``extproc.events``).
+trusted for identity: events are re-keyed from their ``token_ids`` (see ``extproc.sync.cache_view``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def _page_bytes(page: Sequence[int]) -> bytes:
     return b"\xff" + struct.pack(f"<{len(page)}Q", *page)
 
 
-def block_keys(tokens: Sequence[int], block_size: int, seed: int = 0, parent: int | None = None,
-               limit: int | None = None) -> list[int]:
+def block_keys(
+    tokens: Sequence[int], block_size: int, seed: int = 0, parent: int | None = None, limit: int | None = None
+) -> list[int]:
     """Chained keys of the full pages of ``tokens``.
 
     ``parent`` continues an existing chain (the key of the page before ``tokens[0]``); ``limit``
@@ -62,9 +63,9 @@ def block_keys(tokens: Sequence[int], block_size: int, seed: int = 0, parent: in
     prev = parent
     for i in range(pages):
         if data:
-            body = data[i * width:(i + 1) * width]
+            body = data[i * width : (i + 1) * width]
         else:
-            body = _page_bytes(tokens[i * block_size:(i + 1) * block_size])
+            body = _page_bytes(tokens[i * block_size : (i + 1) * block_size])
         prev = hash64(body if prev is None else pack(prev) + body, seed)
         keys.append(prev)
     return keys

@@ -16,12 +16,18 @@ __all__ = ["main"]
 
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("extproc.stack", "Run the local gateway stack: simulated workers + router + Envoy."),
-    "serve": ("extproc.serve", "Run the ext_proc routing service for an Envoy."),
-    "envoy-config": ("extproc.envoy_config", "Print Envoy config pieces (filter, clusters, routes) for your own Envoy."),
-    "sim-worker": ("sglang_workers.sim_cli", "Run an SGLang-faithful simulated worker (no GPU needed)."),
-    "sglang-launch": ("sglang_workers.launch", "Print or run the launch command of a real SGLang worker wired for this router."),
-    "bench": ("benchmarks.cli", "Side-by-side benchmarks of gateways and routing policies."),
+    "up": ("extproc.gateway.up_command", "Run the local gateway stack: simulated workers + router + Envoy."),
+    "serve": ("extproc.serve_command", "Run the ext_proc routing service for an Envoy."),
+    "envoy-config": (
+        "extproc.gateway.envoy_config_command",
+        "Print Envoy config pieces (filter, clusters, routes) for your own Envoy.",
+    ),
+    "sim-worker": ("sglang_workers.sim_worker_command", "Run an SGLang-faithful simulated worker (no GPU needed)."),
+    "sglang-launch": (
+        "sglang_workers.sglang_launch_command",
+        "Print or run the launch command of a real SGLang worker wired for this router.",
+    ),
+    "bench": ("benchmarks.bench_command", "Side-by-side benchmarks of gateways and routing policies."),
 }
 
 
@@ -31,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefix-aware routing gateway for SGLang fleets (Envoy ext_proc).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
+    for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     return parser
 
@@ -49,8 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
-    sub_parser = argparse.ArgumentParser(prog=f"prefix-router {name}", description=help_text,
-                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub_parser = argparse.ArgumentParser(
+        prog=f"prefix-router {name}", description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     module.configure(sub_parser)
     args = sub_parser.parse_args(rest)
     try:

@@ -13,25 +13,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
-    "DynamoCostOptions",
     "EventsConfig",
-    "GiePrefixOptions",
     "HealthConfig",
     "IndexConfig",
     "LoadConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "PolicyConfig",
-    "PrefixAwareOptions",
     "RouterConfig",
+    "Section",
     "ServerConfig",
-    "SessionOptions",
     "SharedStateConfig",
-    "SglCacheAwareOptions",
     "WorkerConfig",
     "load_config",
 ]
@@ -43,34 +39,60 @@ class ConfigError(Exception):
     """Configuration is invalid; the message says which field and why (no stack trace for users)."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: unknown keys are refused, assignments validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ServerConfig(_Section):
+class ServerConfig(Section):
     """The ext_proc gRPC listener."""
 
     host: str = Field("127.0.0.1", description="Bind address; loopback by default so only the local Envoy reaches it.")
     port: int = Field(9002, description="gRPC port of the ext_proc + health service.")
     metrics_port: int | None = Field(9102, description="Prometheus /metrics port on the same host; null disables.")
-    max_body_bytes: int = Field(8 * 1024 * 1024, description="Bodies over this get 413 (Envoy's buffer limit should match).")
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, description="Bodies over this get 413 (Envoy's buffer limit should match)."
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate for TLS on the ext_proc port (with tls_key).")
     tls_key: Path | None = Field(None, description="PEM private key for TLS on the ext_proc port.")
-    tls_client_ca: Path | None = Field(None, description="If set, require client certificates signed by this CA (mTLS).")
-    fallback_endpoints: int = Field(2, description="How many fallback endpoints follow the primary in the destination header.")
+    tls_client_ca: Path | None = Field(
+        None, description="If set, require client certificates signed by this CA (mTLS)."
+    )
+    fallback_endpoints: int = Field(
+        2, description="How many fallback endpoints follow the primary in the destination header."
+    )
     grace_period_s: float = Field(5.0, description="On SIGTERM, how long in-flight streams may finish.")
-    tokenize_threads: int = Field(4, ge=1, description="Threads that tokenize and hash prompts off the gRPC event loop (tokenizers releases the GIL, so they also run in parallel).")
-    inline_tokenize_chars: int = Field(4096, ge=0, description="A prompt with at most this many characters missing the tokenizer's piece cache is tokenized on the event loop (cheaper than a thread hop); more goes to the tokenize threads.")
+    tokenize_threads: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Threads that tokenize and hash prompts off the gRPC event loop (tokenizers releases the GIL, so "
+            "they also run in parallel)."
+        ),
+    )
+    inline_tokenize_chars: int = Field(
+        4096,
+        ge=0,
+        description=(
+            "A prompt with at most this many characters missing the tokenizer's piece cache is tokenized on "
+            "the event loop (cheaper than a thread hop); more goes to the tokenize threads."
+        ),
+    )
 
 
-class WorkerConfig(_Section):
+class WorkerConfig(Section):
     """One SGLang (or simulated) worker."""
 
     url: str = Field(description="Base URL, e.g. http://127.0.0.1:30001.")
     name: str | None = Field(None, description="Label in metrics and spans; defaults to host:port.")
     model: str | None = Field(None, description="Served model; read from /model_info when omitted.")
-    kv_events_endpoint: str | None = Field(None, description="tcp://host:port of its KV-event publisher; read from /server_info when omitted.")
-    replay_endpoint: str | None = Field(None, description="tcp://host:port of its replay socket; read from /server_info when omitted.")
+    kv_events_endpoint: str | None = Field(
+        None, description="tcp://host:port of its KV-event publisher; read from /server_info when omitted."
+    )
+    replay_endpoint: str | None = Field(
+        None, description="tcp://host:port of its replay socket; read from /server_info when omitted."
+    )
 
     @field_validator("url")
     @classmethod
@@ -81,125 +103,107 @@ class WorkerConfig(_Section):
         return value
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Tokenization settings for one served model."""
 
     name: str = Field(description="Model name as clients send it in the `model` field.")
-    tokenizer: str | None = Field(None, description="HF tokenizer directory or tokenizer.json; null = built-in default.")
+    tokenizer: str | None = Field(
+        None, description="HF tokenizer directory or tokenizer.json; null = built-in default."
+    )
     chat_template: str | None = Field(None, description="Chat template file overriding the tokenizer's.")
     block_size: int | None = Field(None, description="Worker page size; read from /server_info when omitted.")
 
 
-class PrefixAwareOptions(_Section):
-    """Constants of the ``prefix-aware`` policy: a predicted time-to-first-token per worker.
+class PolicyConfig(Section):
+    """The routing policy and its constants (see docs/routing.md).
 
-    Prefill of ``L`` uncached tokens after ``P`` cached ones costs ``c0 + a*L + b*(L^2 + 2*P*L)``
-    (linear part: weights; quadratic part: attention over the whole context). Defaults are an 8B
-    model on one H100 in BF16 (docs/routing.md derives them).
+    Besides ``name`` and ``options``, every key is one policy's own section, named after the policy
+    with ``_`` for ``-`` (``prefix_aware``, ``session``, ``sgl_cache_aware``, ...). Each policy owns
+    the model of its section and validates it when the router starts (``extproc.policies``).
     """
 
-    prefill_floor_s: float = Field(0.015, ge=0, description="c0: fixed cost of one prefill (scheduling, launch).")
-    prefill_per_token_s: float = Field(23e-6, ge=0, description="a: seconds per uncached prompt token (~43k tok/s).")
-    attention_per_token2_s: float = Field(0.52e-9, ge=0, description="b: attention seconds per token^2 of context.")
-    running_penalty_s: float = Field(0.0005, ge=0, description="Added per request decoding on the worker (decode steps interleave with prefill chunks).")
-    waiting_prefill_s: float = Field(0.05, ge=0, description="Assumed prefill time of each request the worker reports waiting that the router did not send.")
-    host_load_ratio: float = Field(0.1, ge=0, le=1, description="Cost of loading a block from host memory relative to recomputing it.")
-    kv_pressure_threshold: float = Field(0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more.")
-    kv_pressure_penalty_s: float = Field(0.25, ge=0, description="Penalty at 100% KV usage, linear from the threshold.")
-    tie_abs_s: float = Field(0.003, ge=0, description="Predicted TTFTs within this many seconds of the best count as a tie.")
-    tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
-    work_weight: float = Field(1.0, ge=0, description="Ranking adds this times the request's own prefill seconds (GPU time spent); 0 ranks by TTFT alone.")
-    balance_window_s: float = Field(10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window.")
-    speedup: float = Field(1.0, gt=0, description="Divides every time constant (a fleet faster than the constants describe). Simulated workers report their own --speedup in /server_info and are scaled by it automatically.")
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = Field(
+        "prefix-aware",
+        description="prefix-aware | session | least-load | round-robin | sgl-cache-aware | gie-prefix | dynamo-cost",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides merged over the chosen policy's section."
+    )
+
+    @model_validator(mode="after")
+    def _sections_are_mappings(self) -> PolicyConfig:
+        for key, value in (self.model_extra or {}).items():
+            if not isinstance(value, dict):
+                raise ValueError(f"policy.{key} must be a mapping of that policy's options")
+        return self
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """Every policy section by policy name, ``options`` merged over the chosen policy's."""
+        out = {key.replace("_", "-"): dict(value) for key, value in (self.model_extra or {}).items()}
+        out[self.name] = {**out.get(self.name, {}), **self.options}
+        return out
 
 
-class SessionOptions(_Section):
-    """Constants of the ``session`` policy."""
-
-    fallback: str = Field("prefix-aware", description="Policy that places a new session (or a request without the header).")
-    max_sessions: int = Field(100_000, gt=0, description="Session -> worker entries kept (least recently used dropped).")
-
-
-class SglCacheAwareOptions(_Section):
-    """sgl-router ``cache_aware`` defaults (a faithful peer for comparisons)."""
-
-    cache_threshold: float = Field(0.3, description="Minimum character match rate to follow the cache.")
-    balance_abs_threshold: int = Field(64, description="Imbalanced when max-min in-flight exceeds this ...")
-    balance_rel_threshold: float = Field(1.5, description="... and max exceeds min times this.")
-    max_tree_size: int = Field(2**26, gt=0, description="Characters per worker kept in the tree (LRU eviction beyond).")
-
-
-class GiePrefixOptions(_Section):
-    """GIE / llm-d approximate prefix scorer defaults."""
-
-    block_chars: int = Field(64, gt=0, description="Characters per hashed block (16 tokens x 4 chars).")
-    max_blocks: int = Field(256, gt=0, description="At most this many leading blocks are hashed.")
-    lru_capacity: int = Field(31_250, gt=0, description="Blocks remembered per server.")
-    prefix_weight: float = Field(3.0, description="Weight of the prefix-match scorer.")
-    queue_weight: float = Field(2.0, description="Weight of the queue-depth scorer.")
-    kv_weight: float = Field(2.0, description="Weight of the KV-utilisation scorer.")
-
-
-class DynamoCostOptions(_Section):
-    """NVIDIA Dynamo KV-router cost defaults."""
-
-    overlap_weight: float = Field(1.0, description="Weight of prefill blocks against decode (active) blocks.")
-    temperature: float = Field(0.0, ge=0, description="0: argmin; >0: softmax sampling over -cost/temperature.")
-
-
-class PolicyConfig(_Section):
-    """Routing policy and its constants (see docs/routing.md)."""
-
-    name: str = Field("prefix-aware", description="prefix-aware | session | least-load | round-robin | sgl-cache-aware | gie-prefix | dynamo-cost")
-    session_header: str = Field("x-session-id", description="Header whose value pins a session to a worker (policy `session`).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the chosen policy's section below.")
-    prefix_aware: PrefixAwareOptions = Field(default_factory=PrefixAwareOptions)
-    session: SessionOptions = Field(default_factory=SessionOptions)
-    sgl_cache_aware: SglCacheAwareOptions = Field(default_factory=SglCacheAwareOptions)
-    gie_prefix: GiePrefixOptions = Field(default_factory=GiePrefixOptions)
-    dynamo_cost: DynamoCostOptions = Field(default_factory=DynamoCostOptions)
-
-    def options_for(self, name: str | None = None) -> dict[str, Any]:
-        """The chosen (or named) policy's constants: its typed section, then ``options`` over it."""
-        name = name or self.name
-        section = getattr(self, name.replace("-", "_"), None)
-        base = section.model_dump() if isinstance(section, BaseModel) else {}
-        if name == self.name:
-            base.update(self.options)
-        if name == "session":
-            base["header"] = self.session_header
-        return base
-
-
-class IndexConfig(_Section):
+class IndexConfig(Section):
     """The per-worker block index fed by KV events."""
 
     max_blocks_per_worker: int = Field(2_000_000, description="Memory bound: oldest entries beyond this are dropped.")
-    speculative_ttl_s: float = Field(2.0, description="Entries inserted by routing decisions expire after this unless events confirm them.")
-    max_lookup_blocks: int = Field(8192, description="At most this many leading blocks of a prompt are hashed and looked up.")
-    fallback_ttl_s: float = Field(120.0, description="While a worker's event state is unknown, the router trusts its own record of what it sent there for this long.")
-    key_cache_bytes: int = Field(32 * 1024 * 1024, ge=0, description="Token bytes of recent prompts kept so that a shared prefix's block keys are reused, not hashed again; 0 disables.")
-    default_block_size: int = Field(16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size.")
+    speculative_ttl_s: float = Field(
+        2.0, description="Entries inserted by routing decisions expire after this unless events confirm them."
+    )
+    max_lookup_blocks: int = Field(
+        8192, description="At most this many leading blocks of a prompt are hashed and looked up."
+    )
+    fallback_ttl_s: float = Field(
+        120.0,
+        description=(
+            "While a worker's event state is unknown, the router trusts its own record of what it sent there "
+            "for this long."
+        ),
+    )
+    key_cache_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=0,
+        description=(
+            "Token bytes of recent prompts kept so that a shared prefix's block keys are reused, not hashed "
+            "again; 0 disables."
+        ),
+    )
+    default_block_size: int = Field(
+        16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size."
+    )
 
 
-class EventsConfig(_Section):
+class EventsConfig(Section):
     """The sync channel (ZMQ KV events) from the workers."""
 
     enabled: bool = Field(True, description="Subscribe to workers' KV events.")
     topic: str = Field("", description="ZMQ topic filter (SGLang's default topic is empty).")
-    replay_timeout_s: float = Field(1.0, description="How long to wait for a replay reply before declaring the worker's state unknown.")
-    resync_after_s: float = Field(60.0, description="After an unrepaired gap, events received for this long (with entries reset at the gap) count as a full view again.")
-    discovery_interval_s: float = Field(1.0, description="How often workers without a known event endpoint are asked for /server_info.")
+    replay_timeout_s: float = Field(
+        1.0, description="How long to wait for a replay reply before declaring the worker's state unknown."
+    )
+    resync_after_s: float = Field(
+        60.0,
+        description=(
+            "After an unrepaired gap, events received for this long (with entries reset at the gap) count as "
+            "a full view again."
+        ),
+    )
+    discovery_interval_s: float = Field(
+        1.0, description="How often workers without a known event endpoint are asked for /server_info."
+    )
 
 
-class LoadConfig(_Section):
+class LoadConfig(Section):
     """Load reported by the workers."""
 
     poll_interval_s: float = Field(0.5, description="How often /v1/loads (or /metrics) is polled per worker.")
     timeout_s: float = Field(1.0, description="HTTP timeout of one load poll.")
 
 
-class HealthConfig(_Section):
+class HealthConfig(Section):
     """Worker health checks."""
 
     interval_s: float = Field(1.0, description="How often /health is polled per worker.")
@@ -208,26 +212,46 @@ class HealthConfig(_Section):
     healthy_after: int = Field(1, description="Consecutive successes before it comes back.")
 
 
-class ObservabilityConfig(_Section):
+class ObservabilityConfig(Section):
     """Tracing and metrics."""
 
-    exporter: Literal["none", "console", "otlp-grpc", "otlp-http"] = Field("none", description="Where routing spans go.")
-    otlp_endpoint: str | None = Field(None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or http://127.0.0.1:4318/v1/traces (HTTP).")
+    exporter: Literal["none", "console", "otlp-grpc", "otlp-http"] = Field(
+        "none", description="Where routing spans go."
+    )
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or http://127.0.0.1:4318/v1/traces (HTTP)."
+    )
     service_name: str = Field("prefix-router", description="service.name resource attribute of the spans.")
 
 
-class SharedStateConfig(_Section):
+class SharedStateConfig(Section):
     """Router replicas sharing their unconfirmed decisions (see extproc/shared_state.py, docs/deploy.md)."""
 
-    backend: Literal["none", "redis"] = Field("none", description="none: each replica keeps its own decisions; redis: publish them to the other replicas over Redis/Valkey pub/sub.")
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis or Valkey URL (redis://[user:pass@]host:port/db, rediss:// for TLS).")
-    channel: str = Field("prefix-router:decisions", description="Pub/sub channel; replicas of one fleet share it, other fleets use another.")
-    queue_size: int = Field(10_000, gt=0, description="Decisions waiting to be published; beyond this they are dropped (never block a request).")
+    backend: Literal["none", "redis"] = Field(
+        "none",
+        description=(
+            "none: each replica keeps its own decisions; redis: publish them to the other replicas over "
+            "Redis/Valkey pub/sub."
+        ),
+    )
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis or Valkey URL (redis://[user:pass@]host:port/db, rediss:// for TLS).",
+    )
+    channel: str = Field(
+        "prefix-router:decisions",
+        description="Pub/sub channel; replicas of one fleet share it, other fleets use another.",
+    )
+    queue_size: int = Field(
+        10_000,
+        gt=0,
+        description="Decisions waiting to be published; beyond this they are dropped (never block a request).",
+    )
     timeout_s: float = Field(1.0, gt=0, description="Connect and socket timeout towards the store.")
     retry_s: float = Field(1.0, gt=0, description="Pause before reconnecting after the store failed.")
 
 
-class RouterConfig(_Section):
+class RouterConfig(Section):
     """Everything `prefix-router serve` needs."""
 
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -254,7 +278,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     for key, raw in environ.items():
         if not key.startswith(ENV_PREFIX) or "__" not in key:
             continue
-        path = [part.lower() for part in key[len(ENV_PREFIX):].split("__")]
+        path = [part.lower() for part in key[len(ENV_PREFIX) :].split("__")]
         _set_path(data, path, yaml.safe_load(raw) if raw else raw)
     return data
 
@@ -269,8 +293,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                environ: dict[str, str] | None = None) -> RouterConfig:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None
+) -> RouterConfig:
     """Build the config from a YAML file, environment and CLI overrides (nested dicts)."""
     data: dict[str, Any] = {}
     if path is not None:

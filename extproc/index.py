@@ -2,7 +2,7 @@
 
 Three kinds of entry, kept apart because they deserve different trust:
 
-- *confirmed* entries come from the workers' KV events (``extproc.events``), one map per storage
+- *confirmed* entries come from the workers' KV events (``extproc.sync``), one map per storage
   tier (GPU, host memory, disk): a key maps to a bitmask of worker slots, so one lookup answers for
   the whole fleet and a prompt's lookup costs one dict probe per block, however many workers exist;
 - *recent* entries are the router's own record of what it sent where. For a worker whose events are
@@ -29,8 +29,15 @@ __all__ = ["TIERS", "BlockIndex", "tier_of"]
 
 TIERS = ("gpu", "host", "disk")
 
-_MEDIUM_TIER = {None: "gpu", "GPU": "gpu", "CPU": "host", "CPU_PINNED": "host", "CPU_TIER": "host",
-                "DISK": "disk", "EXTERNAL": "disk"}
+_MEDIUM_TIER = {
+    None: "gpu",
+    "GPU": "gpu",
+    "CPU": "host",
+    "CPU_PINNED": "host",
+    "CPU_TIER": "host",
+    "DISK": "disk",
+    "EXTERNAL": "disk",
+}
 
 
 def tier_of(medium: str | None) -> str:
@@ -257,12 +264,6 @@ class BlockIndex:
                     if alive >> slot & 1:
                         depth[slot] = len(keys)
             return {w: depth[s] for w, s in zip(worker_ids, slots)}
-
-    def holds(self, worker_id: str, key: int, tier: str = "gpu") -> bool:
-        """Whether a confirmed entry says the worker holds ``key`` (tests, diagnostics)."""
-        with self._lock:
-            slot = self._slots.get(worker_id)
-            return slot is not None and bool(self._tiers[tier].holders.get(key, 0) >> slot & 1)
 
     def blocks(self, worker_id: str, tier: str = "gpu") -> set[int]:
         """The confirmed keys of one worker in one tier (a copy)."""

@@ -55,7 +55,7 @@ class KeyCache:
             shared = _shared_blocks(data, old_data, width, min(pages, len(old_keys)))
         if shared:
             keys = old_keys[:shared]
-            keys += block_keys(tokens[shared * block_size:span], block_size, seed, parent=keys[-1])
+            keys += block_keys(tokens[shared * block_size : span], block_size, seed, parent=keys[-1])
         else:
             keys = block_keys(tokens, block_size, seed, limit=pages)
         if len(data) <= self.max_bytes:
@@ -73,12 +73,12 @@ class KeyCache:
 
 def _shared_blocks(a: bytes, b: bytes, width: int, most: int) -> int:
     """How many leading ``width``-byte blocks ``a`` and ``b`` share (binary search of memcmp's)."""
-    if a[:most * width] == b[:most * width]:
+    if a[: most * width] == b[: most * width]:
         return most
     low, high = 1, most  # block 0 is shared (same first block); block ``most - 1`` is not
     while high - low > 1:
         mid = (low + high) // 2
-        if a[:mid * width] == b[:mid * width]:
+        if a[: mid * width] == b[: mid * width]:
             low = mid
         else:
             high = mid

@@ -32,7 +32,9 @@ GENERATION_PATHS: dict[str, RequestKind] = {
 class RequestError(Exception):
     """A client error: ``status`` (400/413/...) and an OpenAI-style ``message``/``type``/``param``."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -133,12 +135,18 @@ def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
 _PARSERS = {"chat": _parse_chat, "completion": _parse_completion, "generate": _parse_generate}
 
 
-def parse_request(kind: RequestKind, path: str, body: bytes, headers: Mapping[str, str] | None = None,
-                  max_body_bytes: int | None = None) -> ParsedRequest:
+def parse_request(
+    kind: RequestKind,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str] | None = None,
+    max_body_bytes: int | None = None,
+) -> ParsedRequest:
     """Parse a generation request body; raise RequestError (400/413) for anything a worker must not see."""
     if max_body_bytes is not None and len(body) > max_body_bytes:
-        raise RequestError(413, f"request body is {len(body)} bytes; the limit is {max_body_bytes} bytes",
-                           type_="request_too_large")
+        raise RequestError(
+            413, f"request body is {len(body)} bytes; the limit is {max_body_bytes} bytes", type_="request_too_large"
+        )
     if not body:
         raise RequestError(400, "request body is empty; expected a JSON object")
     try:

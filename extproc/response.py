@@ -30,8 +30,12 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA_NAMESPACE = "envoy.lb"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
-                503: "service_unavailable"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
 
 # Replies that never change are built once: they go out on every pass-through request.
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -48,8 +52,9 @@ def continue_body() -> pb.ProcessingResponse:
     return _CONTINUE_BODY
 
 
-def route_response(endpoints: Sequence[str], extra_headers: Mapping[str, str] | None = None,
-                   phase: str = "request_body") -> pb.ProcessingResponse:
+def route_response(
+    endpoints: Sequence[str], extra_headers: Mapping[str, str] | None = None, phase: str = "request_body"
+) -> pb.ProcessingResponse:
     """Send the request to ``endpoints`` (primary first): header + ``envoy.lb`` metadata + route-cache clear.
 
     The header carries the primary only: Envoy's ORIGINAL_DST cluster parses one ``ip:port`` and
@@ -60,12 +65,18 @@ def route_response(endpoints: Sequence[str], extra_headers: Mapping[str, str] | 
     ``phase`` is the message being answered (``request_body``, or ``request_headers`` for a bodiless
     request); Envoy applies header mutations only in the reply to the phase it is waiting on.
     """
-    set_headers = [base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoints[0].encode()),
-        append_action=_OVERWRITE)]
+    set_headers = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoints[0].encode()),
+            append_action=_OVERWRITE,
+        )
+    ]
     for key, header_value in (extra_headers or {}).items():
-        set_headers.append(base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=key, raw_value=header_value.encode()), append_action=_OVERWRITE))
+        set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=header_value.encode()), append_action=_OVERWRITE
+            )
+        )
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
     metadata = struct_pb2.Struct()
     metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = ",".join(endpoints)
@@ -76,16 +87,34 @@ def route_response(endpoints: Sequence[str], extra_headers: Mapping[str, str] | 
 
 def error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> bytes:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return orjson.dumps({"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "api_error"),
-                                   "param": param, "code": status}})
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": type_ or _ERROR_TYPES.get(status, "api_error"),
+                "param": param,
+                "code": status,
+            }
+        }
+    )
 
 
-def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
-                   details: str = "prefix_router") -> pb.ProcessingResponse:
+def error_response(
+    status: int, message: str, type_: str | None = None, param: str | None = None, details: str = "prefix_router"
+) -> pb.ProcessingResponse:
     """End the request from the router with an OpenAI-style JSON error (no worker sees it)."""
-    headers = pb.HeaderMutation(set_headers=[
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
-                                   append_action=_OVERWRITE)])
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), headers=headers,
-        body=error_body(status, message, type_, param), details=details))
+    headers = pb.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
+            )
+        ]
+    )
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=headers,
+            body=error_body(status, message, type_, param),
+            details=details,
+        )
+    )

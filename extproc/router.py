@@ -10,8 +10,8 @@ shared state; ``aroute()`` runs it in a small thread pool (``server.tokenize_thr
 The index lookup, the policy and the in-flight counts then run on the loop, so the index and the
 policies stay single-threaded. ``route()`` does the same on the calling thread (tests, benchmarks).
 
-The write path runs in the background (``start()``): ``extproc.events`` keeps the block index in
-step with the workers' KV events, ``extproc.load`` polls their reported load. Routing does no I/O
+The sync path runs in the background (``start()``): ``extproc.sync.hub`` keeps the block index in
+step with the workers' KV events, ``extproc.sync.load`` polls their reported load. Routing does no I/O
 and never raises for a bad prompt: a request that cannot be tokenized is still routed (by load
 alone) rather than lost.
 """
@@ -21,30 +21,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from extproc.blocks import chain_seed
-from extproc.config import ModelConfig, RouterConfig
-from extproc.events import EventHub, worker_block_size
+from prometheus_client import CollectorRegistry
+
+from extproc.config import RouterConfig
 from extproc.index import BlockIndex
 from extproc.key_cache import KeyCache
-from extproc.load import LoadTracker
-from extproc.policies import Candidate, Decision, RoutingRequest, create_policy
+from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
+from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.request import ParsedRequest
-from extproc.shared_state import SharedDecisions
+from extproc.sync.discovery import page_size
+from extproc.sync.hub import EventHub
+from extproc.sync.load import LoadTracker
+from extproc.sync.shared_state import SharedDecisions
+from extproc.sync.workers import Worker, WorkerRegistry
 from extproc.telemetry import Telemetry
-from extproc.tokenization import ModelTokenizer, load_tokenizer
-from extproc.workers import Worker, WorkerRegistry
+from extproc.tokenization import ModelTokenizer
 
 __all__ = ["NoWorkerError", "RouteOutcome", "Router"]
 
 log = logging.getLogger(__name__)
-
-
-# Client-given token ids shorter than this are hashed on the loop (~50 us): a thread hop costs more.
-_INLINE_TOKENS = 2048
 
 
 class NoWorkerError(Exception):
@@ -62,7 +60,6 @@ class RouteOutcome:
     # Headers the server must set on the upstream request (e.g. W3C ``traceparent`` of the decision span).
     upstream_headers: dict[str, str] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
-    decision_s: float = 0.0
 
     def endpoints(self, fallbacks: int) -> list[str]:
         """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention)."""
@@ -74,36 +71,30 @@ class RouteOutcome:
         return next((c.matched_blocks for c in self.candidates if c.worker is self.worker), 0)
 
 
-@dataclass
-class _Prompt:
-    """What ``_prepare`` computed off the loop: token ids, rendered text, key chains, or the error."""
-
-    tokens: list[int] | None = None
-    text: str = ""
-    keys: dict[tuple[int, str], list[int]] = field(default_factory=dict)
-    error: str | None = None
-
-
 class Router:
     """Owns the policy, the block index and the per-worker in-flight counts; knows nothing of gRPC."""
 
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry) -> None:
+    def __init__(
+        self, config: RouterConfig, registry: WorkerRegistry, metrics: CollectorRegistry | None = None
+    ) -> None:
         self.config = config
         self.registry = registry
-        options = config.policy.options_for()
-        if config.policy.name == "session":
-            options["fallback_options"] = config.policy.options_for(options["fallback"])
-        self.policy = create_policy(config.policy.name, options)
+        self.policy = policy_from_config(config.policy)
         self.index = BlockIndex(config.index)
         self.events = EventHub(config.events, registry, self.index)
         self.loads = LoadTracker(config.load, registry)
-        self.telemetry = Telemetry(config.observability, config.policy.name)
-        self.telemetry.watch(self)
+        self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
+        self.telemetry.watch_fleet(registry, self.index, self.events)
         self.shared: SharedDecisions | None = None
         if config.shared_state.backend != "none":
-            self.shared = SharedDecisions(config.shared_state, self.index)
-        self._models: dict[str, ModelConfig] = {m.name: m for m in config.models}
-        self._key_cache = KeyCache(config.index.key_cache_bytes)
+            self.shared = SharedDecisions(config.shared_state, self.index, metrics=self.telemetry.metrics)
+        self.prompts = PromptPreparer(
+            config.models,
+            KeyCache(config.index.key_cache_bytes),
+            config.index.max_lookup_blocks,
+            self.policy.needs_tokens,
+            self.policy.needs_text,
+        )
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
@@ -125,73 +116,14 @@ class Router:
     # -- request -> tokens ------------------------------------------------------------------------
     def tokenizer_for(self, model: str | None) -> ModelTokenizer:
         """The model's configured tokenizer; models without a config use the built-in default."""
-        cfg = self._models.get(model or "")
-        if cfg is None:
-            return load_tokenizer()
-        return load_tokenizer(cfg.tokenizer, cfg.chat_template)
-
-    def _prompt(self, parsed: ParsedRequest, want_tokens: bool, want_text: bool,
-                budget: int | None = None) -> tuple[list[int] | None, str] | None:
-        """Token ids exactly as the worker will build them (and the rendered text for text policies).
-
-        With a ``budget`` (characters that may miss the piece cache) it returns None instead of
-        doing more work than that: the caller then tokenizes in the pool.
-        """
-        if parsed.input_ids is not None:
-            if budget is not None and want_tokens and len(parsed.input_ids) >= _INLINE_TOKENS:
-                return None
-            return list(parsed.input_ids), parsed.prompt_text or ""
-        tokenizer = self.tokenizer_for(parsed.model)
-        if parsed.kind == "chat" and parsed.messages is not None:
-            kwargs = dict(parsed.chat_template_kwargs or {})
-            generation = bool(kwargs.pop("add_generation_prompt", True))
-            text = tokenizer.render_chat(parsed.messages, parsed.tools, generation, **kwargs)
-            special = False  # the template wrote the special tokens
-        else:
-            text, special = parsed.prompt_text or "", True
-        if not want_tokens:
-            return None, text
-        if budget is None:
-            return tokenizer.encode_text(text, add_special_tokens=special), text
-        tokens = tokenizer.encode_cached(text, special, budget)
-        return None if tokens is None else (tokens, text)
+        return self.prompts.tokenizer_for(model)
 
     def block_size_for(self, worker: Worker) -> int:
         """Tokens per block for this worker: model config, then /server_info, then its events."""
-        cfg = self._models.get(worker.model or "")
+        cfg = self.prompts.model_config(worker.model)
         if cfg is not None and cfg.block_size:
             return cfg.block_size
-        return worker_block_size(worker) or self.events.block_size(worker) or self.config.index.default_block_size
-
-    def _prepare(self, parsed: ParsedRequest, chains: Collection[tuple[int, str]],
-                 budget: int | None = None) -> _Prompt | None:
-        """The CPU-heavy, state-free part of a decision: render, tokenize, hash the key chains.
-
-        Reads nothing the event loop mutates (tokenizers, the piece cache and the key cache are
-        thread-safe), so ``aroute`` can run it in the tokenize pool; the index and the policy are
-        only touched after. With a ``budget`` it returns None rather than tokenize more than that.
-        """
-        policy = self.policy
-        prompt = _Prompt()
-        if not (policy.needs_tokens or policy.needs_text):
-            return prompt
-        try:
-            result = self._prompt(parsed, policy.needs_tokens, policy.needs_text, budget)
-        except Exception as exc:  # a template that refuses the conversation must not lose the request
-            prompt.error = str(exc)
-            return prompt
-        if result is None:
-            return None
-        prompt.tokens, prompt.text = result
-        if prompt.tokens is not None and policy.needs_tokens:
-            for chain in chains:
-                prompt.keys[chain] = self._chain(parsed, prompt.tokens, chain)
-        return prompt
-
-    def _chain(self, parsed: ParsedRequest, tokens: list[int], chain: tuple[int, str]) -> list[int]:
-        size, model = chain
-        return self._key_cache.keys(tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt),
-                                    limit=self.config.index.max_lookup_blocks)
+        return page_size(worker) or self.events.block_size(worker) or self.config.index.default_block_size
 
     # -- the decision -----------------------------------------------------------------------------
     def route(self, parsed: ParsedRequest) -> RouteOutcome:
@@ -201,7 +133,7 @@ class Router:
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers = self._workers(parsed)
-        prompt = self._prepare(parsed, self._chains(workers))
+        prompt = self.prompts.prepare(parsed, self._chains(workers))
         assert prompt is not None  # no budget, so never refused
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
 
@@ -217,10 +149,10 @@ class Router:
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers = self._workers(parsed)
         chains = self._chains(workers)
-        prompt = self._prepare(parsed, chains, self.config.server.inline_tokenize_chars)
+        prompt = self.prompts.prepare(parsed, chains, self.config.server.inline_tokenize_chars)
         if prompt is None:
             loop = asyncio.get_running_loop()
-            prompt = await loop.run_in_executor(self._pool, self._prepare, parsed, chains)
+            prompt = await loop.run_in_executor(self._pool, self.prompts.prepare, parsed, chains)
             assert prompt is not None  # no budget, so never refused
             workers = self._workers(parsed)  # health may have changed meanwhile
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
@@ -232,12 +164,13 @@ class Router:
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
         return workers
 
-    def _chains(self, workers: list[Worker]) -> set[tuple[int, str]]:
+    def _chains(self, workers: list[Worker]) -> set[Chain]:
         """The (block size, model) key chains the candidates need (workers sharing both share one)."""
         return {(self.block_size_for(w), w.model or "") for w in workers}
 
-    def _decide(self, parsed: ParsedRequest, workers: list[Worker], prompt: _Prompt, start_ns: int,
-                wall_ns: int) -> RouteOutcome:
+    def _decide(
+        self, parsed: ParsedRequest, workers: list[Worker], prompt: PreparedPrompt, start_ns: int, wall_ns: int
+    ) -> RouteOutcome:
         model = parsed.model or ""
         policy = self.policy
         if prompt.error is not None:
@@ -245,16 +178,31 @@ class Router:
             self.telemetry.tokenize_failed(model)
         tokens = prompt.tokens
         loads, events = self.loads, self.events
-        candidates = [Candidate(worker=w, in_flight=w.in_flight, load=loads.get(w),
-                                index_state=events.state(w), block_size=self.block_size_for(w))
-                      for w in workers]
+        candidates = [
+            Candidate(
+                worker=w,
+                in_flight=w.in_flight,
+                load=loads.get(w),
+                index_state=events.state(w),
+                block_size=self.block_size_for(w),
+            )
+            for w in workers
+        ]
         keys_of: dict[str, list[int]] = {}
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
             first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of)
-        request = RoutingRequest(model=model, path=parsed.path, prompt_text=prompt.text if policy.needs_text else "",
-                                 token_ids=tokens, block_keys=first_keys, block_size=candidates[0].block_size,
-                                 headers=parsed.headers, lora=parsed.lora, cache_salt=parsed.cache_salt)
+        request = RoutingRequest(
+            model=model,
+            path=parsed.path,
+            prompt_text=prompt.text if policy.needs_text else "",
+            token_ids=tokens,
+            block_keys=first_keys,
+            block_size=candidates[0].block_size,
+            headers=parsed.headers,
+            lora=parsed.lora,
+            cache_salt=parsed.cache_salt,
+        )
         decision = policy.select(request, candidates)
         chosen = decision.ranked[0]
         chosen.in_flight += 1
@@ -265,16 +213,31 @@ class Router:
         policy.on_routed(request, decision)
         end_ns = time.perf_counter_ns()
         headers = self.telemetry.decision(
-            model=model, path=parsed.path, headers=parsed.headers, request=request, candidates=candidates,
-            decision=decision, start_ns=wall_ns, end_ns=wall_ns + (end_ns - start_ns),
-            blocks=len(keys_of.get(chosen.id, first_keys)), tokenized=tokens is not None)
-        return RouteOutcome(request=request, decision=decision, worker=chosen, upstream_headers=headers,
-                            candidates=candidates, decision_s=(end_ns - start_ns) / 1e9)
+            model=model,
+            path=parsed.path,
+            headers=parsed.headers,
+            request=request,
+            candidates=candidates,
+            decision=decision,
+            start_ns=wall_ns,
+            end_ns=wall_ns + (end_ns - start_ns),
+            blocks=len(keys_of.get(chosen.id, first_keys)),
+            tokenized=tokens is not None,
+        )
+        return RouteOutcome(
+            request=request, decision=decision, worker=chosen, upstream_headers=headers, candidates=candidates
+        )
 
-    def _match(self, parsed: ParsedRequest, tokens: list[int], chains: dict[tuple[int, str], list[int]],
-               candidates: list[Candidate], keys_of: dict[str, list[int]]) -> list[int]:
+    def _match(
+        self,
+        parsed: ParsedRequest,
+        tokens: list[int],
+        chains: dict[Chain, list[int]],
+        candidates: list[Candidate],
+        keys_of: dict[str, list[int]],
+    ) -> list[int]:
         """Fill each candidate's matched blocks; workers sharing page size and model share one key chain."""
-        groups: dict[tuple[int, str], list[Candidate]] = {}
+        groups: dict[Chain, list[Candidate]] = {}
         for c in candidates:
             groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
         first: list[int] | None = None
@@ -283,7 +246,7 @@ class Router:
         for chain, members in groups.items():
             keys = chains.get(chain)
             if keys is None:  # a worker's page size became known while the pool hashed
-                keys = self._chain(parsed, tokens, chain)
+                keys = self.prompts.chain(parsed, tokens, chain)
             if first is None:
                 first = keys
             ids = [c.worker.id for c in members]

@@ -3,91 +3,93 @@
 Spans carry what explains a decision (model, prompt tokens, blocks, per-candidate matched blocks,
 load and predicted cost, the chosen worker, the reason, the decision time) and never prompt text.
 Their W3C ``traceparent`` goes to the worker on the upstream request, so a worker's own spans join
-the router's trace. Counters that the write path keeps (``extproc.events.ViewStats``) and the index
-sizes are read at scrape time by a collector instead of being pushed on the hot path.
+the router's trace. Counters that the sync path keeps (``extproc.sync.cache_view.ViewStats``) and the
+index sizes are read at scrape time by a collector instead of being pushed on the hot path.
+
+Every metric lives in the ``CollectorRegistry`` a ``Telemetry`` is given (``prefix-router serve``
+serves that one on its metrics port); nothing is registered globally at import time, so several
+routers in one process (tests, benchmarks) never share or collide.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.config import ConfigError, ObservabilityConfig
-from extproc.index import TIERS
+from extproc.index import TIERS, BlockIndex
+from extproc.policies import Candidate, Decision, RoutingRequest
+from extproc.sync.hub import EventHub
+from extproc.sync.workers import WorkerRegistry
 
-if TYPE_CHECKING:
-    from extproc.policies import Candidate, Decision, RoutingRequest
-    from extproc.router import Router
-
-__all__ = ["Telemetry"]
-
-DECISIONS = Counter("prefix_router_decisions_total", "Routing decisions by policy and reason.", ["policy", "reason"])
-DECISION_SECONDS = Histogram(
-    "prefix_router_decision_seconds", "Time to make one routing decision (tokenize, hash, look up, choose).",
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
-MATCHED_BLOCKS = Histogram(
-    "prefix_router_matched_blocks", "Leading prompt blocks the chosen worker holds.",
-    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
-PROMPT_TOKENS = Histogram(
-    "prefix_router_prompt_tokens", "Prompt length of routed requests, in tokens.",
-    buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072))
-TOKENIZE_FAILURES = Counter("prefix_router_tokenize_failures_total",
-                            "Requests routed without tokens because tokenization failed.", ["model"])
+__all__ = ["FleetCollector", "Telemetry"]
 
 _propagator = TraceContextTextMapPropagator()
-_routers: weakref.WeakSet[Router] = weakref.WeakSet()
+
+_EVENT_COUNTERS = (
+    ("batches", "Event batches applied."),
+    ("blocks_stored", "Blocks stored by events."),
+    ("blocks_removed", "Blocks removed by events."),
+    ("gaps", "Sequence gaps detected."),
+    ("gaps_repaired", "Gaps repaired through replay."),
+    ("restarts", "Worker restarts detected (seq went back)."),
+    ("orphans", "Stored blocks whose parent was unknown."),
+    ("decode_errors", "Undecodable batches."),
+)
 
 
-class _RouterCollector(Collector):
-    """Index, event-stream and worker figures of every live Router, read at scrape time."""
+class FleetCollector(Collector):
+    """Index, event-stream and worker figures of one router's fleet, read at scrape time."""
+
+    def __init__(self, workers: WorkerRegistry, index: BlockIndex, events: EventHub) -> None:
+        self.workers = workers
+        self.index = index
+        self.events = events
 
     def collect(self) -> Iterator[Any]:
-        blocks = GaugeMetricFamily("prefix_router_index_blocks", "Confirmed blocks in the index per worker and tier.",
-                                   labels=["worker", "tier"])
-        synced = GaugeMetricFamily("prefix_router_index_synced", "1 when the worker's index state is known from events.",
-                                   labels=["worker"])
-        lag = GaugeMetricFamily("prefix_router_event_lag_seconds", "Publish-to-apply delay of the last event batch.",
-                                labels=["worker"])
-        healthy = GaugeMetricFamily("prefix_router_worker_healthy", "1 when the worker is a routing candidate.",
-                                    labels=["worker"])
-        in_flight = GaugeMetricFamily("prefix_router_worker_in_flight", "Requests the router has in flight there.",
-                                      labels=["worker"])
-        counters = {name: CounterMetricFamily(f"prefix_router_event_{name}", help_, labels=["worker"])
-                    for name, help_ in (("batches", "Event batches applied."),
-                                        ("blocks_stored", "Blocks stored by events."),
-                                        ("blocks_removed", "Blocks removed by events."),
-                                        ("gaps", "Sequence gaps detected."),
-                                        ("gaps_repaired", "Gaps repaired through replay."),
-                                        ("restarts", "Worker restarts detected (seq went back)."),
-                                        ("orphans", "Stored blocks whose parent was unknown."),
-                                        ("decode_errors", "Undecodable batches."))}
-        for router in list(_routers):
-            for worker in router.registry.workers:
-                wid = worker.id
-                for tier in TIERS:
-                    blocks.add_metric([wid, tier], router.index.size(wid, tier))
-                synced.add_metric([wid], 1.0 if router.events.state(worker) == "synced" else 0.0)
-                healthy.add_metric([wid], 1.0 if worker.healthy else 0.0)
-                in_flight.add_metric([wid], worker.in_flight)
-                views = router.events.views.get(wid, ())
-                if views:
-                    lag.add_metric([wid], max(v.stats.lag_s for v in views))
-                for name, family in counters.items():
-                    family.add_metric([wid], sum(getattr(v.stats, name) for v in views))
+        blocks = GaugeMetricFamily(
+            "prefix_router_index_blocks",
+            "Confirmed blocks in the index per worker and tier.",
+            labels=["worker", "tier"],
+        )
+        synced = GaugeMetricFamily(
+            "prefix_router_index_synced", "1 when the worker's index state is known from events.", labels=["worker"]
+        )
+        lag = GaugeMetricFamily(
+            "prefix_router_event_lag_seconds", "Publish-to-apply delay of the last event batch.", labels=["worker"]
+        )
+        healthy = GaugeMetricFamily(
+            "prefix_router_worker_healthy", "1 when the worker is a routing candidate.", labels=["worker"]
+        )
+        in_flight = GaugeMetricFamily(
+            "prefix_router_worker_in_flight", "Requests the router has in flight there.", labels=["worker"]
+        )
+        counters = {
+            name: CounterMetricFamily(f"prefix_router_event_{name}", help_, labels=["worker"])
+            for name, help_ in _EVENT_COUNTERS
+        }
+        for worker in self.workers.workers:
+            wid = worker.id
+            for tier in TIERS:
+                blocks.add_metric([wid, tier], self.index.size(wid, tier))
+            synced.add_metric([wid], 1.0 if self.events.state(worker) == "synced" else 0.0)
+            healthy.add_metric([wid], 1.0 if worker.healthy else 0.0)
+            in_flight.add_metric([wid], worker.in_flight)
+            stats = self.events.stats(worker)
+            if stats:
+                lag.add_metric([wid], max(s.lag_s for s in stats))
+            for name, family in counters.items():
+                family.add_metric([wid], sum(getattr(s, name) for s in stats))
         yield from (blocks, synced, lag, healthy, in_flight, *counters.values())
-
-
-REGISTRY.register(_RouterCollector())
 
 
 def _exporter(config: ObservabilityConfig) -> SpanExporter | None:
@@ -110,9 +112,44 @@ def _exporter(config: ObservabilityConfig) -> SpanExporter | None:
 class Telemetry:
     """Per-router tracer (own provider, so tests and several routers never share global state)."""
 
-    def __init__(self, config: ObservabilityConfig, policy_name: str) -> None:
+    def __init__(self, config: ObservabilityConfig, policy_name: str, metrics: CollectorRegistry | None = None) -> None:
         self.config = config
         self.policy_name = policy_name
+        if metrics is None:  # a registry of its own, with the process figures a scrape expects
+            metrics = CollectorRegistry()
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                metrics.register(collector)
+        self.metrics = metrics
+        self._decisions = Counter(
+            "prefix_router_decisions_total",
+            "Routing decisions by policy and reason.",
+            ["policy", "reason"],
+            registry=metrics,
+        )
+        self._decision_seconds = Histogram(
+            "prefix_router_decision_seconds",
+            "Time to make one routing decision (tokenize, hash, look up, choose).",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=metrics,
+        )
+        self._matched_blocks = Histogram(
+            "prefix_router_matched_blocks",
+            "Leading prompt blocks the chosen worker holds.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=metrics,
+        )
+        self._prompt_tokens = Histogram(
+            "prefix_router_prompt_tokens",
+            "Prompt length of routed requests, in tokens.",
+            buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+            registry=metrics,
+        )
+        self._tokenize_failures = Counter(
+            "prefix_router_tokenize_failures_total",
+            "Requests routed without tokens because tokenization failed.",
+            ["model"],
+            registry=metrics,
+        )
         self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
         self.tracer = self.provider.get_tracer("extproc.router")
         # With no exporter a span would be built, filled and dropped on every request (~0.1 ms):
@@ -127,55 +164,68 @@ class Telemetry:
         self.provider.add_span_processor(processor)
         self.tracing = True
 
-    def watch(self, router: Router) -> None:
-        _routers.add(router)
+    def watch_fleet(self, workers: WorkerRegistry, index: BlockIndex, events: EventHub) -> None:
+        """Report the fleet's index, event and worker figures with this router's metrics."""
+        self.metrics.register(FleetCollector(workers, index, events))
 
-    def decision(self, *, model: str, path: str, headers: Mapping[str, str], request: RoutingRequest,
-                 candidates: Sequence[Candidate], decision: Decision, start_ns: int, end_ns: int,
-                 blocks: int, tokenized: bool) -> dict[str, str]:
+    def decision(
+        self,
+        *,
+        model: str,
+        path: str,
+        headers: Mapping[str, str],
+        request: RoutingRequest,
+        candidates: Sequence[Candidate],
+        decision: Decision,
+        start_ns: int,
+        end_ns: int,
+        blocks: int,
+        tokenized: bool,
+    ) -> dict[str, str]:
         """Record one decision; returns the headers that carry its trace context upstream (none untraced)."""
         elapsed = (end_ns - start_ns) / 1e9
         reason = decision.reason
-        DECISIONS.labels(self.policy_name, reason).inc()
-        DECISION_SECONDS.observe(elapsed)
+        self._decisions.labels(self.policy_name, reason).inc()
+        self._decision_seconds.observe(elapsed)
         chosen = decision.ranked[0]
-        MATCHED_BLOCKS.observe(next((c.matched_blocks for c in candidates if c.worker is chosen), 0))
+        self._matched_blocks.observe(next((c.matched_blocks for c in candidates if c.worker is chosen), 0))
         if request.token_ids is not None:
-            PROMPT_TOKENS.observe(len(request.token_ids))
+            self._prompt_tokens.observe(len(request.token_ids))
         if not self.tracing:
             return {}
         parent = _propagator.extract(headers) if "traceparent" in headers else None
-        span = self.tracer.start_span("route", context=parent, start_time=start_ns,
-                                      kind=trace.SpanKind.INTERNAL)
+        span = self.tracer.start_span("route", context=parent, start_time=start_ns, kind=trace.SpanKind.INTERNAL)
         ids = [c.worker.id for c in candidates]
         scores = decision.scores
-        span.set_attributes({
-            "router.policy": self.policy_name,
-            "router.model": model,
-            "router.path": path,
-            "router.tokenized": tokenized,
-            "router.prompt_tokens": request.prompt_tokens,
-            "router.blocks": blocks,
-            "router.block_size": request.block_size,
-            "router.reason": reason,
-            "router.chosen": chosen.id,
-            "router.chosen_endpoint": chosen.endpoint,
-            "router.decision_ms": elapsed * 1000,
-            "router.candidates": ids,
-            "router.candidates.matched_blocks": [c.matched_blocks for c in candidates],
-            "router.candidates.in_flight": [c.in_flight for c in candidates],
-            "router.candidates.waiting": [c.load.num_waiting_reqs if c.load else -1 for c in candidates],
-            "router.candidates.kv_usage": [c.load.token_usage if c.load else -1.0 for c in candidates],
-            "router.candidates.index_state": [c.index_state for c in candidates],
-            "router.candidates.predicted_ttft_s": [float(scores.get(i, {}).get("ttft_s", -1.0)) for i in ids],
-        })
+        span.set_attributes(
+            {
+                "router.policy": self.policy_name,
+                "router.model": model,
+                "router.path": path,
+                "router.tokenized": tokenized,
+                "router.prompt_tokens": request.prompt_tokens,
+                "router.blocks": blocks,
+                "router.block_size": request.block_size,
+                "router.reason": reason,
+                "router.chosen": chosen.id,
+                "router.chosen_endpoint": chosen.endpoint,
+                "router.decision_ms": elapsed * 1000,
+                "router.candidates": ids,
+                "router.candidates.matched_blocks": [c.matched_blocks for c in candidates],
+                "router.candidates.in_flight": [c.in_flight for c in candidates],
+                "router.candidates.waiting": [c.load.num_waiting_reqs if c.load else -1 for c in candidates],
+                "router.candidates.kv_usage": [c.load.token_usage if c.load else -1.0 for c in candidates],
+                "router.candidates.index_state": [c.index_state for c in candidates],
+                "router.candidates.predicted_ttft_s": [float(scores.get(i, {}).get("ttft_s", -1.0)) for i in ids],
+            }
+        )
         span.end(end_time=end_ns)
         carrier: dict[str, str] = {}
         _propagator.inject(carrier, context=trace.set_span_in_context(span))
         return carrier
 
     def tokenize_failed(self, model: str) -> None:
-        TOKENIZE_FAILURES.labels(model or "default").inc()
+        self._tokenize_failures.labels(model or "default").inc()
 
     def shutdown(self) -> None:
         self.provider.shutdown()

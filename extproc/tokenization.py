@@ -65,11 +65,15 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Same behaviour as transformers' chat-template ``tojson`` filter (not Jinja's HTML-escaping one).
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -191,9 +195,12 @@ class ModelTokenizer:
         pre = spec.get("pre_tokenizer") or {}
         parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         byte_level = [p for p in parts if p.get("type") == "ByteLevel"]
-        if spec.get("normalizer") is not None or not byte_level or \
-                any(p.get("add_prefix_space") for p in byte_level) or \
-                any(p.get("type") not in ("ByteLevel", "Split") for p in parts):
+        if (
+            spec.get("normalizer") is not None
+            or not byte_level
+            or any(p.get("add_prefix_space") for p in byte_level)
+            or any(p.get("type") not in ("ByteLevel", "Split") for p in parts)
+        ):
             return None
         added = {}
         for token in spec.get("added_tokens", []):
@@ -212,8 +219,8 @@ class ModelTokenizer:
         bare = self.tokenizer.encode(probe, add_special_tokens=False).ids
         full = self.tokenizer.encode(probe, add_special_tokens=True).ids
         for i in range(len(full) - len(bare) + 1):
-            if full[i:i + len(bare)] == bare:
-                return full[:i], full[i + len(bare):]
+            if full[i : i + len(bare)] == bare:
+                return full[:i], full[i + len(bare) :]
         raise TokenizerLoadError(f"tokenizer {self.name!r}: cannot locate special tokens around a sequence")
 
     def encode_cached(self, text: str, add_special_tokens: bool, max_uncached_chars: int) -> list[int] | None:
@@ -277,42 +284,43 @@ class ModelTokenizer:
                 out.extend(found[item])
         return out
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """The prompt text the chat template renders for ``messages`` (HF semantics)."""
         if self.chat_template is None:
             raise ChatTemplateError(f"tokenizer {self.name!r} has no chat template")
         template = _compile_template(self.chat_template)
         try:
-            return template.render(messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens, **template_kwargs)
+            return template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **template_kwargs,
+            )
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Token ids for a chat request, as SGLang builds ``input_ids`` for it."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
         return self.encode_text(text, add_special_tokens=False)
 
-    def encode_rendered(self, text: str) -> list[int]:
-        """Token ids of an already rendered chat prompt (the template wrote the special tokens)."""
-        return self.encode_text(text, add_special_tokens=False)
-
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = self.special_tokens.get("eos_token")
-        return self.tokenizer.token_to_id(eos) if eos else None
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -339,8 +347,11 @@ class ModelTokenizer:
             except ValueError as exc:
                 raise TokenizerLoadError(f"cannot parse {config_file}: {exc}") from exc
         template = _load_template(chat_template, folder, config)
-        special = {key: tok for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-                   if (tok := _token_content(config.get(key))) is not None}
+        special = {
+            key: tok
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (tok := _token_content(config.get(key))) is not None
+        }
         name = "default" if path is None else str(path)
         return cls(name=name, tokenizer=tokenizer, chat_template=template, special_tokens=special)
 

@@ -23,15 +23,21 @@ class SimWorkerConfig(BaseModel):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(30001, ge=0, le=65535, description="HTTP port (SGLang's --port).")
     kv_events: bool = Field(True, description="Publish KV events over ZMQ (SGLang --kv-events-config publisher=zmq).")
-    kv_events_host: str = Field("*", description="Bind host of the ZMQ sockets ('*' = all interfaces, as SGLang's tcp://*:PORT).")
+    kv_events_host: str = Field(
+        "*", description="Bind host of the ZMQ sockets ('*' = all interfaces, as SGLang's tcp://*:PORT)."
+    )
     kv_events_port: int = Field(5557, ge=1, le=65535, description="ZMQ PUB port (endpoint port base; DP rank 0).")
-    kv_replay_port: int | None = Field(None, ge=1, le=65535, description="ZMQ ROUTER replay port; default kv_events_port + 1.")
+    kv_replay_port: int | None = Field(
+        None, ge=1, le=65535, description="ZMQ ROUTER replay port; default kv_events_port + 1."
+    )
     kv_topic: str = Field("", description="Topic frame of every published batch (SGLang default: empty).")
     kv_buffer_steps: int = Field(10_000, ge=1, description="Batches kept for replay (SGLang buffer_steps).")
     event_format: Literal["tagged", "positional"] = Field(
-        "tagged", description="Event encoding: tagged maps (SGLang >= 0.5.20) or positional arrays (<= 0.5.15).")
+        "tagged", description="Event encoding: tagged maps (SGLang >= 0.5.20) or positional arrays (<= 0.5.15)."
+    )
     replay_format: Literal[3, 2] = Field(
-        3, description="Replay reply frames: 3 = (topic, seq, payload) as 0.5.23; 2 = (seq, payload) as <= 0.5.20.")
+        3, description="Replay reply frames: 3 = (topic, seq, payload) as 0.5.23; 2 = (seq, payload) as <= 0.5.20."
+    )
     dp_rank: int = Field(0, ge=0, description="attn_dp_rank written into every event batch.")
 
     # -- model ---------------------------------------------------------------------------------
@@ -47,15 +53,22 @@ class SimWorkerConfig(BaseModel):
     chunked_prefill_size: int = Field(8192, ge=1, description="Per-step prefill token budget (chunking).")
     max_prefill_tokens: int = Field(16384, ge=1, description="Prefill tokens admitted per batch.")
     max_running_requests: int = Field(1024, ge=1, description="Cap on requests in the running batch.")
-    default_max_new_tokens: int = Field(128, ge=1, description="max_new_tokens when a request gives none (SGLang: 128).")
+    default_max_new_tokens: int = Field(
+        128, ge=1, description="max_new_tokens when a request gives none (SGLang: 128)."
+    )
 
     # -- timing --------------------------------------------------------------------------------
     profile: str = Field("llama-3.1-8b-h100", description="Timing profile name (see sglang_workers.timing).")
     speedup: float = Field(1.0, gt=0, description="Divide every simulated duration by this.")
     seed: int = Field(0, description="Seed of the output-token generator (same prompt + seed = same output).")
-    load_time: float = Field(0.0, ge=0, description=(
-        "Seconds after the HTTP port opens during which the worker answers 503, as SGLang does while it "
-        "loads weights and warms up (real seconds, not divided by speedup)."))
+    load_time: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Seconds after the HTTP port opens during which the worker answers 503, as SGLang does while it "
+            "loads weights and warms up (real seconds, not divided by speedup)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_ports(self) -> SimWorkerConfig:

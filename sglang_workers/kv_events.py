@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgpack
 import zmq
@@ -101,7 +101,7 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def merge_events(events: Iterable[KVEvent]) -> list[KVEvent]:
@@ -116,19 +116,30 @@ def merge_events(events: Iterable[KVEvent]) -> list[KVEvent]:
         if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved) and last.medium == event.medium:
             last.block_hashes.extend(event.block_hashes)
             continue
-        if (isinstance(event, BlockStored) and isinstance(last, BlockStored)
-                and event.parent_block_hash == last.block_hashes[-1]
-                and (event.block_size, event.cache_salt, event.medium, event.lora_id)
-                == (last.block_size, last.cache_salt, last.medium, last.lora_id)):
+        if (
+            isinstance(event, BlockStored)
+            and isinstance(last, BlockStored)
+            and event.parent_block_hash == last.block_hashes[-1]
+            and (event.block_size, event.cache_salt, event.medium, event.lora_id)
+            == (last.block_size, last.cache_salt, last.medium, last.lora_id)
+        ):
             last.block_hashes.extend(event.block_hashes)
             last.token_ids.extend(event.token_ids)
             continue
+        copy: KVEvent = event  # merging extends lists in place: never those of the caller's events
         if isinstance(event, BlockStored):
-            event = BlockStored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
-                                event.block_size, event.lora_id, event.medium, event.cache_salt)
+            copy = BlockStored(
+                list(event.block_hashes),
+                event.parent_block_hash,
+                list(event.token_ids),
+                event.block_size,
+                event.lora_id,
+                event.medium,
+                event.cache_salt,
+            )
         elif isinstance(event, BlockRemoved):
-            event = BlockRemoved(list(event.block_hashes), event.medium)
-        merged.append(event)
+            copy = BlockRemoved(list(event.block_hashes), event.medium)
+        merged.append(copy)
     return merged
 
 
@@ -161,8 +172,14 @@ def _tagged(event: KVEvent) -> dict[str, Any]:
 
 def _positional(event: KVEvent) -> list[Any]:
     if isinstance(event, BlockStored):
-        row: list[Any] = ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids,
-                          event.block_size, event.lora_id]
+        row: list[Any] = [
+            "BlockStored",
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+        ]
         if event.medium is not None:
             row.append(event.medium)
         return row
@@ -171,19 +188,26 @@ def _positional(event: KVEvent) -> list[Any]:
     return ["AllBlocksCleared"]
 
 
-def encode_payload(events: Sequence[KVEvent], ts: float, dp_rank: int | None = 0,
-                   fmt: EventFormat = "tagged") -> bytes:
+def encode_payload(events: Sequence[KVEvent], ts: float, dp_rank: int | None = 0, fmt: EventFormat = "tagged") -> bytes:
     """The msgpack payload frame of one batch."""
     encode = _tagged if fmt == "tagged" else _positional
-    return msgpack.packb([ts, [encode(e) for e in events], dp_rank], use_bin_type=True)
+    payload: bytes = msgpack.packb([ts, [encode(e) for e in events], dp_rank], use_bin_type=True)
+    return payload
 
 
 def _decode_event(raw: Any) -> KVEvent:
     if isinstance(raw, dict):
         kind = raw.get("type")
         if kind == "BlockStored":
-            return BlockStored(list(raw["block_hashes"]), raw.get("parent_block_hash"), list(raw["token_ids"]),
-                               raw["block_size"], raw.get("lora_id"), raw.get("medium"), raw.get("cache_salt"))
+            return BlockStored(
+                list(raw["block_hashes"]),
+                raw.get("parent_block_hash"),
+                list(raw["token_ids"]),
+                raw["block_size"],
+                raw.get("lora_id"),
+                raw.get("medium"),
+                raw.get("cache_salt"),
+            )
         if kind == "BlockRemoved":
             return BlockRemoved(list(raw["block_hashes"]), raw.get("medium"))
         if kind == "AllBlocksCleared":
@@ -258,15 +282,15 @@ class KVEventPublisher:
         """Send one batch (merged like SGLang); returns its seq, or None when there was nothing to send."""
         if not events:
             return None
-        payload = encode_payload(merge_events(events), time.time() if ts is None else ts,
-                                 self.dp_rank, self.event_format)
+        payload = encode_payload(
+            merge_events(events), time.time() if ts is None else ts, self.dp_rank, self.event_format
+        )
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
         if self._pub is not None:
             try:
-                self._pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload],
-                                         flags=zmq.NOBLOCK)
+                self._pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
             except zmq.Again:  # past the high-water mark: dropped, as SGLang's PUB does
                 logger.warning("kv event batch %d dropped (high-water mark)", seq)
         return seq

@@ -37,12 +37,18 @@ def render_metrics(scheduler: Scheduler, model: str) -> str:
     lines: list[str] = []
 
     def gauge(name: str, help_text: str, value: float) -> None:
-        lines.extend([f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} gauge",
-                      f"sglang:{name}{labels} {value}"])
+        lines.extend(
+            [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} gauge", f"sglang:{name}{labels} {value}"]
+        )
 
     def counter(name: str, help_text: str, value: float) -> None:
-        lines.extend([f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} counter",
-                      f"sglang:{name}{labels} {float(value)}"])
+        lines.extend(
+            [
+                f"# HELP sglang:{name} {help_text}",
+                f"# TYPE sglang:{name} counter",
+                f"sglang:{name}{labels} {float(value)}",
+            ]
+        )
 
     gauge("num_running_reqs", "The number of running requests.", load["num_running_reqs"])
     gauge("num_queue_reqs", "The number of requests in the waiting queue.", load["num_waiting_reqs"])
@@ -57,12 +63,18 @@ def render_metrics(scheduler: Scheduler, model: str) -> str:
     counter("generation_tokens_total", "Number of generation tokens processed.", stats.generation_tokens)
     counter("num_requests_total", "Number of requests processed.", stats.num_requests)
     counter("num_retracted_reqs_total", "Number of retracted requests.", stats.num_retractions)
-    _histogram(lines, "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-               stats.ttft, model)
-    _histogram(lines, "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-               stats.itl, model)
-    _histogram(lines, "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-               stats.e2e, model)
-    _histogram(lines, "sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
-               stats.queue_time, model)
+    _histogram(
+        lines, "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", stats.ttft, model
+    )
+    _histogram(
+        lines, "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", stats.itl, model
+    )
+    _histogram(
+        lines,
+        "sglang:e2e_request_latency_seconds",
+        "Histogram of End-to-end request latency in seconds",
+        stats.e2e,
+        model,
+    )
+    _histogram(lines, "sglang:queue_time_seconds", "Histogram of queueing time in seconds.", stats.queue_time, model)
     return "\n".join(lines) + "\n"

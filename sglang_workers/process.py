@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,25 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SimWorkerError", "SimWorkerProcess", "free_ports", "start_sim_worker", "start_sim_workers"]
+from extproc.addresses import free_ports
+
+__all__ = ["SimWorkerError", "SimWorkerProcess", "start_sim_worker", "start_sim_workers"]
 
 
 class SimWorkerError(RuntimeError):
     """A sim-worker process failed to start; the message carries the end of its log."""
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports the OS reports free right now (bound together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @dataclass
@@ -130,19 +117,40 @@ def _flags(opts: dict[str, Any]) -> list[str]:
 
 def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWorkerProcess:
     port, kv_port, replay_port = free_ports(3, host)
-    args = [sys.executable, "-m", "extproc", "sim-worker", "--host", host, "--port", str(port),
-            "--kv-events-host", host, "--kv-events-port", str(kv_port), "--kv-replay-port", str(replay_port),
-            *_flags(opts)]
+    args = [
+        sys.executable,
+        "-m",
+        "extproc",
+        "sim-worker",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--kv-events-host",
+        host,
+        "--kv-events-port",
+        str(kv_port),
+        "--kv-replay-port",
+        str(replay_port),
+        *_flags(opts),
+    ]
     fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **(env or {})})
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+        )
     return SimWorkerProcess(host, port, kv_port, replay_port, process, Path(log_name), args)
 
 
-def start_sim_workers(count: int, *, host: str = "127.0.0.1", startup_timeout: float = 30.0,
-                      env: dict[str, str] | None = None, wait_ready: bool = True,
-                      **opts: Any) -> list[SimWorkerProcess]:
+def start_sim_workers(
+    count: int,
+    *,
+    host: str = "127.0.0.1",
+    startup_timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+    **opts: Any,
+) -> list[SimWorkerProcess]:
     """Start ``count`` workers in parallel and wait until all answer ``/health`` with 200
     (``wait_ready=False``: until their HTTP port answers at all, e.g. with ``load_time``).
 
@@ -168,8 +176,13 @@ def start_sim_workers(count: int, *, host: str = "127.0.0.1", startup_timeout: f
     return workers
 
 
-def start_sim_worker(*, host: str = "127.0.0.1", startup_timeout: float = 30.0,
-                     env: dict[str, str] | None = None, wait_ready: bool = True, **opts: Any) -> SimWorkerProcess:
+def start_sim_worker(
+    *,
+    host: str = "127.0.0.1",
+    startup_timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+    **opts: Any,
+) -> SimWorkerProcess:
     """Start one worker on free ports and wait until it is healthy (usable as a context manager)."""
-    return start_sim_workers(1, host=host, startup_timeout=startup_timeout, env=env, wait_ready=wait_ready,
-                             **opts)[0]
+    return start_sim_workers(1, host=host, startup_timeout=startup_timeout, env=env, wait_ready=wait_ready, **opts)[0]

@@ -41,12 +41,13 @@ __all__ = ["RadixCache", "TreeNode"]
 class TreeNode:
     """One edge of the tree: a run of whole pages with their chained digests."""
 
-    __slots__ = ("children", "parent", "key", "digests", "lock_ref", "last_access", "id", "salt")
+    __slots__ = ("children", "digests", "id", "key", "last_access", "lock_ref", "parent", "salt")
 
     _ids = itertools.count()
 
-    def __init__(self, parent: TreeNode | None, key: list[int], digests: list[bytes], tick: int,
-                 salt: str | None) -> None:
+    def __init__(
+        self, parent: TreeNode | None, key: list[int], digests: list[bytes], tick: int, salt: str | None
+    ) -> None:
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key = key
@@ -133,7 +134,7 @@ class RadixCache:
             prior = node.digests[-1] if node.digests else (salt_prior(salt) if salt is not None else None)
             digests = []
             for start in range(0, len(key), self.page_size):
-                prior = page_digest(prior, key[start:start + self.page_size])
+                prior = page_digest(prior, key[start : start + self.page_size])
                 digests.append(prior)
             leaf = TreeNode(node, key, digests, next(self._clock), salt)
             node.children[self._child_key(key, salt)] = leaf
@@ -142,9 +143,15 @@ class RadixCache:
             self._update_leaf_status(leaf)
             if self.enable_events:
                 parent_hash = hash_to_int64(node.digests[-1]) if node.digests else None
-                self._events.append(BlockStored(
-                    block_hashes=[hash_to_int64(d) for d in digests], parent_block_hash=parent_hash,
-                    token_ids=list(key), block_size=self.page_size, cache_salt=salt))
+                self._events.append(
+                    BlockStored(
+                        block_hashes=[hash_to_int64(d) for d in digests],
+                        parent_block_hash=parent_hash,
+                        token_ids=list(key),
+                        block_size=self.page_size,
+                        cache_salt=salt,
+                    )
+                )
         return total
 
     def evict(self, num_tokens: int) -> int:
@@ -202,7 +209,7 @@ class RadixCache:
             return n
         step = self.page_size
         i = 0
-        while i < n and a[i:i + step] == b[i:i + step]:
+        while i < n and a[i : i + step] == b[i : i + step]:
             i += step
         return i
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from array import array
 import hashlib
 import itertools
 import logging
 import random
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,12 +52,82 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
 MAX_PACING_CREDIT = 0.05  # at most this much wall time is made up after a stall (s)
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 60.0, 120.0, 300.0)
-ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
-               0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
-E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
-               150.0, 200.0, 250.0, 300.0, 350.0, 500.0, 1000.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    300.0,
+)
+ITL_BUCKETS = (
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+    80.0,
+    100.0,
+    150.0,
+    200.0,
+    250.0,
+    300.0,
+    350.0,
+    500.0,
+    1000.0,
+)
 
 
 @dataclass(eq=False)
@@ -142,8 +212,14 @@ class SchedulerStats:
 class Scheduler:
     """Waiting queue, running batch, radix cache and KV pool of one simulated worker."""
 
-    def __init__(self, config: SimWorkerConfig, profile: TimingProfile, cache: RadixCache,
-                 publisher: KVEventPublisher | None, vocab: Sequence[int]) -> None:
+    def __init__(
+        self,
+        config: SimWorkerConfig,
+        profile: TimingProfile,
+        cache: RadixCache,
+        publisher: KVEventPublisher | None,
+        vocab: Sequence[int],
+    ) -> None:
         if not vocab:
             raise ValueError("empty output vocabulary")
         self.config = config
@@ -181,15 +257,17 @@ class Scheduler:
                 pass
 
     # -- requests ----------------------------------------------------------------------------------
-    def submit(self, input_ids: list[int], max_new_tokens: int, cache_salt: str | None = None,
-               rid: str | None = None) -> Request:
+    def submit(
+        self, input_ids: list[int], max_new_tokens: int, cache_salt: str | None = None, rid: str | None = None
+    ) -> Request:
         """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished).
 
         Like SGLang, ``max_new_tokens`` is clipped so that prompt + output fit the KV pool.
         """
         max_new_tokens = max(0, min(max_new_tokens, self.capacity - 1 - len(input_ids)))
-        req = Request(rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt,
-                      sim_arrival=self.sim_time)
+        req = Request(
+            rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt, sim_arrival=self.sim_time
+        )
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
         self.waiting.append(req)
@@ -282,8 +360,7 @@ class Scheduler:
         batch = self._next_prefill_batch()
         if batch:
             duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
-            self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch),
-                                   duration))
+            self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch), duration))
             await self._sleep(duration)
             self._finish_prefill(batch)
         elif self.running:
@@ -331,8 +408,10 @@ class Scheduler:
         return list(self.waiting)
 
     def _reserved_for_running(self) -> float:
-        return sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-                   for r in self.running) * self.new_token_ratio
+        return (
+            sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in self.running)
+            * self.new_token_ratio
+        )
 
     def _next_prefill_batch(self) -> list[Request]:
         if not self.waiting and self.chunked is None:
@@ -370,7 +449,8 @@ class Scheduler:
             self.cache.lock(node)  # lock first: a locked prefix no longer counts as evictable
             budget = self.free_tokens + self.cache.evictable_size - offset
             if extend + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) >= budget or (
-                    extend > rem_input and batch):
+                extend > rem_input and batch
+            ):
                 self.cache.unlock(node)
                 break
             take = extend if extend <= rem_chunk else self.cache.page_align(rem_chunk)
@@ -509,8 +589,9 @@ class Scheduler:
         used = self.used_tokens
         return {
             "dp_rank": self.config.dp_rank,
-            "num_running_reqs": len(self.running) + len(self.prefilling) + (
-                1 if self.chunked is not None and self.chunked not in self.prefilling else 0),
+            "num_running_reqs": len(self.running)
+            + len(self.prefilling)
+            + (1 if self.chunked is not None and self.chunked not in self.prefilling else 0),
             "num_waiting_reqs": len(self.waiting),
             "num_used_tokens": used,
             "num_total_tokens": self.capacity,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from array import array
 import logging
 import re
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -38,15 +38,21 @@ from .radix_cache import RadixCache
 from .scheduler import Request, Scheduler
 from .timing import get_profile
 
-__all__ = ["SimWorker", "SGLANG_VERSION"]
+__all__ = ["SGLANG_VERSION", "SimWorker"]
 
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose wire behaviour this simulator reproduces
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "BadRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class ApiError(Exception):
@@ -60,8 +66,13 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {"object": "error", "message": message, "type": _ERROR_TYPES.get(status, "Error"),
-            "param": param, "code": status}
+    body = {
+        "object": "error",
+        "message": message,
+        "type": _ERROR_TYPES.get(status, "Error"),
+        "param": param,
+        "code": status,
+    }
     return web.json_response(body, status=status)
 
 
@@ -72,8 +83,7 @@ def output_vocabulary(tokenizer: ModelTokenizer) -> list[int]:
     """
     special = set(tokenizer.tokenizer.get_added_tokens_decoder())
     vocab = tokenizer.tokenizer.get_vocab()
-    words = sorted(i for tok, i in vocab.items()
-                   if i not in special and re.fullmatch(r"(Ġ|▁)[a-z]{3,}", tok))
+    words = sorted(i for tok, i in vocab.items() if i not in special and re.fullmatch(r"(Ġ|▁)[a-z]{3,}", tok))
     if len(words) >= 64:
         return words
     return sorted(i for i in vocab.values() if i not in special)
@@ -106,9 +116,15 @@ class SimWorker:
         cfg = self.config
         if cfg.kv_events:
             self.publisher = KVEventPublisher(
-                host=cfg.kv_events_host, port=cfg.kv_events_port, replay_port=cfg.replay_port,
-                topic=cfg.kv_topic, buffer_steps=cfg.kv_buffer_steps, dp_rank=cfg.dp_rank,
-                event_format=cfg.event_format, replay_format=cfg.replay_format)
+                host=cfg.kv_events_host,
+                port=cfg.kv_events_port,
+                replay_port=cfg.replay_port,
+                topic=cfg.kv_topic,
+                buffer_steps=cfg.kv_buffer_steps,
+                dp_rank=cfg.dp_rank,
+                event_format=cfg.event_format,
+                replay_format=cfg.replay_format,
+            )
             self.publisher.start()
         cache = RadixCache(cfg.page_size, enable_events=cfg.kv_events)
         self.scheduler = Scheduler(cfg, self.profile, cache, self.publisher, output_vocabulary(self.tokenizer))
@@ -159,8 +175,9 @@ class SimWorker:
         return app
 
     @web.middleware
-    async def _errors(self, request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:
@@ -207,15 +224,20 @@ class SimWorker:
         limit = self.config.context_length
         total = len(input_ids) + max_new_tokens
         if total > limit:
-            raise ApiError(413, (
-                f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
-                f"You requested a total of {total} tokens: {len(input_ids)} tokens from the input messages "
-                f"and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
-                f"the input messages or the completion to fit within the limit."))
+            raise ApiError(
+                413,
+                (
+                    f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
+                    f"You requested a total of {total} tokens: {len(input_ids)} tokens from the input messages "
+                    f"and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                    f"the input messages or the completion to fit within the limit."
+                ),
+            )
         capacity = self._require_ready().capacity
         if len(input_ids) >= capacity - 1:
-            raise ApiError(413, f"The input ({len(input_ids)} tokens) does not fit the KV cache pool of "
-                                f"{capacity} tokens.")
+            raise ApiError(
+                413, f"The input ({len(input_ids)} tokens) does not fit the KV cache pool of {capacity} tokens."
+            )
 
     @staticmethod
     def _max_tokens(value: Any, field: str, default: int) -> int:
@@ -282,8 +304,12 @@ class SimWorker:
 
     def _usage(self, req: Request) -> dict[str, Any]:
         prompt, completion = len(req.input_ids), len(req.output_ids)
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": max(req.cached_tokens, 0)}}
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": max(req.cached_tokens, 0)},
+        }
 
     @staticmethod
     async def _sse(request: web.Request) -> web.StreamResponse:
@@ -312,13 +338,17 @@ class SimWorker:
             if not all(prompts):
                 raise ApiError(400, "'text' encodes to no tokens.", "text")
         else:
-            prompts = [self._check_input_ids(p, "input_ids") for p in (ids if batch else [ids])]
+            prompts = [
+                self._check_input_ids(p, "input_ids") for p in (ids if batch and isinstance(ids, list) else [ids])
+            ]
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
             raise ApiError(400, "'sampling_params' must be an object (or one per prompt).", "sampling_params")
-        max_new = [self._max_tokens(p.get("max_new_tokens"), "max_new_tokens", self.config.default_max_new_tokens)
-                   for p in params_list]
+        max_new = [
+            self._max_tokens(p.get("max_new_tokens"), "max_new_tokens", self.config.default_max_new_tokens)
+            for p in params_list
+        ]
         salt = self._cache_salt(body)
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         stream = bool(body.get("stream", False))
@@ -331,20 +361,38 @@ class SimWorker:
 
         if not stream:
             await asyncio.gather(*(self._wait(r) for r in reqs))
-            out = [{"text": self.tokenizer.decode(r.output_ids), "output_ids": list(r.output_ids),
-                    "meta_info": self._meta(r, True)} for r in reqs]
+            out = [
+                {
+                    "text": self.tokenizer.decode(r.output_ids),
+                    "output_ids": list(r.output_ids),
+                    "meta_info": self._meta(r, True),
+                }
+                for r in reqs
+            ]
             return web.json_response(out if batch else out[0])
 
         req = reqs[0]
         resp = await self._sse(request)
         async for _ in self._tokens(req):
-            await self._send(resp, {"text": self.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids),
-                                    "meta_info": self._meta(req, req.finished)})
+            await self._send(
+                resp,
+                {
+                    "text": self.tokenizer.decode(req.output_ids),
+                    "output_ids": list(req.output_ids),
+                    "meta_info": self._meta(req, req.finished),
+                },
+            )
         if await self._stream_failed(resp, req):
             return resp
         if not req.output_ids or not req.finished:
-            await self._send(resp, {"text": self.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids),
-                                    "meta_info": self._meta(req, True)})
+            await self._send(
+                resp,
+                {
+                    "text": self.tokenizer.decode(req.output_ids),
+                    "output_ids": list(req.output_ids),
+                    "meta_info": self._meta(req, True),
+                },
+            )
         await self._send(resp, "[DONE]")
         await resp.write_eof()
         return resp
@@ -374,25 +422,72 @@ class SimWorker:
 
         if not body.get("stream"):
             await self._wait(req)
-            return web.json_response({
-                "id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": self.tokenizer.decode(req.output_ids), "logprobs": None,
-                             "finish_reason": "length", "matched_stop": None}],
-                "usage": self._usage(req), "metadata": {"weight_version": "default"}})
+            return web.json_response(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": self.tokenizer.decode(req.output_ids),
+                            "logprobs": None,
+                            "finish_reason": "length",
+                            "matched_stop": None,
+                        }
+                    ],
+                    "usage": self._usage(req),
+                    "metadata": {"weight_version": "default"},
+                }
+            )
 
         resp = await self._sse(request)
         async for tokens in self._tokens(req):
-            await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [{"index": 0, "text": self.tokenizer.decode(tokens), "logprobs": None,
-                                                 "finish_reason": None, "matched_stop": None}]})
+            await self._send(
+                resp,
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": self.tokenizer.decode(tokens),
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "matched_stop": None,
+                        }
+                    ],
+                },
+            )
         if await self._stream_failed(resp, req):
             return resp
-        await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
-                                             "matched_stop": None}]})
+        await self._send(
+            resp,
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "matched_stop": None}
+                ],
+            },
+        )
         if (body.get("stream_options") or {}).get("include_usage"):
-            await self._send(resp, {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [], "usage": self._usage(req)})
+            await self._send(
+                resp,
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": self._usage(req),
+                },
+            )
         await self._send(resp, "[DONE]")
         await resp.write_eof()
         return resp
@@ -400,8 +495,11 @@ class SimWorker:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
+        ):
             raise ApiError(400, "'messages' must be a non-empty list of objects with a 'role'.", "messages")
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         try:
@@ -416,18 +514,41 @@ class SimWorker:
 
         if not body.get("stream"):
             await self._wait(req)
-            return web.json_response({
-                "id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": self.tokenizer.decode(req.output_ids),
-                                                     "reasoning_content": None, "tool_calls": None},
-                             "logprobs": None, "finish_reason": "length", "matched_stop": None}],
-                "usage": self._usage(req), "metadata": {"weight_version": "default"}})
+            return web.json_response(
+                {
+                    "id": cid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {
+                                "role": "assistant",
+                                "content": self.tokenizer.decode(req.output_ids),
+                                "reasoning_content": None,
+                                "tool_calls": None,
+                            },
+                            "logprobs": None,
+                            "finish_reason": "length",
+                            "matched_stop": None,
+                        }
+                    ],
+                    "usage": self._usage(req),
+                    "metadata": {"weight_version": "default"},
+                }
+            )
 
         def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-                                 "matched_stop": None}]}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+                ],
+            }
 
         resp = await self._sse(request)
         await self._send(resp, chunk({"role": "assistant", "content": ""}, None))
@@ -437,16 +558,38 @@ class SimWorker:
             return resp
         await self._send(resp, chunk({}, "length"))
         if (body.get("stream_options") or {}).get("include_usage"):
-            await self._send(resp, {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": [], "usage": self._usage(req)})
+            await self._send(
+                resp,
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": self._usage(req),
+                },
+            )
         await self._send(resp, "[DONE]")
         await resp.write_eof()
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.config.model, "object": "model", "created": int(self.started_at), "owned_by": "sglang",
-            "root": self.config.model, "parent": None, "max_model_len": self.config.context_length}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": int(self.started_at),
+                        "owned_by": "sglang",
+                        "root": self.config.model,
+                        "parent": None,
+                        "max_model_len": self.config.context_length,
+                    }
+                ],
+            }
+        )
 
     # -- health and info ---------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -464,75 +607,146 @@ class SimWorker:
         cfg = self.config
         if not cfg.kv_events:
             return None
-        return {"publisher": "zmq", "endpoint_host": cfg.kv_events_host, "endpoint_port_base": cfg.kv_events_port,
-                "topic": cfg.kv_topic, "block_size": cfg.page_size, "dp_size": 1,
-                "replay_endpoint_port_base": cfg.replay_port}
+        return {
+            "publisher": "zmq",
+            "endpoint_host": cfg.kv_events_host,
+            "endpoint_port_base": cfg.kv_events_port,
+            "topic": cfg.kv_topic,
+            "block_size": cfg.page_size,
+            "dp_size": 1,
+            "replay_endpoint_port_base": cfg.replay_port,
+        }
 
     async def server_info(self, request: web.Request) -> web.Response:
         cfg = self.config
         scheduler = self.scheduler
         kv_cfg = None
         if cfg.kv_events:
-            kv_cfg = json.dumps({"publisher": "zmq", "endpoint": f"tcp://{cfg.kv_events_host}:{cfg.kv_events_port}",
-                                 "topic": cfg.kv_topic, "replay_endpoint": f"tcp://{cfg.kv_events_host}:{cfg.replay_port}",
-                                 "buffer_steps": cfg.kv_buffer_steps})
+            kv_cfg = json.dumps(
+                {
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://{cfg.kv_events_host}:{cfg.kv_events_port}",
+                    "topic": cfg.kv_topic,
+                    "replay_endpoint": f"tcp://{cfg.kv_events_host}:{cfg.replay_port}",
+                    "buffer_steps": cfg.kv_buffer_steps,
+                }
+            )
         load = scheduler.load() if scheduler else {}
-        return web.json_response({
-            "model_path": cfg.model, "tokenizer_path": self.tokenizer_path,
-            "served_model_name": cfg.model, "host": cfg.host, "port": self.bound_port or cfg.port,
-            "skip_tokenizer_init": False, "context_length": cfg.context_length, "page_size": cfg.page_size,
-            "chunked_prefill_size": cfg.chunked_prefill_size, "max_prefill_tokens": cfg.max_prefill_tokens,
-            "max_running_requests": cfg.max_running_requests, "schedule_policy": cfg.schedule_policy,
-            "max_total_num_tokens": scheduler.capacity if scheduler else None,
-            "tp_size": 1, "dp_size": 1, "enable_dp_attention": False, "disable_radix_cache": False,
-            "enable_metrics": True, "enable_cache_report": True, "kv_events_config": kv_cfg,
-            "kv_events": self.kv_events_info(),
-            "internal_states": [{"last_gen_throughput": load.get("gen_throughput", 0.0),
-                                 "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0}}],
-            "version": SGLANG_VERSION,
-            "simulator": {"profile": cfg.profile, "speedup": cfg.speedup, "seed": cfg.seed,
-                          "event_format": cfg.event_format, "replay_format": cfg.replay_format},
-        })
+        return web.json_response(
+            {
+                "model_path": cfg.model,
+                "tokenizer_path": self.tokenizer_path,
+                "served_model_name": cfg.model,
+                "host": cfg.host,
+                "port": self.bound_port or cfg.port,
+                "skip_tokenizer_init": False,
+                "context_length": cfg.context_length,
+                "page_size": cfg.page_size,
+                "chunked_prefill_size": cfg.chunked_prefill_size,
+                "max_prefill_tokens": cfg.max_prefill_tokens,
+                "max_running_requests": cfg.max_running_requests,
+                "schedule_policy": cfg.schedule_policy,
+                "max_total_num_tokens": scheduler.capacity if scheduler else None,
+                "tp_size": 1,
+                "dp_size": 1,
+                "enable_dp_attention": False,
+                "disable_radix_cache": False,
+                "enable_metrics": True,
+                "enable_cache_report": True,
+                "kv_events_config": kv_cfg,
+                "kv_events": self.kv_events_info(),
+                "internal_states": [
+                    {
+                        "last_gen_throughput": load.get("gen_throughput", 0.0),
+                        "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0},
+                    }
+                ],
+                "version": SGLANG_VERSION,
+                "simulator": {
+                    "profile": cfg.profile,
+                    "speedup": cfg.speedup,
+                    "seed": cfg.seed,
+                    "event_format": cfg.event_format,
+                    "replay_format": cfg.replay_format,
+                },
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "model_path": self.config.model, "tokenizer_path": self.tokenizer_path,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-            "has_image_understanding": False, "has_audio_understanding": False, "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"]})
+        return web.json_response(
+            {
+                "model_path": self.config.model,
+                "tokenizer_path": self.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            }
+        )
 
     async def loads(self, request: web.Request) -> web.Response:
         scheduler = self._require_ready()
         load = scheduler.load()
         include = request.query.get("include", "all")
         if include == "core":
-            load = {k: load[k] for k in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens",
-                                         "num_total_tokens", "max_total_num_tokens", "token_usage",
-                                         "cache_hit_rate", "gen_throughput")}
-        return web.json_response({
-            "timestamp": datetime.now(timezone.utc).isoformat(), "version": SGLANG_VERSION, "dp_rank_count": 1,
-            "loads": [load],
-            "aggregate": {"total_running_reqs": load["num_running_reqs"],
-                          "total_waiting_reqs": load["num_waiting_reqs"],
-                          "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                          "avg_token_usage": load["token_usage"], "avg_throughput": load["gen_throughput"]}})
+            load = {
+                k: load[k]
+                for k in (
+                    "dp_rank",
+                    "num_running_reqs",
+                    "num_waiting_reqs",
+                    "num_used_tokens",
+                    "num_total_tokens",
+                    "max_total_num_tokens",
+                    "token_usage",
+                    "cache_hit_rate",
+                    "gen_throughput",
+                )
+            }
+        return web.json_response(
+            {
+                "timestamp": datetime.now(timezone.utc).isoformat(),
+                "version": SGLANG_VERSION,
+                "dp_rank_count": 1,
+                "loads": [load],
+                "aggregate": {
+                    "total_running_reqs": load["num_running_reqs"],
+                    "total_waiting_reqs": load["num_waiting_reqs"],
+                    "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                    "avg_token_usage": load["token_usage"],
+                    "avg_throughput": load["gen_throughput"],
+                },
+            }
+        )
 
     async def get_load(self, request: web.Request) -> web.Response:
         load = self._require_ready().load()
-        return web.json_response([{"dp_rank": load["dp_rank"],
-                                   "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                                   "num_waiting_reqs": load["num_waiting_reqs"],
-                                   "num_tokens": load["num_used_tokens"]}])
+        return web.json_response(
+            [
+                {
+                    "dp_rank": load["dp_rank"],
+                    "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                    "num_waiting_reqs": load["num_waiting_reqs"],
+                    "num_tokens": load["num_used_tokens"],
+                }
+            ]
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         scheduler = self._require_ready()
-        return web.Response(text=render_metrics(scheduler, self.config.model),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            text=render_metrics(scheduler, self.config.model), content_type="text/plain", charset="utf-8"
+        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "POST"):
             raise ApiError(405, f"Method Not Allowed: {request.method} /flush_cache")
         if self._require_ready().flush_cache():
-            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
-                                     "(When there are running or waiting requests, the operation will not be performed.)\n")
+            return web.Response(
+                text="Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
         raise ApiError(400, "Cache not flushed because there are pending requests.")

@@ -24,22 +24,27 @@ class Reply:
         return json.loads(self.body)
 
 
-def request(url: str, method: str = "GET", body: bytes | dict[str, Any] | None = None,
-            headers: dict[str, str] | None = None, timeout: float = 10.0) -> Reply:
+def request(
+    url: str,
+    method: str = "GET",
+    body: bytes | dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10.0,
+) -> Reply:
     parts = urlsplit(url)
     payload = json.dumps(body).encode() if isinstance(body, dict) else body
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
-        conn.request(method, parts.path or "/", body=payload,
-                     headers={"content-type": "application/json", **(headers or {})})
+        conn.request(
+            method, parts.path or "/", body=payload, headers={"content-type": "application/json", **(headers or {})}
+        )
         response = conn.getresponse()
         return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
     finally:
         conn.close()
 
 
-def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None,
-         timeout: float = 10.0) -> Reply:
+def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 10.0) -> Reply:
     return request(url, "POST", body, headers, timeout)
 
 
@@ -75,7 +80,7 @@ class SpoofTarget:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.sock.settimeout(0.1)
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.connections = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -85,7 +90,7 @@ class SpoofTarget:
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

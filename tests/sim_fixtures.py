@@ -18,8 +18,7 @@ from sglang_workers.process import SimWorkerProcess
 GOLDEN_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "sglang-events"
 
 
-def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
-         timeout: float = 10.0) -> tuple[int, bytes]:
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
@@ -41,7 +40,7 @@ def get_json(worker: SimWorkerProcess, path: str) -> tuple[int, Any]:
 
 def sse_events(raw: bytes) -> list[str]:
     """The ``data:`` payloads of an SSE body, in order."""
-    return [line[len("data: "):] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
 
 
 def sha256_chain(tokens: list[int], page_size: int, salt: str | None = None) -> list[int]:
@@ -49,7 +48,9 @@ def sha256_chain(tokens: list[int], page_size: int, salt: str | None = None) -> 
     prior = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).digest() if salt else b""
     out = []
     for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
-        prior = hashlib.sha256(prior + b"".join(t.to_bytes(4, "little") for t in tokens[start:start + page_size])).digest()
+        prior = hashlib.sha256(
+            prior + b"".join(t.to_bytes(4, "little") for t in tokens[start : start + page_size])
+        ).digest()
         out.append(int.from_bytes(prior[:8], "big", signed=True))
     return out
 
@@ -79,7 +80,7 @@ class EventSubscriber:
     def drain(self, wait: float = 0.1) -> list[tuple[int, list[KVEvent], bytes]]:
         out = []
         while self.sock.poll(int(wait * 1000)):
-            topic, seq, payload = self.sock.recv_multipart()
+            _topic, seq, payload = self.sock.recv_multipart()
             out.append((int.from_bytes(seq, "big"), decode_payload(payload)[1], payload))
         return out
 

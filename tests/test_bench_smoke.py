@@ -13,10 +13,36 @@ from extproc.cli import main as cli_main
 @pytest.mark.timeout(90)
 def test_bench_two_contenders_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results.json"
-    rc = cli_main(["bench", "--contenders", "envoy-rr,ours:prefix-aware,ours:no-such-policy",
-                   "--workers", "2", "--gsp-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-len", "256",
-                   "--gsp-question-len", "16", "--output-len", "4", "--rate", "20", "--speedup", "5",
-                   "--capacity-tokens", "4096", "--json", str(out), "--out-dir", str(tmp_path), "--no-progress"])
+    rc = cli_main(
+        [
+            "bench",
+            "--contenders",
+            "envoy-rr,ours:prefix-aware,ours:no-such-policy",
+            "--workers",
+            "2",
+            "--gsp-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "3",
+            "--gsp-system-len",
+            "256",
+            "--gsp-question-len",
+            "16",
+            "--output-len",
+            "4",
+            "--rate",
+            "20",
+            "--speedup",
+            "5",
+            "--capacity-tokens",
+            "4096",
+            "--json",
+            str(out),
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "| envoy-rr | 6 | 0 |" in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -11,8 +12,18 @@ import pytest
 from benchmarks.metrics import RequestResult, distribution, failed, max_over_mean, percentile, summarize
 from benchmarks.oracle import PooledCache, oracle_hit_rate
 from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
-from benchmarks.workloads import (TraceError, TraceWindow, block_text, gsp_workload, iter_token_ids,
-                                  multiturn_workload, prefix_hash, read_trace, trace_workload, word_vocabulary)
+from benchmarks.workloads import (
+    TraceError,
+    TraceWindow,
+    block_text,
+    gsp_workload,
+    iter_token_ids,
+    multiturn_workload,
+    prefix_hash,
+    read_trace,
+    trace_workload,
+    word_vocabulary,
+)
 from extproc.tokenization import load_tokenizer
 
 SHARED_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake-conversation.jsonl"
@@ -25,14 +36,17 @@ def test_block_text_is_exactly_n_tokens_and_concatenates() -> None:
     assert len(tok.encode_text(b, add_special_tokens=False)) == 100
     # No BPE merge crosses a block boundary: tokens of a+b are tokens of a then tokens of b.
     assert tok.encode_text(a + b, add_special_tokens=False) == (
-        tok.encode_text(a, add_special_tokens=False) + tok.encode_text(b, add_special_tokens=False))
+        tok.encode_text(a, add_special_tokens=False) + tok.encode_text(b, add_special_tokens=False)
+    )
     assert block_text("t", 1, 512) == a and block_text("t", 3, 512) != a
     assert len(word_vocabulary()) > 1000
 
 
 def test_gsp_groups_share_their_system_prompt_and_are_deterministic() -> None:
     w = gsp_workload(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=1)
-    again = gsp_workload(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=1)
+    again = gsp_workload(
+        groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=1
+    )
     assert [r.messages for r in w.requests] == [r.messages for r in again.requests]
     assert [r.arrival_s for r in w.requests] == [r.arrival_s for r in again.requests]
     assert len(w.requests) == 12
@@ -42,13 +56,24 @@ def test_gsp_groups_share_their_system_prompt_and_are_deterministic() -> None:
     assert all(r.max_tokens == 5 for r in w.requests)
     arrivals = [r.arrival_s for r in w.requests]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
-    other = gsp_workload(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=2)
+    other = gsp_workload(
+        groups=3, prompts_per_group=4, system_prompt_len=64, question_len=8, output_len=5, rate=10, seed=2
+    )
     assert other.requests[0].messages != w.requests[0].messages or other.requests[1].messages != w.requests[1].messages
 
 
 def test_multiturn_history_grows_and_repeats_earlier_turns() -> None:
-    w = multiturn_workload(sessions=2, turns=3, system_prompt_len=16, question_len=8, answer_len=8, output_len=4,
-                           turn_interval_s=1.0, rate=5.0, seed=0)
+    w = multiturn_workload(
+        sessions=2,
+        turns=3,
+        system_prompt_len=16,
+        question_len=8,
+        answer_len=8,
+        output_len=4,
+        turn_interval_s=1.0,
+        rate=5.0,
+        seed=0,
+    )
     assert len(w.requests) == 6
     by_session: dict[str, list] = {}
     for r in w.requests:
@@ -56,18 +81,24 @@ def test_multiturn_history_grows_and_repeats_earlier_turns() -> None:
     for turns in by_session.values():
         assert [len(t.messages) for t in turns] == [2, 4, 6]
         # Turn k+1 starts with all of turn k's messages (plus the assistant answer).
-        for prev, nxt in zip(turns, turns[1:]):
+        for prev, nxt in itertools.pairwise(turns):
             assert nxt.messages[: len(prev.messages)] == prev.messages
             assert nxt.arrival_s == pytest.approx(prev.arrival_s + 1.0)
 
 
 def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    trace.write_text("\n".join(json.dumps(r) for r in [
-        {"timestamp": 0, "input_length": 40, "output_length": 3, "hash_ids": [0, 1, 2]},
-        {"timestamp": 500, "input_length": 30, "output_length": 9, "hash_ids": [0, 1]},
-        {"timestamp": 2000, "input_length": 20, "output_length": 1, "hash_ids": [0, 5]},
-    ]) + "\n")
+    trace.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"timestamp": 0, "input_length": 40, "output_length": 3, "hash_ids": [0, 1, 2]},
+                {"timestamp": 500, "input_length": 30, "output_length": 9, "hash_ids": [0, 1]},
+                {"timestamp": 2000, "input_length": 20, "output_length": 1, "hash_ids": [0, 5]},
+            ]
+        )
+        + "\n"
+    )
     w = trace_workload(trace, block_size=16, window=TraceWindow(time_scale=2.0, max_output=5))
     assert [r.arrival_s for r in w.requests] == [0.0, 0.25, 1.0]
     assert [r.max_tokens for r in w.requests] == [3, 5, 1]
@@ -75,9 +106,13 @@ def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
     texts = [r.messages[0]["content"] for r in w.requests]
     assert [len(tok.encode_text(t, add_special_tokens=False)) for t in texts] == [40, 30, 20]
     assert texts[1] == texts[0][: len(texts[1])]  # shares ids 0,1 (second block cut to 14 tokens)
-    assert texts[2][: len(texts[2]) // 2] != texts[0][len(texts[2]) // 2:]
+    assert texts[2][: len(texts[2]) // 2] != texts[0][len(texts[2]) // 2 :]
     cut = trace_workload(trace, block_size=16, window=TraceWindow(max_input=20))
-    assert [len(tok.encode_text(r.messages[0]["content"], add_special_tokens=False)) for r in cut.requests] == [20, 20, 20]
+    assert [len(tok.encode_text(r.messages[0]["content"], add_special_tokens=False)) for r in cut.requests] == [
+        20,
+        20,
+        20,
+    ]
     assert cut.requests[0].messages[0]["content"] == texts[0][: len(cut.requests[0].messages[0]["content"])]
     poisson = trace_workload(trace, block_size=16, window=TraceWindow(rate=1.0, start=1, max_requests=1))
     assert len(poisson.requests) == 1 and poisson.requests[0].messages == w.requests[1].messages
@@ -86,8 +121,16 @@ def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
 def test_trace_sampling_keeps_whole_families(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     # 200 families (second hash id), three turns each, interleaved in time.
-    lines = [{"timestamp": t * 1000 + f, "input_length": 24, "output_length": 1, "hash_ids": [0, 1000 + f, 5000 + f * 10 + t]}
-             for t in range(3) for f in range(200)]
+    lines = [
+        {
+            "timestamp": t * 1000 + f,
+            "input_length": 24,
+            "output_length": 1,
+            "hash_ids": [0, 1000 + f, 5000 + f * 10 + t],
+        }
+        for t in range(3)
+        for f in range(200)
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     kept = read_trace(trace, sample=0.25)
     families: dict[int, int] = {}
@@ -103,7 +146,7 @@ def test_trace_errors_are_clear(tmp_path: Path) -> None:
         read_trace(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
-    with pytest.raises(TraceError, match="bad.jsonl:1: not a Mooncake record"):
+    with pytest.raises(TraceError, match=r"bad\.jsonl:1: not a Mooncake record"):
         read_trace(bad)
 
 
@@ -143,16 +186,19 @@ def test_oracle_evicts_leaves_before_shared_roots() -> None:
 
 
 def test_oracle_on_gsp_matches_the_closed_form() -> None:
-    w = gsp_workload(groups=2, prompts_per_group=4, system_prompt_len=256, question_len=16, output_len=4,
-                     rate=10, seed=3)
+    w = gsp_workload(
+        groups=2, prompts_per_group=4, system_prompt_len=256, question_len=16, output_len=4, rate=10, seed=3
+    )
     tokens = list(iter_token_ids(w.requests))
     rate = oracle_hit_rate(tokens, capacity_tokens=1_000_000, page_size=16)
     # Each group's 2nd..4th request hits the system prompt's full pages (template header included).
     assert 0.6 < rate < 0.75
     assert oracle_hit_rate(tokens, capacity_tokens=0, page_size=16) == 0.0
     # Prompts no single worker could hold are rejected by every worker: the oracle skips them too.
-    assert oracle_hit_rate(tokens + [list(range(5000))], capacity_tokens=1_000_000, page_size=16,
-                           max_prompt_tokens=4096) == rate
+    assert (
+        oracle_hit_rate(tokens + [list(range(5000))], capacity_tokens=1_000_000, page_size=16, max_prompt_tokens=4096)
+        == rate
+    )
 
 
 def test_percentiles_and_summary() -> None:
@@ -161,11 +207,13 @@ def test_percentiles_and_summary() -> None:
     assert math.isnan(percentile([], 50))
     d = distribution([0.1, 0.2, 0.3])
     assert d["p50"] == pytest.approx(0.2) and d["mean"] == pytest.approx(0.2)
-    results = [RequestResult(index=0, sent_s=0.0, ttft_s=0.1, e2e_s=1.0, prompt_tokens=100, cached_tokens=50,
-                             output_tokens=10),
-               RequestResult(index=1, sent_s=0.5, ttft_s=0.3, e2e_s=1.5, prompt_tokens=100, cached_tokens=0,
-                             output_tokens=10),
-               RequestResult(index=2, sent_s=1.0, error="HTTP 503: x")]
+    results = [
+        RequestResult(
+            index=0, sent_s=0.0, ttft_s=0.1, e2e_s=1.0, prompt_tokens=100, cached_tokens=50, output_tokens=10
+        ),
+        RequestResult(index=1, sent_s=0.5, ttft_s=0.3, e2e_s=1.5, prompt_tokens=100, cached_tokens=0, output_tokens=10),
+        RequestResult(index=2, sent_s=1.0, error="HTTP 503: x"),
+    ]
     s = summarize("x", 2.0, results, {"w1": 2, "w2": 0}, workers=2)
     assert (s.requests, s.errors) == (3, 1)
     assert s.hit_rate == pytest.approx(0.25)
@@ -178,8 +226,9 @@ def test_percentiles_and_summary() -> None:
 
 def test_report_table_json_and_plots(tmp_path: Path) -> None:
     def row(name: str, ttft: float, rate: float) -> RequestResult:
-        return RequestResult(index=0, sent_s=0.0, ttft_s=ttft, e2e_s=ttft + 1, prompt_tokens=10, cached_tokens=5,
-                             output_tokens=3)
+        return RequestResult(
+            index=0, sent_s=0.0, ttft_s=ttft, e2e_s=ttft + 1, prompt_tokens=10, cached_tokens=5, output_tokens=3
+        )
 
     summaries, ttfts = [], {}
     for rate in (1.0, 2.0):
@@ -224,8 +273,12 @@ def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
     path, _, _ = contender.write_config(["http://127.0.0.1:30001", "http://127.0.0.1:30002"])
     try:
         text = path.read_text()
-        done = subprocess.run([binary, "--mode", "validate", "-c", str(path), "--disable-hot-restart",
-                               "--log-level", "error"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [binary, "--mode", "validate", "-c", str(path), "--disable-hot-restart", "--log-level", "error"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     finally:
         import asyncio
 

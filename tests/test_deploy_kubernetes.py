@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import load_config
 # Helpers of the compose tests (same tests/ directory, which pytest puts on sys.path).
 from test_deploy_compose import envoy_validate, generated_envoy_config, sglang_launch_argv
+
+from extproc.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -28,64 +29,155 @@ OVERLAYS = ["gpu", "sim"]
 K8S_VERSION = "1.30.0"  # validate against an older release than current: what clusters still run
 
 _NAME = {"type": "string", "minLength": 1, "maxLength": 253}
-_PORT = {"type": "object", "required": ["number"], "additionalProperties": False,
-         "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+_PORT = {
+    "type": "object",
+    "required": ["number"],
+    "additionalProperties": False,
+    "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}},
+}
 _META = {"type": "object", "required": ["name"]}
 # The fields of the v1 CRDs (inference.networking.k8s.io/v1 InferencePool; gateway.networking.k8s.io/v1
 # Gateway, HTTPRoute) that the manifests use, with the CRDs' constraints; unknown fields are errors.
 CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"metadata": _META, "spec": {
-            "type": "object", "additionalProperties": False,
-            "required": ["selector", "targetPorts", "endpointPickerRef"],
-            "properties": {
-                "selector": {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
-                             "properties": {"matchLabels": {"type": "object", "minProperties": 1,
-                                                            "additionalProperties": {"type": "string"}}}},
-                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
-                "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
-                "endpointPickerRef": {
-                    "type": "object", "additionalProperties": False, "required": ["name", "port"],
-                    "properties": {"group": {"type": "string"}, "kind": {"type": "string"}, "name": _NAME,
-                                   "port": _PORT, "failureMode": {"enum": ["FailOpen", "FailClose"]}}},
-            }}},
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["selector", "targetPorts", "endpointPickerRef"],
+                "properties": {
+                    "selector": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["matchLabels"],
+                        "properties": {
+                            "matchLabels": {
+                                "type": "object",
+                                "minProperties": 1,
+                                "additionalProperties": {"type": "string"},
+                            }
+                        },
+                    },
+                    "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
+                    "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+                    "endpointPickerRef": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "port"],
+                        "properties": {
+                            "group": {"type": "string"},
+                            "kind": {"type": "string"},
+                            "name": _NAME,
+                            "port": _PORT,
+                            "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                        },
+                    },
+                },
+            },
+        },
     },
     ("gateway.networking.k8s.io/v1", "Gateway"): {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"metadata": _META, "spec": {
-            "type": "object", "additionalProperties": False, "required": ["gatewayClassName", "listeners"],
-            "properties": {
-                "gatewayClassName": _NAME,
-                "listeners": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["name", "port", "protocol"],
-                    "properties": {"name": _NAME, "port": {"type": "integer", "minimum": 1, "maximum": 65535},
-                                   "protocol": {"enum": ["HTTP", "HTTPS", "TLS", "TCP", "UDP"]}}}},
-            }}},
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["gatewayClassName", "listeners"],
+                "properties": {
+                    "gatewayClassName": _NAME,
+                    "listeners": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["name", "port", "protocol"],
+                            "properties": {
+                                "name": _NAME,
+                                "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                                "protocol": {"enum": ["HTTP", "HTTPS", "TLS", "TCP", "UDP"]},
+                            },
+                        },
+                    },
+                },
+            },
+        },
     },
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"metadata": _META, "spec": {
-            "type": "object", "additionalProperties": False, "required": ["parentRefs", "rules"],
-            "properties": {
-                "parentRefs": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["name"],
-                    "properties": {"group": {"type": "string"}, "kind": {"type": "string"}, "name": _NAME}}},
-                "rules": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {
-                        "matches": {"type": "array", "items": {"type": "object", "properties": {"path": {
-                            "type": "object", "additionalProperties": False, "properties": {
-                                "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
-                                "value": {"type": "string"}}}}}},
-                        "backendRefs": {"type": "array", "minItems": 1, "items": {
-                            "type": "object", "additionalProperties": False, "required": ["name"],
-                            "properties": {"group": {"type": "string"}, "kind": {"type": "string"}, "name": _NAME,
-                                           "port": {"type": "integer"}, "weight": {"type": "integer"}}}},
-                        "timeouts": {"type": "object", "additionalProperties": False,
-                                     "properties": {"request": {"type": "string"}, "backendRequest": {"type": "string"}}},
-                    }}},
-            }}},
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["parentRefs", "rules"],
+                "properties": {
+                    "parentRefs": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["name"],
+                            "properties": {"group": {"type": "string"}, "kind": {"type": "string"}, "name": _NAME},
+                        },
+                    },
+                    "rules": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "matches": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "properties": {
+                                            "path": {
+                                                "type": "object",
+                                                "additionalProperties": False,
+                                                "properties": {
+                                                    "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                                    "value": {"type": "string"},
+                                                },
+                                            }
+                                        },
+                                    },
+                                },
+                                "backendRefs": {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "items": {
+                                        "type": "object",
+                                        "additionalProperties": False,
+                                        "required": ["name"],
+                                        "properties": {
+                                            "group": {"type": "string"},
+                                            "kind": {"type": "string"},
+                                            "name": _NAME,
+                                            "port": {"type": "integer"},
+                                            "weight": {"type": "integer"},
+                                        },
+                                    },
+                                },
+                                "timeouts": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {"request": {"type": "string"}, "backendRequest": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
     },
 }
 
@@ -155,7 +247,11 @@ def test_inference_pool_picks_with_the_router_and_selects_the_workers() -> None:
     route = objects[("HTTPRoute", "sglang")]["spec"]
     assert route["parentRefs"][0]["name"] in {name for kind, name in objects if kind == "Gateway"}
     (backend,) = route["rules"][0]["backendRefs"]
-    assert (backend["group"], backend["kind"], backend["name"]) == ("inference.networking.k8s.io", "InferencePool", "sglang-pool")
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        "sglang-pool",
+    )
 
 
 def test_router_config_lists_every_worker_pod_by_stable_dns_name(rendered: tuple[str, dict], tmp_path: Path) -> None:
@@ -170,7 +266,9 @@ def test_router_config_lists_every_worker_pod_by_stable_dns_name(rendered: tuple
     assert config.server.host == "0.0.0.0" and config.server.port == 9002
     # TLS files come from the mounted secret (Envoy Gateway connects to endpoint pickers over TLS).
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert str(config.server.tls_cert).startswith(mounts["tls"]) and str(config.server.tls_key).startswith(mounts["tls"])
+    assert str(config.server.tls_cert).startswith(mounts["tls"]) and str(config.server.tls_key).startswith(
+        mounts["tls"]
+    )
     statefulset = objects[("StatefulSet", "sglang")]["spec"]
     headless = objects[("Service", statefulset["serviceName"])]["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
@@ -185,7 +283,10 @@ def test_router_config_lists_every_worker_pod_by_stable_dns_name(rendered: tuple
         assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
         ports = {p["name"]: p["containerPort"] for p in sglang["ports"]}
         kv = yaml.safe_load(sglang["args"][sglang["args"].index("--kv-events-config") + 1])
-        assert kv["endpoint"] == f"tcp://*:{ports['kv-events']}" and kv["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+        assert (
+            kv["endpoint"] == f"tcp://*:{ports['kv-events']}"
+            and kv["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+        )
         assert config.models[0].name == sglang["args"][sglang["args"].index("--served-model-name") + 1]
 
 
@@ -201,7 +302,7 @@ def test_pods_run_as_non_root(rendered: tuple[str, dict]) -> None:
 
 def test_in_cluster_envoy_is_generated_valid_and_wired(envoy_bin: str, tmp_path: Path) -> None:
     objects = objects_of("sim")  # the overlay with components/envoy
-    from extproc import envoy_config
+    from extproc.gateway import envoy_config
 
     source = K8S / "components" / "envoy" / "envoy.yaml"
     bootstrap = generated_envoy_config(source)
@@ -217,7 +318,9 @@ def test_in_cluster_envoy_is_generated_valid_and_wired(envoy_bin: str, tmp_path:
     router_service = objects[("Service", address["address"])]["spec"]
     assert extproc["type"] == "STRICT_DNS" and router_service["clusterIP"] == "None"
     assert address["port_value"] in {p["port"] for p in router_service["ports"]}
-    ca_path = extproc["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"]["filename"]
+    ca_path = extproc["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]["trusted_ca"][
+        "filename"
+    ]
     mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
     assert ca_path == f"{mounts['router-ca']}/tls.crt"
     assert volumes["router-ca"]["secret"]["secretName"] == "prefix-router-tls"
@@ -226,9 +329,32 @@ def test_in_cluster_envoy_is_generated_valid_and_wired(envoy_bin: str, tmp_path:
     assert objects[("Service", worker["address"])]["spec"]["clusterIP"] == "None"
     # envoy --mode validate needs the CA file to exist: validate a copy pointing at a fresh certificate.
     cert = tmp_path / "tls.crt"
-    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                           "-nodes", "-days", "1", "-subj", "/CN=prefix-router", "-keyout", str(tmp_path / "tls.key"),
-                           "-out", str(cert)], capture_output=True, timeout=30) if shutil.which("openssl") else None
+    made = (
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=prefix-router",
+                "-keyout",
+                str(tmp_path / "tls.key"),
+                "-out",
+                str(cert),
+            ],
+            capture_output=True,
+            timeout=30,
+        )
+        if shutil.which("openssl")
+        else None
+    )
     if made is None or made.returncode != 0:
         pytest.skip("openssl CLI not available to make a test certificate")
     copy = tmp_path / "envoy.yaml"

@@ -17,7 +17,7 @@ import pytest
 from benchmarks.replicas import redis_server
 from extproc.config import IndexConfig, SharedStateConfig, load_config
 from extproc.index import BlockIndex
-from extproc.shared_state import SharedDecisions
+from extproc.sync.shared_state import SharedDecisions
 
 KEYS = [101, 202, 303, 404]
 
@@ -40,8 +40,10 @@ async def _wait_for(condition, timeout: float = 5.0) -> None:  # type: ignore[no
 async def test_a_decision_reaches_the_other_replica(redis_url: str) -> None:
     config = SharedStateConfig(backend="redis", url=redis_url, channel="test:decisions:1")
     now = [0.0]
-    index_a, index_b = BlockIndex(IndexConfig(speculative_ttl_s=2.0)), BlockIndex(
-        IndexConfig(speculative_ttl_s=2.0), clock=lambda: now[0])
+    index_a, index_b = (
+        BlockIndex(IndexConfig(speculative_ttl_s=2.0)),
+        BlockIndex(IndexConfig(speculative_ttl_s=2.0), clock=lambda: now[0]),
+    )
     for index in (index_a, index_b):
         index.set_unknown("w0", False)  # w0's events are in sync: decisions live speculative_ttl_s
     a, b = SharedDecisions(config, index_a), SharedDecisions(config, index_b)
@@ -72,8 +74,9 @@ async def test_store_down_never_blocks_or_raises() -> None:
     with socket.socket() as sock:  # a port with nobody listening
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    config = SharedStateConfig(backend="redis", url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2, retry_s=0.1,
-                               queue_size=4)
+    config = SharedStateConfig(
+        backend="redis", url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2, retry_s=0.1, queue_size=4
+    )
     index = BlockIndex()
     shared = SharedDecisions(config, index)
     await shared.start()
@@ -90,10 +93,14 @@ async def test_store_down_never_blocks_or_raises() -> None:
 
 def test_config_section_defaults_off_and_validates() -> None:
     assert load_config(environ={}).shared_state.backend == "none"
-    config = load_config(environ={"PREFIX_ROUTER_SHARED_STATE__BACKEND": "redis",
-                                  "PREFIX_ROUTER_SHARED_STATE__URL": "redis://cache:6379/0"})
+    config = load_config(
+        environ={
+            "PREFIX_ROUTER_SHARED_STATE__BACKEND": "redis",
+            "PREFIX_ROUTER_SHARED_STATE__URL": "redis://cache:6379/0",
+        }
+    )
     assert (config.shared_state.backend, config.shared_state.url) == ("redis", "redis://cache:6379/0")
     from extproc.config import ConfigError
 
-    with pytest.raises(ConfigError, match="shared_state.backend"):
+    with pytest.raises(ConfigError, match=r"shared_state\.backend"):
         load_config(environ={"PREFIX_ROUTER_SHARED_STATE__BACKEND": "memcached"})

@@ -60,8 +60,11 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, received: Received) -> None:
         self.received = received
 
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,  # noqa: N802 (gRPC name)
-               context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+    def Export(  # noqa: N802 (the gRPC method name)
+        self,
+        request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.ServicerContext,
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         self.received.add(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -82,7 +85,7 @@ def http_receiver() -> Iterator[tuple[str, Received]]:
     received = Received()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server name)
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
             if self.path != "/v1/traces" or self.headers.get("content-type") != "application/x-protobuf":
                 self.send_response(404 if self.path != "/v1/traces" else 415)
@@ -133,18 +136,24 @@ def _shipped_router_config() -> dict[str, Any]:
 def _chat(url: str, text: str) -> dict[str, Any]:
     import json
 
-    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
-        {"role": "system", "content": "You route prompts. " * 20}, {"role": "user", "content": text}]}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST",
-                                     headers={"content-type": "application/json"})
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "system", "content": "You route prompts. " * 20}, {"role": "user", "content": text}],
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, method="POST", headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
         return json.loads(response.read())
 
 
-async def test_routing_spans_reach_otlp_grpc_and_http_receivers(grpc_receiver: tuple[str, Received],
-                                                                http_receiver: tuple[str, Received],
-                                                                sim_worker: Any) -> None:
+async def test_routing_spans_reach_otlp_grpc_and_http_receivers(
+    grpc_receiver: tuple[str, Received], http_receiver: tuple[str, Received], sim_worker: Any
+) -> None:
     import asyncio
 
     grpc_url, via_grpc = grpc_receiver
@@ -153,9 +162,14 @@ async def test_routing_spans_reach_otlp_grpc_and_http_receivers(grpc_receiver: t
         {"observability": {"exporter": "otlp-grpc", "otlp_endpoint": grpc_url, "service_name": "prefix-router"}},
         {"observability": {"exporter": "otlp-http", "otlp_endpoint": http_url, "service_name": "prefix-router"}},
     ]
-    gateway = ReplicaGateway([sim_worker.url], replicas=2, router_config=_shipped_router_config(),
-                             replica_configs=observability, router_command=_entrypoint(),
-                             env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    gateway = ReplicaGateway(
+        [sim_worker.url],
+        replicas=2,
+        router_config=_shipped_router_config(),
+        replica_configs=observability,
+        router_command=_entrypoint(),
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+    )
     async with gateway:
         # Envoy round-robins ext_proc streams over the two replicas; a handful of requests reach both.
         for i in range(8):

@@ -16,13 +16,15 @@ import msgpack
 import pytest
 
 from extproc.blocks import block_keys, chain_seed
-from extproc.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerCacheView, decode_payload
 from extproc.index import BlockIndex
+from extproc.sync.cache_view import WorkerCacheView
+from extproc.sync.event_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "sglang-events"
 
-pytestmark = pytest.mark.skipif(not (GOLDEN_DIR / "golden.json").is_file(),
-                                reason=f"golden KV-event payloads not found at {GOLDEN_DIR}")
+pytestmark = pytest.mark.skipif(
+    not (GOLDEN_DIR / "golden.json").is_file(), reason=f"golden KV-event payloads not found at {GOLDEN_DIR}"
+)
 
 
 def _golden() -> dict:
@@ -40,7 +42,7 @@ def _sglang_hashes(tokens: list[int], page: int, salt: str | None) -> list[int]:
     prior = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).digest() if salt else b""
     out = []
     for i in range(len(tokens) // page):
-        chunk = tokens[i * page:(i + 1) * page]
+        chunk = tokens[i * page : (i + 1) * page]
         if max(chunk) >= 1 << 32:
             body = b"\xff" + struct.pack(f"<{page}Q", *chunk)
         else:
@@ -70,10 +72,10 @@ def test_decoder_rebuilds_the_recorded_block_sets(name: str) -> None:
                 stored = [e for e in batch["decoded"][1] if e["type"] == "BlockStored"]
                 hashes = [h for e in stored for h in e["block_hashes"]]
                 # The published pages are the trailing full pages of what was inserted.
-                for h, key in zip(hashes, keys[len(keys) - len(hashes):]):
+                for h, key in zip(hashes, keys[len(keys) - len(hashes) :]):
                     own_of[h] = key
                 if scenario["format"] == "default":
-                    assert hashes == _sglang_hashes(tokens[:full], page, salt)[len(keys) - len(hashes):]
+                    assert hashes == _sglang_hashes(tokens[:full], page, salt)[len(keys) - len(hashes) :]
         if not batch:
             assert index.blocks("w") == {own_of[h] for h in live}  # nothing published, nothing changed
             continue
@@ -111,8 +113,14 @@ def test_merged_multi_page_store_and_removal_are_exact() -> None:
 def _positional(event: dict) -> list:
     """The pre-0.5.20 encoding of the same event: tagged array, trailing defaults omitted."""
     if event["type"] == "BlockStored":
-        fields = [event["block_hashes"], event["parent_block_hash"], event["token_ids"], event["block_size"],
-                  event["lora_id"], event.get("medium")]
+        fields = [
+            event["block_hashes"],
+            event["parent_block_hash"],
+            event["token_ids"],
+            event["block_size"],
+            event["lora_id"],
+            event.get("medium"),
+        ]
         while fields and fields[-1] is None:
             fields.pop()
         return ["BlockStored", *fields]
@@ -134,7 +142,11 @@ def test_positional_encoding_decodes_to_the_same_events(name: str) -> None:
         for new, old in zip(tagged.events, decoded.events, strict=True):
             if isinstance(new, BlockStored):
                 # cache_salt is not part of the old positional layout
-                assert (new.block_hashes, new.parent_block_hash, new.token_ids, new.block_size) == \
-                       (old.block_hashes, old.parent_block_hash, old.token_ids, old.block_size)
+                assert (new.block_hashes, new.parent_block_hash, new.token_ids, new.block_size) == (
+                    old.block_hashes,
+                    old.parent_block_hash,
+                    old.token_ids,
+                    old.block_size,
+                )
             else:
                 assert new == old

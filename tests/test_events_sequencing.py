@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 
 from extproc.blocks import block_keys, chain_seed
-from extproc.events import WorkerCacheView
 from extproc.index import BlockIndex
+from extproc.sync.cache_view import WorkerCacheView
 
 PAGE = 4
 
@@ -19,8 +19,15 @@ class Clock:
 
 
 def _stored(tokens: list[int], hashes: list[int], parent: int | None = None, medium: str = "GPU") -> bytes:
-    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-             "block_size": PAGE, "lora_id": None, "medium": medium}
+    event = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": PAGE,
+        "lora_id": None,
+        "medium": medium,
+    }
     return msgpack.packb([1.0, [event], 0])
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port
 
-from extproc import envoy_config
-from extproc.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
+from extproc.addresses import free_port
+from extproc.gateway import envoy_config
+from extproc.gateway.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def validate(envoy_bin: str, config: dict | str, tmp_path: Path) -> None:
     path = tmp_path / "envoy-under-test.yaml"
     path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
-    run = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(path), "--log-level", "error"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [envoy_bin, "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -38,7 +42,7 @@ def assemble(pieces: dict, listen_port: int = 18080) -> dict:
 
 def test_envoy_directory_matches_the_generator() -> None:
     for name, content in example_files().items():
-        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m extproc.envoy_config`"
+        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m extproc.gateway.envoy_config`"
 
 
 def test_envoy_directory_validates(envoy_bin: str, tmp_path: Path) -> None:
@@ -54,10 +58,14 @@ def test_envoy_directory_validates(envoy_bin: str, tmp_path: Path) -> None:
 
 def test_filter_order_and_modes() -> None:
     filters = envoy_config.http_filters(EXAMPLE_SPEC)
-    assert [f["name"] for f in filters] == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
-                                           "envoy.filters.http.router"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
     assert filters[0]["typed_config"]["mutations"]["request_mutations"] == [
-        {"remove": "x-gateway-destination-endpoint"}]
+        {"remove": "x-gateway-destination-endpoint"}
+    ]
     ext_proc = filters[1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
@@ -73,24 +81,61 @@ def test_filter_order_and_modes() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "extproc", "envoy-config", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", "envoy-config", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_cli_pieces_and_bootstrap_with_tls_validate(envoy_bin: str, tmp_path: Path) -> None:
     ca = tmp_path / "ca.pem"
     key = tmp_path / "key.pem"
-    openssl = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                              "-nodes", "-keyout", str(key), "-out", str(ca), "-days", "1", "-subj", "/CN=router",
-                              "-addext", "subjectAltName=DNS:router"], capture_output=True)
+    openssl = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(ca),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=router",
+            "-addext",
+            "subjectAltName=DNS:router",
+        ],
+        capture_output=True,
+    )
     if openssl.returncode != 0:
         pytest.skip("openssl CLI not available")
-    pieces = _cli("--worker", "127.0.0.1:30001", "--worker", "http://localhost:30002", "--extproc", "127.0.0.1:9443",
-                  "--tls-ca", str(ca), "--tls-sni", "router", "--tls-cert", str(ca), "--tls-key", str(key))
+    pieces = _cli(
+        "--worker",
+        "127.0.0.1:30001",
+        "--worker",
+        "http://localhost:30002",
+        "--extproc",
+        "127.0.0.1:9443",
+        "--tls-ca",
+        str(ca),
+        "--tls-sni",
+        "router",
+        "--tls-cert",
+        str(ca),
+        "--tls-key",
+        str(key),
+    )
     assert pieces.returncode == 0, pieces.stderr
     parsed = yaml.safe_load(pieces.stdout)
     tls = parsed["clusters"][0]["transport_socket"]["typed_config"]
-    assert tls["sni"] == "router" and tls["common_tls_context"]["validation_context"]["trusted_ca"]["filename"] == str(ca)
+    assert tls["sni"] == "router" and tls["common_tls_context"]["validation_context"]["trusted_ca"]["filename"] == str(
+        ca
+    )
     assert parsed["clusters"][2]["type"] == "STRICT_DNS"  # a host name among the workers
     validate(envoy_bin, assemble(parsed), tmp_path)
     full = _cli("--worker", "127.0.0.1:30001", "--bootstrap", "--upstream-host-header", "--access-log")
@@ -106,13 +151,18 @@ def test_cli_rejects_bad_input() -> None:
 
 
 def test_serve_explains_missing_workers_and_bad_config(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "extproc", "serve", "--metrics-port", "0"], capture_output=True,
-                         text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve", "--metrics-port", "0"], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 2 and "no workers" in run.stderr and "Traceback" not in run.stderr
     config = tmp_path / "bad.yaml"
     config.write_text("server: {port: not-a-port}\n")
-    run = subprocess.run([sys.executable, "-m", "extproc", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2 and "server.port" in run.stderr and "Traceback" not in run.stderr
 
 
@@ -136,9 +186,22 @@ def test_router_binds_loopback_by_default() -> None:
     if not Path("/proc/net/tcp").exists():
         pytest.skip("needs Linux /proc/net/tcp to see bound addresses")
     port = free_port()
-    serve = subprocess.Popen([sys.executable, "-m", "extproc", "serve", "--port", str(port), "--metrics-port", "0",
-                              "--worker", f"127.0.0.1:{free_port()}"], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--worker",
+            f"127.0.0.1:{free_port()}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 30
         while not _listening_addresses(port):
@@ -155,14 +218,17 @@ def test_router_binds_loopback_by_default() -> None:
 def test_serve_merges_config_file_and_flags(tmp_path: Path) -> None:
     import argparse
 
-    from extproc.serve import build_config, configure
+    from extproc.serve_command import build_config, configure
 
     config = tmp_path / "router.yaml"
     config.write_text("server: {port: 9100, max_body_bytes: 1000}\nworkers: [{url: 10.0.0.1:30000, name: a}]\n")
     parser = argparse.ArgumentParser()
     configure(parser)
-    merged = build_config(parser.parse_args(["--config", str(config), "--worker", "10.0.0.2:30000",
-                                             "--policy", "round-robin", "--metrics-port", "0"]))
+    merged = build_config(
+        parser.parse_args(
+            ["--config", str(config), "--worker", "10.0.0.2:30000", "--policy", "round-robin", "--metrics-port", "0"]
+        )
+    )
     assert [w.url for w in merged.workers] == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
     assert merged.server.port == 9100 and merged.server.max_body_bytes == 1000  # the file, not defaults
     assert merged.policy.name == "round-robin" and merged.server.metrics_port is None

@@ -19,11 +19,11 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from conftest import free_port
 from gateway_http import SpoofTarget, envoy_stats, post, request, stream_lines
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.stack import GatewayStack
+from extproc.addresses import free_port
+from extproc.gateway.stack import GatewayStack
 
 LIMIT = 64 * 1024
 PICKED = "cluster.prefix_router_picked.upstream_rq_total"
@@ -34,10 +34,16 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello ther
 @pytest.fixture(scope="module")
 def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
     config = tmp_path_factory.mktemp("router") / "router.yaml"
-    config.write_text("health: {interval_s: 0.2, timeout_s: 0.3, unhealthy_after: 2, healthy_after: 1}\n"
-                      "events: {enabled: false}\n")
-    gateway = GatewayStack(sim_workers=2, sim_worker_options={"no_kv_events": True}, policy="round-robin",
-                           config=config, max_body_bytes=LIMIT)
+    config.write_text(
+        "health: {interval_s: 0.2, timeout_s: 0.3, unhealthy_after: 2, healthy_after: 1}\nevents: {enabled: false}\n"
+    )
+    gateway = GatewayStack(
+        sim_workers=2,
+        sim_worker_options={"no_kv_events": True},
+        policy="round-robin",
+        config=config,
+        max_body_bytes=LIMIT,
+    )
     with gateway:
         yield gateway
 
@@ -58,11 +64,14 @@ BODIES = {
 }
 
 
-@pytest.mark.parametrize("path, body", [
-    *BODIES.items(),
-    ("/v1/completions", {"model": "default", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4}),
-    ("/generate", {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 4}}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        *BODIES.items(),
+        ("/v1/completions", {"model": "default", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4}),
+        ("/generate", {"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 4}}),
+    ],
+)
 def test_generation_requests_are_routed_by_the_router(stack: GatewayStack, path: str, body: dict) -> None:
     picked_before, _ = stats(stack)
     served = set()
@@ -77,11 +86,20 @@ def test_generation_requests_are_routed_by_the_router(stack: GatewayStack, path:
 
 def test_router_reply_sets_header_metadata_and_clears_route_cache(stack: GatewayStack) -> None:
     body = b'{"model": "m", "prompt": "hi"}'
-    headers = [(":method", "POST"), (":path", "/v1/completions"), ("x-gateway-destination-endpoint", "10.9.9.9:1"),
-               ("content-length", str(len(body)))]
+    headers = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        ("x-gateway-destination-endpoint", "10.9.9.9:1"),
+        ("content-length", str(len(body))),
+    ]
     messages = [
-        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]))),
+        pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]
+                )
+            )
+        ),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
     ]
     with grpc.insecure_channel(stack.router_address) as channel:
@@ -122,18 +140,22 @@ def test_pass_through_bodies_are_not_buffered_for_the_router(stack: GatewayStack
     assert envoy_stats(stack.admin_url)[FAILOPEN] == before + 1
 
 
-@pytest.mark.parametrize("path, body, status, message", [
-    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
-    ("/v1/chat/completions", b'{"model": "m"}', 400, "'messages'"),
-    ("/v1/completions", b'{"model": "m"}', 400, "'prompt'"),
-    ("/generate", b'{"sampling_params": {}}', 400, "'text'"),
-    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/completions", b"", 400, "empty"),
-    ("/v1/completions", b'{"prompt": "' + b"a" * (LIMIT + 10) + b'"}', 413, "limit"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, message",
+    [
+        ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
+        ("/v1/chat/completions", b'{"model": "m"}', 400, "'messages'"),
+        ("/v1/completions", b'{"model": "m"}', 400, "'prompt'"),
+        ("/generate", b'{"sampling_params": {}}', 400, "'text'"),
+        ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+        ("/v1/completions", b"", 400, "empty"),
+        ("/v1/completions", b'{"prompt": "' + b"a" * (LIMIT + 10) + b'"}', 413, "limit"),
+    ],
+)
 def test_bad_input_is_answered_by_the_router_and_never_reaches_a_worker(
-        stack: GatewayStack, path: str, body: bytes, status: int, message: str) -> None:
+    stack: GatewayStack, path: str, body: bytes, status: int, message: str
+) -> None:
     before = stats(stack)
     reply = post(stack.url + path, body)
     assert reply.status == status
@@ -153,8 +175,9 @@ def test_body_beyond_envoys_buffer_is_413_json_too(stack: GatewayStack) -> None:
 
 def test_streaming_responses_arrive_incrementally(stack: GatewayStack) -> None:
     body = {**CHAT, "max_tokens": 48, "stream": True, "ignore_eos": True}
-    events = [(t, line) for t, line in stream_lines(stack.url + "/v1/chat/completions", body)
-              if line.startswith(b"data:")]
+    events = [
+        (t, line) for t, line in stream_lines(stack.url + "/v1/chat/completions", body) if line.startswith(b"data:")
+    ]
     assert events[-1][1].strip() == b"data: [DONE]"
     assert len(events) >= 40
     # 48 decode steps of the simulated GPU take ~0.35 s: buffered, every event would arrive at once.
@@ -163,8 +186,11 @@ def test_streaming_responses_arrive_incrementally(stack: GatewayStack) -> None:
 
 def _in_flight(stack: GatewayStack) -> float:
     text = request(f"http://127.0.0.1:{stack.metrics_port}/metrics").body.decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("prefix_router_worker_in_flight{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("prefix_router_worker_in_flight{")
+    )
 
 
 def test_in_flight_slot_is_released_when_the_client_goes_away(stack: GatewayStack) -> None:
@@ -180,8 +206,9 @@ def test_in_flight_slot_is_released_when_the_client_goes_away(stack: GatewayStac
 def test_client_destination_header_never_chooses_the_upstream(stack: GatewayStack) -> None:
     with SpoofTarget() as spoof:
         for _ in range(4):
-            reply = post(stack.url + "/v1/chat/completions", CHAT,
-                         headers={"x-gateway-destination-endpoint": spoof.address})
+            reply = post(
+                stack.url + "/v1/chat/completions", CHAT, headers={"x-gateway-destination-endpoint": spoof.address}
+            )
             assert reply.status == 200
             assert reply.headers["x-upstream-host"] in workers(stack)
         reply = request(stack.url + "/v1/models", headers={"x-gateway-destination-endpoint": spoof.address})
@@ -203,8 +230,7 @@ def _wait_until(predicate, timeout: float = 8.0) -> None:  # type: ignore[no-unt
 
 
 def _served_by(stack: GatewayStack, count: int) -> set[str]:
-    return {post(stack.url + "/v1/chat/completions", CHAT, timeout=1).headers["x-upstream-host"]
-            for _ in range(count)}
+    return {post(stack.url + "/v1/chat/completions", CHAT, timeout=1).headers["x-upstream-host"] for _ in range(count)}
 
 
 def test_unhealthy_worker_leaves_and_comes_back(stack: GatewayStack) -> None:
@@ -276,8 +302,9 @@ def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
     # While the router is down, a spoofed destination still chooses nothing.
     with SpoofTarget() as spoof:
         for _ in range(3):
-            reply = post(stack.url + "/v1/chat/completions", CHAT,
-                         headers={"x-gateway-destination-endpoint": spoof.address})
+            reply = post(
+                stack.url + "/v1/chat/completions", CHAT, headers={"x-gateway-destination-endpoint": spoof.address}
+            )
             assert reply.status == 200 and reply.headers["x-upstream-host"] in workers(stack)
     assert spoof.connections == 0
 
@@ -289,10 +316,12 @@ def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
 
 async def test_health_checker_discovers_model_and_page_size(stack: GatewayStack) -> None:
     from extproc.config import HealthConfig, WorkerConfig
-    from extproc.workers import HealthChecker, WorkerRegistry
+    from extproc.sync.health import HealthChecker
+    from extproc.sync.workers import WorkerRegistry
 
-    registry = WorkerRegistry.from_configs([WorkerConfig(url=url) for url in stack.worker_urls]
-                                           + [WorkerConfig(url=f"http://127.0.0.1:{free_port()}")])
+    registry = WorkerRegistry.from_configs(
+        [WorkerConfig(url=url) for url in stack.worker_urls] + [WorkerConfig(url=f"http://127.0.0.1:{free_port()}")]
+    )
     checker = HealthChecker(registry, HealthConfig(timeout_s=0.5))
     await checker.start()
     try:

@@ -20,23 +20,29 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import REGISTRY
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
 from extproc.router import Router
-from extproc.server import ExtProcServicer, add_services, mark_serving
-from extproc.workers import Worker, WorkerRegistry
+from extproc.servicer import ExtProcServicer, add_services, mark_serving
+from extproc.sync.workers import Worker, WorkerRegistry
 
 CHAT_PATH = "/v1/chat/completions"
 
 
 def _messages(body: bytes) -> list[pb.ProcessingRequest]:
-    headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-        base_pb2.HeaderValue(key=":path", raw_value=CHAT_PATH.encode()),
-        base_pb2.HeaderValue(key="content-length", raw_value=str(len(body)).encode())]))
-    return [pb.ProcessingRequest(request_headers=headers),
-            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+    headers = pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[
+                base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                base_pb2.HeaderValue(key=":path", raw_value=CHAT_PATH.encode()),
+                base_pb2.HeaderValue(key="content-length", raw_value=str(len(body)).encode()),
+            ]
+        )
+    )
+    return [
+        pb.ProcessingRequest(request_headers=headers),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+    ]
 
 
 async def _held_open(messages: list[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingRequest]:
@@ -56,12 +62,12 @@ def _huge_prompt() -> str:
 
 
 class Gate:
-    """Marks when the pool starts and ends tokenizing the first request (wraps the real ``_prepare``)."""
+    """Marks when the pool starts and ends tokenizing the first request (wraps the real ``prompts.prepare``)."""
 
     def __init__(self, router: Router) -> None:
         self.started = threading.Event()
         self.done = threading.Event()
-        inner = router._prepare
+        inner = router.prompts.prepare
 
         def prepare(*args: object) -> object:
             # Only the first call without a budget (the pool's, for the huge request) is watched.
@@ -74,7 +80,7 @@ class Gate:
                 if first:
                     self.done.set()
 
-        router._prepare = prepare  # type: ignore[method-assign]
+        router.prompts.prepare = prepare  # type: ignore[method-assign]
 
     async def wait_started(self) -> None:
         for _ in range(2000):
@@ -86,8 +92,9 @@ class Gate:
 
 @pytest.fixture
 async def service() -> AsyncIterator[tuple[Router, grpc.aio.Channel]]:
-    workers = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i)
-               for i in range(2)]
+    workers = [
+        Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(2)
+    ]
     config = RouterConfig(server=ServerConfig(tokenize_threads=2), events=EventsConfig(enabled=False))
     router = Router(config, WorkerRegistry(workers))
     server = grpc.aio.server()
@@ -108,9 +115,14 @@ def _in_flight(router: Router) -> int:
     return sum(w.in_flight for w in router.registry.workers)
 
 
-def _decisions() -> float:
-    return sum(s.value for m in REGISTRY.collect() if m.name == "prefix_router_decisions"
-               for s in m.samples if s.name.endswith("_total"))
+def _decisions(router: Router) -> float:
+    return sum(
+        s.value
+        for m in router.telemetry.metrics.collect()
+        if m.name == "prefix_router_decisions"
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
 
 
 async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Router, grpc.aio.Channel]) -> None:
@@ -125,7 +137,9 @@ async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Rout
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     small = stub.Process(_held_open(_messages(_chat("a short question"))))
     small_replies = await asyncio.wait_for(_collect(small, 2), 5)
-    assert not gate.done.is_set(), "the huge prompt was done before the loop answered (tokenized on the loop, or too small)"
+    assert not gate.done.is_set(), (
+        "the huge prompt was done before the loop answered (tokenized on the loop, or too small)"
+    )
     assert small_replies[1].request_body.response.header_mutation.set_headers[0].header.raw_value
     small.cancel()
     replies = await asyncio.wait_for(big_replies, 30)
@@ -140,14 +154,14 @@ async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[Router, grpc
     router, channel = service
     stub = pb_grpc.ExternalProcessorStub(channel)
     gate = Gate(router)
-    before = _decisions()
+    before = _decisions(router)
     call = stub.Process(_held_open(_messages(_chat(_huge_prompt()))))
     await _collect(call, 1)  # the headers were answered; the body is being tokenized
     await gate.wait_started()
     call.cancel()  # the client went away mid-tokenization
     await _until(gate.done.is_set)
     await asyncio.sleep(0.05)  # the loop would route now if the cancel had not reached the server
-    assert _in_flight(router) == 0 and _decisions() == before
+    assert _in_flight(router) == 0 and _decisions(router) == before
     # The pool is free again and later requests route normally.
     follow = stub.Process(_held_open(_messages(_chat("after the cancel"))))
     assert len(await asyncio.wait_for(_collect(follow, 2), 10)) == 2

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port
 from gateway_http import envoy_stats, post
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.stack import GatewayStack
+from extproc.addresses import free_port
+from extproc.gateway.stack import GatewayStack
 
 PICKED = "cluster.prefix_router_picked.upstream_rq_total"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -28,9 +28,29 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate for the name ``prefix-router`` (it is its own CA)."""
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
-    run = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                          "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=prefix-router",
-                          "-addext", "subjectAltName=DNS:prefix-router"], capture_output=True)
+    run = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=prefix-router",
+            "-addext",
+            "subjectAltName=DNS:prefix-router",
+        ],
+        capture_output=True,
+    )
     if run.returncode != 0:
         pytest.skip(f"openssl CLI could not make a certificate: {run.stderr.decode()[-200:]}")
     return cert, key
@@ -39,9 +59,15 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def tls_stack(envoy_bin: str, certificate: tuple[Path, Path]) -> Iterator[GatewayStack]:
     cert, key = certificate
-    with GatewayStack(sim_workers=2, sim_worker_options={"no_kv_events": True, "profile": "instant"},
-                      policy="round-robin", tls_cert=cert, tls_key=key, tls_ca=cert,
-                      tls_sni="prefix-router") as gateway:
+    with GatewayStack(
+        sim_workers=2,
+        sim_worker_options={"no_kv_events": True, "profile": "instant"},
+        policy="round-robin",
+        tls_cert=cert,
+        tls_key=key,
+        tls_ca=cert,
+        tls_sni="prefix-router",
+    ) as gateway:
         yield gateway
 
 
@@ -55,12 +81,12 @@ def test_router_decides_over_tls(tls_stack: GatewayStack) -> None:
 
 
 def test_tls_router_refuses_plaintext(tls_stack: GatewayStack, certificate: tuple[Path, Path]) -> None:
-    with grpc.insecure_channel(tls_stack.router_address) as channel:
-        with pytest.raises(grpc.RpcError):
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    with grpc.insecure_channel(tls_stack.router_address) as channel, pytest.raises(grpc.RpcError):
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
     credentials = grpc.ssl_channel_credentials(certificate[0].read_bytes())
-    with grpc.secure_channel(tls_stack.router_address, credentials,
-                             options=[("grpc.ssl_target_name_override", "prefix-router")]) as channel:
+    with grpc.secure_channel(
+        tls_stack.router_address, credentials, options=[("grpc.ssl_target_name_override", "prefix-router")]
+    ) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -74,9 +100,13 @@ def _port_open(url: str) -> bool:
 
 def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str) -> None:
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "extproc", "up", "--sim-workers", "2", "--port", str(port),
-                           "--policy", "round-robin"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "up", "--sim-workers", "2", "--port", str(port), "--policy", "round-robin"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lines: list[str] = []
         deadline = time.monotonic() + 60

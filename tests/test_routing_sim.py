@@ -19,11 +19,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from extproc.addresses import free_ports
 from extproc.config import RouterConfig, WorkerConfig
 from extproc.request import ParsedRequest
 from extproc.router import Router
-from extproc.workers import Worker, WorkerRegistry
-from sglang_workers.process import SimWorkerProcess, free_ports, start_sim_workers
+from extproc.sync.workers import Worker, WorkerRegistry
+from sglang_workers.process import SimWorkerProcess, start_sim_workers
 
 PAGE = 16
 pytestmark = pytest.mark.timeout(60)
@@ -34,8 +35,12 @@ def _words(rng: random.Random, n: int) -> str:
 
 
 def _chat(system: str, question: str) -> ParsedRequest:
-    return ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
-                         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return ParsedRequest(
+        path="/v1/chat/completions",
+        kind="chat",
+        model="m",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +166,11 @@ async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
         (worker,) = r.registry.workers
         await _until(lambda: r.events.state(worker) == "synced")
         victim = _chat(_words(rng, 60), "q")
-        first, usage = await _route_and_send(r, victim)
+        first, _usage = await _route_and_send(r, victim)
         await _until(lambda: _confirmed(r, worker, first.request.block_keys), what="stored events")
         for i in range(4):  # each ~300 tokens: the 1024-token pool must evict the victim
             await _route_and_send(r, _chat(_words(rng, 60), str(i)))
-        await _until(lambda: not r.index.blocks(worker.id) & set(first.request.block_keys),
-                     what="removal events")
+        await _until(lambda: not r.index.blocks(worker.id) & set(first.request.block_keys), what="removal events")
         assert r.events.views[worker.id][0].stats.blocks_removed > 0
         again = await _send(worker, victim)
         assert again["cached"] == 0  # ground truth: the worker really lost it
@@ -259,9 +263,10 @@ async def test_restarted_worker_is_reset() -> None:
         before, _ = await _route_and_send(r, _chat(_words(rng, 200), "before"))
         await _until(lambda: _confirmed(r, worker, before.request.block_keys), what="stored events")
         proc.stop()
-        process = subprocess.Popen(proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        replacement = SimWorkerProcess(proc.host, proc.port, proc.kv_events_port, proc.replay_port, process,
-                                       proc.log_path, proc.args)
+        process = subprocess.Popen(proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: ASYNC220
+        replacement = SimWorkerProcess(
+            proc.host, proc.port, proc.kv_events_port, proc.replay_port, process, proc.log_path, proc.args
+        )
         replacement.wait_healthy(20)
         view = r.events.views[worker.id][0]
         await _until(lambda: view.stats.restarts >= 1 and r.events.state(worker) == "synced", what="resync")

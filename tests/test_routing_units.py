@@ -5,16 +5,16 @@ from __future__ import annotations
 import random
 
 import pytest
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import generate_latest
 
 from extproc.blocks import block_keys
-from extproc.config import IndexConfig, ObservabilityConfig, PrefixAwareOptions, RouterConfig
+from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.policies import Candidate, PolicyError, RoutingRequest, WorkerLoad, create_policy
-from extproc.policies.prefix_aware import prefill_seconds
+from extproc.policies.prefix_aware import PrefixAwareOptions, prefill_seconds
 from extproc.request import ParsedRequest
 from extproc.router import Router
-from extproc.workers import Worker, WorkerRegistry
+from extproc.sync.workers import Worker, WorkerRegistry
 
 
 class Clock:
@@ -30,8 +30,13 @@ def _workers(n: int) -> list[Worker]:
 
 
 def _request(tokens: int, keys: list[int] | None = None, **extra: object) -> RoutingRequest:
-    return RoutingRequest(model="m", path="/generate", token_ids=list(range(tokens)),
-                          block_keys=keys if keys is not None else block_keys(list(range(tokens)), 16), **extra)
+    return RoutingRequest(
+        model="m",
+        path="/generate",
+        token_ids=list(range(tokens)),
+        block_keys=keys if keys is not None else block_keys(list(range(tokens)), 16),
+        **extra,
+    )
 
 
 # -- index ------------------------------------------------------------------------------------------
@@ -64,7 +69,7 @@ def test_key_cache_reuses_shared_prefixes_and_equals_block_keys() -> None:
     bases = [[rng.randrange(128_000) for _ in range(rng.randint(0, 2000))] for _ in range(4)]
     for _ in range(300):
         base = rng.choice(bases)
-        tokens = base[:rng.randint(0, len(base))] + [rng.randrange(128_000) for _ in range(rng.randint(0, 300))]
+        tokens = base[: rng.randint(0, len(base))] + [rng.randrange(128_000) for _ in range(rng.randint(0, 300))]
         size, seed, limit = rng.choice((16, 32)), rng.choice((0, 7)), rng.choice((None, 40))
         assert cache.keys(tokens, size, seed, limit) == block_keys(tokens, size, seed, limit=limit)
     assert 0 < cache.bytes <= cache.max_bytes
@@ -100,7 +105,7 @@ def test_memory_is_bounded_per_worker() -> None:
     assert index.size("a") == 10
     assert index.blocks("a") == set(keys[-10:])  # the most recently stored survive
     for i in range(0, 25, 5):
-        index.record_routed("b", keys[i:i + 5])
+        index.record_routed("b", keys[i : i + 5])
     assert sum(len(v) for v in index._recent.values()) <= 10
 
 
@@ -115,10 +120,14 @@ def test_prefill_cost_model_defaults_match_the_8b_h100_figures() -> None:
     assert prefill_seconds(opts, 100, 8000) < prefill_seconds(opts, 8100, 0) / 10
 
 
-def _candidates(workers: list[Worker], matched: list[int], loads: list[WorkerLoad | None] | None = None) -> list[Candidate]:
+def _candidates(
+    workers: list[Worker], matched: list[int], loads: list[WorkerLoad | None] | None = None
+) -> list[Candidate]:
     loads = loads or [None] * len(workers)
-    return [Candidate(worker=w, matched_blocks=m, host_matched_blocks=m, load=ld, block_size=16)
-            for w, m, ld in zip(workers, matched, loads)]
+    return [
+        Candidate(worker=w, matched_blocks=m, host_matched_blocks=m, load=ld, block_size=16)
+        for w, m, ld in zip(workers, matched, loads)
+    ]
 
 
 def test_longest_cached_prefix_wins_when_idle() -> None:
@@ -152,8 +161,9 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
     counts = {w.id: list(chosen.values()).count(w.id) for w in workers}
     assert min(counts.values()) > 25, counts  # different prefixes spread
     keys = block_keys([7] * 64, 16)
-    assert all(policy.select(_request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id == chosen[7]
-               for _ in range(5))  # one prefix keeps its worker
+    assert all(
+        policy.select(_request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id == chosen[7] for _ in range(5)
+    )  # one prefix keeps its worker
 
 
 def test_kv_pressure_is_penalised() -> None:
@@ -244,14 +254,26 @@ def test_router_tokenizes_records_and_traces() -> None:
 
     config = RouterConfig(observability=ObservabilityConfig(exporter="none"))
     router = Router(config, WorkerRegistry(_workers(3)))
-    untraced = router.route(ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="hi",
-                                          headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}))
+    untraced = router.route(
+        ParsedRequest(
+            path="/generate",
+            kind="generate",
+            model="m",
+            prompt_text="hi",
+            headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        )
+    )
     router.finish(untraced)
     assert untraced.upstream_headers == {}  # exporter none: no span, the client's context goes on untouched
     router.telemetry.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     messages = [{"role": "system", "content": "You are terse. " * 400}, {"role": "user", "content": "hi"}]
-    parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=messages,
-                           headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    parsed = ParsedRequest(
+        path="/v1/chat/completions",
+        kind="chat",
+        model="m",
+        messages=messages,
+        headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
     first = router.route(parsed)
     assert first.request.token_ids == router.tokenizer_for("m").encode_chat(messages)
     assert first.worker.in_flight == 1
@@ -263,46 +285,79 @@ def test_router_tokenizes_records_and_traces() -> None:
     router.finish(first)  # idempotent
     router.finish(second)
     assert first.worker.in_flight == 0
-    text = generate_latest(REGISTRY).decode()
+    text = generate_latest(router.telemetry.metrics).decode()
     assert 'prefix_router_decisions_total{policy="prefix-aware",reason="prefix-hit-own-record"}' in text
     assert "prefix_router_decision_seconds_count" in text and 'prefix_router_worker_healthy{worker="w0"}' in text
 
 
 def test_untokenizable_request_is_still_routed() -> None:
     router = Router(RouterConfig(), WorkerRegistry(_workers(2)))
-    bad = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
-                        messages=[{"role": "user", "content": "x"}],
-                        chat_template_kwargs={"messages": "clash"})  # duplicate keyword: render fails
+    bad = ParsedRequest(
+        path="/v1/chat/completions",
+        kind="chat",
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        chat_template_kwargs={"messages": "clash"},
+    )  # duplicate keyword: render fails
     outcome = router.route(bad)
     assert outcome.request.token_ids is None and outcome.worker in router.registry.workers
 
 
 def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
-    from extproc.load import parse_loads, parse_metrics
+    from extproc.sync.load import parse_loads, parse_metrics
 
-    body = {"dp_rank_count": 2, "loads": [
-        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 500, "max_total_num_tokens": 1000},
-        {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 4, "num_used_tokens": 100, "max_total_num_tokens": 1000}]}
+    body = {
+        "dp_rank_count": 2,
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 1,
+                "num_used_tokens": 500,
+                "max_total_num_tokens": 1000,
+            },
+            {
+                "dp_rank": 1,
+                "num_running_reqs": 1,
+                "num_waiting_reqs": 4,
+                "num_used_tokens": 100,
+                "max_total_num_tokens": 1000,
+            },
+        ],
+    }
     load = parse_loads(body)
     assert load is not None and (load.num_running_reqs, load.num_waiting_reqs) == (4, 5)
     assert load.token_usage == pytest.approx(0.3)
-    text = ('# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{model_name="m"} 7.0\n'
-            'sglang:num_queue_reqs{model_name="m"} 2\nsglang:token_usage{model_name="m"} 0.25\n'
-            'sglang:max_total_num_tokens{model_name="m"} 4000\n')
+    text = (
+        '# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{model_name="m"} 7.0\n'
+        'sglang:num_queue_reqs{model_name="m"} 2\nsglang:token_usage{model_name="m"} 0.25\n'
+        'sglang:max_total_num_tokens{model_name="m"} 4000\n'
+    )
     load = parse_metrics(text)
     assert load is not None and (load.num_running_reqs, load.num_waiting_reqs, load.num_used_tokens) == (7, 2, 1000)
     assert parse_loads({"unrelated": 1}) is None and parse_metrics("up 1\n") is None
 
 
 def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None:
-    from extproc.events import event_endpoints, worker_block_size
+    from extproc.sync.discovery import event_endpoints, page_size
 
     worker = _workers(1)[0]
-    worker.info = {"page_size": 32, "kv_events": {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557,
-                                                  "replay_endpoint_port_base": 5600, "dp_size": 2, "block_size": 32}}
-    assert event_endpoints(worker) == [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600"),
-                                       ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601")]
-    assert worker_block_size(worker) == 32
+    worker.info = {
+        "page_size": 32,
+        "kv_events": {
+            "publisher": "zmq",
+            "endpoint_host": "*",
+            "endpoint_port_base": 5557,
+            "replay_endpoint_port_base": 5600,
+            "dp_size": 2,
+            "block_size": 32,
+        },
+    }
+    assert event_endpoints(worker) == [
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5600"),
+        ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5601"),
+    ]
+    assert page_size(worker) == 32
     worker.info["kv_events"]["endpoint_host"] = "10.1.2.3"
     assert event_endpoints(worker)[0][0] == "tcp://10.1.2.3:5557"
     worker.kv_events_endpoint = "tcp://127.0.0.9:7000"  # configured endpoints win
@@ -317,8 +372,11 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     exporter = InMemorySpanExporter()
     router.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
     secret = "the launch codes are " + "zebra " * 80
-    outcome = router.route(ParsedRequest(path="/v1/chat/completions", kind="chat", model="m",
-                                         messages=[{"role": "user", "content": secret}]))
+    outcome = router.route(
+        ParsedRequest(
+            path="/v1/chat/completions", kind="chat", model="m", messages=[{"role": "user", "content": secret}]
+        )
+    )
     router.finish(outcome)
     (span,) = exporter.get_finished_spans()
     attrs = dict(span.attributes or {})

@@ -15,31 +15,39 @@ PAGE = 4
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[SimWorkerProcess]:
-    with start_sim_worker(profile="instant", page_size=PAGE, context_length=4096, seed=7,
-                          model="sim-llama") as w:
+    with start_sim_worker(profile="instant", page_size=PAGE, context_length=4096, seed=7, model="sim-llama") as w:
         yield w
 
 
 def test_generate_with_input_ids_reports_cached_prefix_rounded_to_pages(worker: SimWorkerProcess) -> None:
     shared = list(range(100, 143))  # 43 tokens: 10 whole pages + 3
-    status, first = post_json(worker, "/generate", {"input_ids": shared + [1, 2], "sampling_params": {"max_new_tokens": 3}})
+    status, first = post_json(
+        worker, "/generate", {"input_ids": shared + [1, 2], "sampling_params": {"max_new_tokens": 3}}
+    )
     assert status == 200
     assert first["meta_info"]["prompt_tokens"] == 45
     assert first["meta_info"]["completion_tokens"] == 3 == len(first["output_ids"])
     assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     assert isinstance(first["text"], str) and first["text"]
-    status, second = post_json(worker, "/generate", {"input_ids": shared + [9, 9, 9], "sampling_params": {"max_new_tokens": 3}})
+    status, second = post_json(
+        worker, "/generate", {"input_ids": shared + [9, 9, 9], "sampling_params": {"max_new_tokens": 3}}
+    )
     assert status == 200
     assert second["meta_info"]["cached_tokens"] == 40  # the 43 shared tokens rounded down to pages
-    status, again = post_json(worker, "/generate", {"input_ids": shared + [9, 9, 9], "sampling_params": {"max_new_tokens": 3}})
+    status, again = post_json(
+        worker, "/generate", {"input_ids": shared + [9, 9, 9], "sampling_params": {"max_new_tokens": 3}}
+    )
     # Identical prompt: everything but the last token may come from cache (SGLang computes >= 1 token).
     assert again["meta_info"]["cached_tokens"] == (46 - 1) // PAGE * PAGE
     assert again["output_ids"] == second["output_ids"]  # deterministic for a given seed and prompt
 
 
 def test_generate_text_and_stream(worker: SimWorkerProcess) -> None:
-    status, body = http("POST", worker.url + "/generate",
-                        {"text": "The quick brown fox", "stream": True, "sampling_params": {"max_new_tokens": 4}})
+    status, body = http(
+        "POST",
+        worker.url + "/generate",
+        {"text": "The quick brown fox", "stream": True, "sampling_params": {"max_new_tokens": 4}},
+    )
     assert status == 200
     chunks = sse_events(body)
     assert chunks[-1] == "[DONE]"
@@ -51,7 +59,9 @@ def test_generate_text_and_stream(worker: SimWorkerProcess) -> None:
 
 def test_chat_completion_and_usage(worker: SimWorkerProcess) -> None:
     messages = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hi"}]
-    status, body = post_json(worker, "/v1/chat/completions", {"model": "sim-llama", "messages": messages, "max_tokens": 5})
+    status, body = post_json(
+        worker, "/v1/chat/completions", {"model": "sim-llama", "messages": messages, "max_tokens": 5}
+    )
     assert status == 200
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
@@ -66,9 +76,16 @@ def test_chat_completion_and_usage(worker: SimWorkerProcess) -> None:
 
 
 def test_chat_stream_ends_with_done_and_usage(worker: SimWorkerProcess) -> None:
-    status, raw = http("POST", worker.url + "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "stream please"}], "max_tokens": 3, "stream": True,
-        "stream_options": {"include_usage": True}})
+    status, raw = http(
+        "POST",
+        worker.url + "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "stream please"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert status == 200
     chunks = sse_events(raw)
     assert chunks[-1] == "[DONE]"
@@ -98,8 +115,14 @@ def test_info_endpoints(worker: SimWorkerProcess) -> None:
         assert status == 200
         assert info["page_size"] == PAGE
         assert info["kv_events"] == {
-            "publisher": "zmq", "endpoint_host": "127.0.0.1", "endpoint_port_base": worker.kv_events_port,
-            "topic": "", "block_size": PAGE, "dp_size": 1, "replay_endpoint_port_base": worker.replay_port}
+            "publisher": "zmq",
+            "endpoint_host": "127.0.0.1",
+            "endpoint_port_base": worker.kv_events_port,
+            "topic": "",
+            "block_size": PAGE,
+            "dp_size": 1,
+            "replay_endpoint_port_base": worker.replay_port,
+        }
     for path in ("/model_info", "/get_model_info"):
         status, info = get_json(worker, path)
         assert status == 200 and info["model_path"] == "sim-llama" and info["is_generation"] is True
@@ -112,37 +135,62 @@ def test_loads_and_metrics(worker: SimWorkerProcess) -> None:
     status, loads = get_json(worker, "/v1/loads?include=core&format=json")
     assert status == 200
     (load,) = loads["loads"]
-    assert set(load) >= {"num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
-                         "max_total_num_tokens", "token_usage", "cache_hit_rate", "gen_throughput"}
+    assert set(load) >= {
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_used_tokens",
+        "num_total_tokens",
+        "max_total_num_tokens",
+        "token_usage",
+        "cache_hit_rate",
+        "gen_throughput",
+    }
     assert load["num_running_reqs"] == 0 and load["max_total_num_tokens"] > 0
     status, old = get_json(worker, "/get_load")
     assert status == 200 and old[0]["num_reqs"] == 0
     status, raw = http("GET", worker.url + "/metrics")
     text = raw.decode()
-    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
-                 "sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:generation_tokens_total",
-                 "sglang:max_total_num_tokens", "sglang:time_to_first_token_seconds_bucket"):
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+        "sglang:prompt_tokens_total",
+        "sglang:cached_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:max_total_num_tokens",
+        "sglang:time_to_first_token_seconds_bucket",
+    ):
         assert f"\n{name}{{" in text, name
     prompt_total = next(line for line in text.splitlines() if line.startswith("sglang:prompt_tokens_total{"))
     assert float(prompt_total.split()[-1]) >= 29
 
 
-@pytest.mark.parametrize(("method", "path", "raw", "status", "fragment"), [
-    ("POST", "/generate", b"{not json", 400, "Invalid JSON"),
-    ("POST", "/generate", b"{}", 400, "text"),
-    ("POST", "/generate", b'{"input_ids": []}', 400, "input_ids"),
-    ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "input_ids"),
-    ("POST", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', 400, "max_new_tokens"),
-    ("POST", "/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
-    ("POST", "/v1/chat/completions", b'{"messages": []}', 400, "messages"),
-    ("POST", "/v1/chat/completions", b'[1, 2]', 400, "object"),
-    ("POST", "/generate", json.dumps({"input_ids": [1] * 4000, "sampling_params": {"max_new_tokens": 200}}).encode(),
-     413, "context length"),
-    ("GET", "/no/such/path", None, 404, "Not Found"),
-    ("GET", "/generate", None, 405, "Method"),
-])
-def test_errors_are_openai_style_json(worker: SimWorkerProcess, method: str, path: str, raw: bytes | None,
-                                      status: int, fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "status", "fragment"),
+    [
+        ("POST", "/generate", b"{not json", 400, "Invalid JSON"),
+        ("POST", "/generate", b"{}", 400, "text"),
+        ("POST", "/generate", b'{"input_ids": []}', 400, "input_ids"),
+        ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "input_ids"),
+        ("POST", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', 400, "max_new_tokens"),
+        ("POST", "/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
+        ("POST", "/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("POST", "/v1/chat/completions", b"[1, 2]", 400, "object"),
+        (
+            "POST",
+            "/generate",
+            json.dumps({"input_ids": [1] * 4000, "sampling_params": {"max_new_tokens": 200}}).encode(),
+            413,
+            "context length",
+        ),
+        ("GET", "/no/such/path", None, 404, "Not Found"),
+        ("GET", "/generate", None, 405, "Method"),
+    ],
+)
+def test_errors_are_openai_style_json(
+    worker: SimWorkerProcess, method: str, path: str, raw: bytes | None, status: int, fragment: str
+) -> None:
     got, body = http(method, worker.url + path, raw=raw)
     assert got == status
     err = json.loads(body)
@@ -160,13 +208,15 @@ def test_not_ready_answers_503() -> None:
 def test_latency_follows_the_timing_profile_over_http() -> None:
     """8B on H100 at real speed: a 4096-token prefill (~118 ms) then 10 decode steps (~7 ms each)."""
     with start_sim_worker(profile="llama-3.1-8b-h100", page_size=16) as w:
-        status, body = post_json(w, "/generate", {"input_ids": list(range(10, 4106)),
-                                                  "sampling_params": {"max_new_tokens": 11}})
+        status, body = post_json(
+            w, "/generate", {"input_ids": list(range(10, 4106)), "sampling_params": {"max_new_tokens": 11}}
+        )
         assert status == 200
-        expected = (0.015 + 23e-6 * 4096 + 0.52e-9 * 4096 ** 2) + 10 * (0.007 + 0.06e-3 + 49e-9 * 4100)
+        expected = (0.015 + 23e-6 * 4096 + 0.52e-9 * 4096**2) + 10 * (0.007 + 0.06e-3 + 49e-9 * 4100)
         assert expected * 0.95 <= body["meta_info"]["e2e_latency"] <= expected * 3
         # The same prompt again: all but its last page is cached, so it is much faster.
-        status, again = post_json(w, "/generate", {"input_ids": list(range(10, 4106)),
-                                                   "sampling_params": {"max_new_tokens": 11}})
+        status, again = post_json(
+            w, "/generate", {"input_ids": list(range(10, 4106)), "sampling_params": {"max_new_tokens": 11}}
+        )
         assert again["meta_info"]["cached_tokens"] == 4080
         assert again["meta_info"]["e2e_latency"] < body["meta_info"]["e2e_latency"] - 0.05

@@ -6,29 +6,48 @@ import socket
 import subprocess
 import sys
 
-from sglang_workers.process import free_ports
+from extproc.addresses import free_ports
 
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "extproc", "sim-worker", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", "sim-worker", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_help_explains_every_flag() -> None:
     done = _run("--help")
     assert done.returncode == 0
-    for flag in ("--port", "--kv-events-port", "--kv-replay-port", "--page-size", "--capacity-tokens", "--profile",
-                 "--speedup", "--model", "--tokenizer", "--chat-template", "--schedule-policy",
-                 "--chunked-prefill-size", "--max-running-requests", "--context-length", "--seed",
-                 "--event-format", "--replay-format", "--load-time"):
+    for flag in (
+        "--port",
+        "--kv-events-port",
+        "--kv-replay-port",
+        "--page-size",
+        "--capacity-tokens",
+        "--profile",
+        "--speedup",
+        "--model",
+        "--tokenizer",
+        "--chat-template",
+        "--schedule-policy",
+        "--chunked-prefill-size",
+        "--max-running-requests",
+        "--context-length",
+        "--seed",
+        "--event-format",
+        "--replay-format",
+        "--load-time",
+    ):
         assert flag in done.stdout, flag
     assert "llama-3.1-70b-tp4-h200" in done.stdout and "default:" in done.stdout
 
 
 def test_bad_values_give_one_line_errors() -> None:
-    for args, fragment in ((["--page-size", "0"], "page_size"),
-                           (["--speedup", "0"], "speedup"),
-                           (["--tokenizer", "/no/such/dir"], "no tokenizer.json")):
+    for args, fragment in (
+        (["--page-size", "0"], "page_size"),
+        (["--speedup", "0"], "speedup"),
+        (["--tokenizer", "/no/such/dir"], "no tokenizer.json"),
+    ):
         done = _run(*args)
         assert done.returncode == 2, args
         assert fragment in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -147,7 +147,7 @@ def test_fresh_process_starts_at_seq_zero_with_all_blocks_cleared() -> None:
         try:
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             assert dealer.poll(5000)
-            _, topic, seq, payload = dealer.recv_multipart()
+            _, _topic, seq, payload = dealer.recv_multipart()
             assert int.from_bytes(seq, "big") == 0
             assert decode_payload(payload)[1] == [AllBlocksCleared()]
             assert decode_payload(payload)[2] == 0

@@ -12,13 +12,27 @@ import pytest
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "extproc", "sglang-launch", *args],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", "sglang-launch", *args], capture_output=True, text=True, timeout=30
+    )
 
 
 def test_prints_launch_command_with_router_flags() -> None:
-    done = _run("--model-path", "meta-llama/Llama-3.1-8B-Instruct", "--port", "30001", "--page-size", "16",
-                "--kv-events-port", "5557", "--tp-size", "2", "--", "--context-length", "8192")
+    done = _run(
+        "--model-path",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--port",
+        "30001",
+        "--page-size",
+        "16",
+        "--kv-events-port",
+        "5557",
+        "--tp-size",
+        "2",
+        "--",
+        "--context-length",
+        "8192",
+    )
     assert done.returncode == 0, done.stderr
     argv = shlex.split(done.stdout)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
@@ -26,7 +40,11 @@ def test_prints_launch_command_with_router_flags() -> None:
     assert flags["--model-path"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert flags["--port"] == "30001" and flags["--page-size"] == "16" and flags["--tp-size"] == "2"
     assert json.loads(flags["--kv-events-config"]) == {
-        "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "", "replay_endpoint": "tcp://*:5558"}
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "topic": "",
+        "replay_endpoint": "tcp://*:5558",
+    }
     assert "--enable-metrics" in argv and "--enable-cache-report" in argv
     assert argv[-2:] == ["--context-length", "8192"]
 

@@ -16,8 +16,9 @@ from sglang_workers.radix_cache import RadixCache
 from sglang_workers.scheduler import Request, Scheduler
 from sglang_workers.timing import PROFILES, TimingProfile, get_profile
 
-PROFILE = TimingProfile("test", "round numbers", c0=0.01, a=1e-5, b=1e-9, d0=0.005, d1=1e-4, d2=1e-8,
-                        kv_pool_tokens=100_000)
+PROFILE = TimingProfile(
+    "test", "round numbers", c0=0.01, a=1e-5, b=1e-9, d0=0.005, d1=1e-4, d2=1e-8, kv_pool_tokens=100_000
+)
 VOCAB = list(range(1000, 1100))
 
 Factory = Callable[..., Scheduler]
@@ -43,6 +44,7 @@ async def finish(*reqs: Request) -> None:
     async def drain(req: Request) -> None:
         while await req.updates.get() is not None:
             pass
+
     await asyncio.wait_for(asyncio.gather(*(drain(r) for r in reqs)), timeout=10)
 
 
@@ -144,8 +146,13 @@ async def test_same_seed_same_output(make: Factory) -> None:
 
 
 def test_profiles_match_published_figures() -> None:
-    assert {"llama-3.1-8b-h100", "llama-3.1-8b-h200", "llama-3.1-70b-tp4-h100", "llama-3.1-70b-tp4-h200",
-            "instant"} <= set(PROFILES)
+    assert {
+        "llama-3.1-8b-h100",
+        "llama-3.1-8b-h200",
+        "llama-3.1-70b-tp4-h100",
+        "llama-3.1-70b-tp4-h200",
+        "instant",
+    } <= set(PROFILES)
     h100_8b = get_profile("llama-3.1-8b-h100")
     # Compute-only TTFT at 1k / 8k tokens: ~24 ms / ~224 ms (sglang-performance.md derivation).
     assert h100_8b.prefill_time([(1024, 0)]) - h100_8b.c0 == pytest.approx(0.024, rel=0.1)
@@ -200,8 +207,9 @@ async def test_pool_is_handed_out_in_whole_pages(make: Factory) -> None:
     assert s.used_tokens == 0 and s.free_tokens + s.cache.evictable_size == 992
 
 
-async def test_a_failing_step_fails_in_flight_requests_and_keeps_serving(make: Factory,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failing_step_fails_in_flight_requests_and_keeps_serving(
+    make: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = make()
     original = s._decode_step
 

@@ -12,10 +12,13 @@ import time
 import pytest
 from sim_fixtures import http
 
-from sglang_workers.process import free_ports, start_sim_worker
+from extproc.addresses import free_ports
+from sglang_workers.process import start_sim_worker
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
-                                reason="sglang-router is not installed (pip install sglang-router)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang_router") is None,
+    reason="sglang-router is not installed (pip install sglang-router)",
+)
 
 
 def test_sgl_router_registers_and_routes_to_the_sim_worker() -> None:
@@ -24,9 +27,22 @@ def test_sgl_router_registers_and_routes_to_the_sim_worker() -> None:
         router_url = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryFile() as log:
             router = subprocess.Popen(
-                [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                 "--worker-urls", worker.url, "--policy", "cache_aware"],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--worker-urls",
+                    worker.url,
+                    "--policy",
+                    "cache_aware",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             try:
                 # The router registers workers in the background (/health, /server_info, /model_info);
                 # a request only succeeds once our worker passed that workflow.
@@ -47,8 +63,11 @@ def test_sgl_router_registers_and_routes_to_the_sim_worker() -> None:
                 assert first["meta_info"]["completion_tokens"] == 4
                 status, body = http("POST", router_url + "/generate", prompt)
                 assert status == 200 and json.loads(body)["meta_info"]["cached_tokens"] > 0
-                status, body = http("POST", router_url + "/v1/chat/completions", {
-                    "model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+                status, body = http(
+                    "POST",
+                    router_url + "/v1/chat/completions",
+                    {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+                )
                 assert status == 200
                 chat = json.loads(body)
                 assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 3

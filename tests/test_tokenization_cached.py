@@ -21,8 +21,10 @@ CHATML = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 _ALPHABET = string.ascii_letters + string.digits + "     .,;:!?'\"()-_/\\{}[]<>#@$%^&*+=~`|" + "éüñß中文日本語😀"
 
@@ -57,9 +59,17 @@ def _conversation(rng: random.Random, shared: list[str]) -> tuple[list[dict[str,
         messages.append({"role": "user", "content": "and?"})
     tools = None
     if rng.random() < 0.3:
-        tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": _text(rng, 8),
-                                                   "parameters": {"type": "object", "properties": {}}}}
-                 for i in range(rng.randint(1, 3))]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{i}",
+                    "description": _text(rng, 8),
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+            for i in range(rng.randint(1, 3))
+        ]
     return messages, tools
 
 
@@ -68,18 +78,32 @@ def chatml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tokenizer, built here: Llama-3 split regex + byte-level BPE, ChatML template."""
     rng = random.Random(7)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_text(rng, 200) for _ in range(200)], trainer)
     folder = tmp_path_factory.mktemp("chatml")
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHATML}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML,
+            }
+        )
+    )
     return folder
 
 
@@ -111,8 +135,10 @@ def test_piece_cache_equals_whole_text_encoding(which: str, chatml_dir: Path) ->
     rng = random.Random(3)
     pieces = [_text(rng, rng.randint(50, 400)) for _ in range(6)]
     for _ in range(300):
-        text = "".join(rng.choice(pieces) if rng.random() < 0.5 else _text(rng, rng.randint(0, 60))
-                       for _ in range(rng.randint(1, 6)))
+        text = "".join(
+            rng.choice(pieces) if rng.random() < 0.5 else _text(rng, rng.randint(0, 60))
+            for _ in range(rng.randint(1, 6))
+        )
         for special in (False, True):
             assert fresh.encode_text(text, special) == fresh.encode_whole(text, special), text[:200]
     assert fresh.cache_stats["hits"] > 100
@@ -161,7 +187,7 @@ def test_router_uses_each_models_own_tokenizer(chatml_dir: Path) -> None:
     from extproc.config import ModelConfig, RouterConfig
     from extproc.request import ParsedRequest
     from extproc.router import Router
-    from extproc.workers import Worker, WorkerRegistry
+    from extproc.sync.workers import Worker, WorkerRegistry
 
     config = RouterConfig(models=[ModelConfig(name="small-chatml", tokenizer=str(chatml_dir))])
     workers = [Worker(id="w", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]

@@ -1,4 +1,4 @@
-"""Routing policies, one module each, created by name from config.
+"""Routing policies, one module each, created by name from one registry.
 
 Baselines and our policy live side by side so that benchmarks compare them on equal terms.
 """
@@ -9,9 +9,21 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest, WorkerLoad
+from extproc.config import PolicyConfig
+from extproc.policies.base import Candidate, Decision, Policy, PolicyError, PolicyOptions, RoutingRequest, WorkerLoad
 
-__all__ = ["POLICIES", "Candidate", "Decision", "Policy", "PolicyError", "RoutingRequest", "WorkerLoad", "create_policy"]
+__all__ = [
+    "POLICIES",
+    "Candidate",
+    "Decision",
+    "Policy",
+    "PolicyError",
+    "PolicyOptions",
+    "RoutingRequest",
+    "WorkerLoad",
+    "create_policy",
+    "policy_from_config",
+]
 
 # name -> "module:Class" (imported on use).
 POLICIES: dict[str, str] = {
@@ -25,11 +37,25 @@ POLICIES: dict[str, str] = {
 }
 
 
-def create_policy(name: str, options: Mapping[str, Any] | None = None) -> Policy:
+def create_policy(
+    name: str, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+) -> Policy:
     """Instantiate the policy called ``name``; unknown names list the known ones."""
     target = POLICIES.get(name)
     if target is None:
         raise PolicyError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}")
     module_name, class_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(options)  # type: ignore[no-any-return]
+    cls: type[Policy] = getattr(importlib.import_module(module_name), class_name)
+    return cls(options, sections)
+
+
+def policy_from_config(config: PolicyConfig) -> Policy:
+    """The configured policy, with its section (and ``options``) validated by the policy itself."""
+    sections = config.sections()
+    unknown = sorted(name for name in sections if name not in POLICIES and name != config.name)
+    if unknown:
+        raise PolicyError(
+            f"policy.{unknown[0].replace('-', '_')}: no policy of that name; "
+            f"sections are named after one of: {', '.join(sorted(POLICIES))}"
+        )
+    return create_policy(config.name, sections.get(config.name), sections)

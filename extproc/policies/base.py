@@ -4,6 +4,9 @@ Like sgl-router's policies: a policy gets the request and the candidate workers 
 their in-flight counts, reported load and, for policies that need tokens, how many leading blocks
 of the prompt each one holds) in one context, and returns a ranking. Optional hooks default to
 nothing. Policies never do I/O: the router gathers inputs, the policy decides.
+
+Each policy owns its options: a ``PolicyOptions`` model (unknown keys refused, every field
+described) named by its ``Options`` class attribute, validated once here, in the base class.
 """
 
 from __future__ import annotations
@@ -13,25 +16,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from extproc.workers import Worker
+from pydantic import ValidationError
 
-__all__ = ["Candidate", "Decision", "Policy", "PolicyError", "RoutingRequest", "WorkerLoad"]
+from extproc.config import Section
+from extproc.sync.load import WorkerLoad
+from extproc.sync.workers import Worker
+
+__all__ = ["Candidate", "Decision", "Policy", "PolicyError", "PolicyOptions", "RoutingRequest", "WorkerLoad"]
 
 
 class PolicyError(ValueError):
     """Bad policy name or options (reported at start-up, not per request)."""
 
 
-@dataclass
-class WorkerLoad:
-    """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_used_tokens: int = 0
-    max_total_num_tokens: int | None = None
-    token_usage: float = 0.0
-    age_s: float = 0.0  # seconds since it was polled
+class PolicyOptions(Section):
+    """Base of each policy's options model (a policy without constants keeps this empty one)."""
 
 
 @dataclass
@@ -75,25 +74,37 @@ class Decision:
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'options'}: {err['msg']}" for err in exc.errors())
+
+
 class Policy(ABC):
-    """Base class: set ``name``; override ``select``; hooks are optional."""
+    """Base class: set ``name`` (and ``Options`` if the policy has constants); override ``select``.
+
+    ``sections`` holds every policy's configured section by policy name, for policies composed of
+    others (``session`` places new sessions with its fallback policy, configured in its own section).
+    """
 
     name: ClassVar[str]
+    Options: ClassVar[type[PolicyOptions]] = PolicyOptions
     needs_tokens: bool = False  # True: the router tokenizes and fills matched_blocks
     needs_text: bool = False  # True: the router renders the prompt text (character-based peers)
 
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        self.options = dict(options or {})
+    def __init__(
+        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        try:
+            self.opts = self.Options.model_validate(dict(options or {}))
+        except ValidationError as exc:
+            raise PolicyError(f"invalid {self.name} options: {_problems(exc)}") from exc
+        self.sections = dict(sections or {})
 
     @abstractmethod
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         """Rank ``candidates`` (never empty) for ``request``."""
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:  # noqa: B027 (optional hook)
         """Called after a decision is sent to Envoy (update own state)."""
 
-    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
+    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:  # noqa: B027 (optional hook)
         """Called when the request's ext_proc stream ends (response fully sent)."""
-
-    def remove_worker(self, worker: Worker) -> None:
-        """Called when a worker leaves the set for good."""

@@ -14,25 +14,31 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field
 
-from extproc.config import DynamoCostOptions
-from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest
-from extproc.workers import Worker
+from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.sync.workers import Worker
 
-__all__ = ["DynamoCostPolicy"]
+__all__ = ["DynamoCostOptions", "DynamoCostPolicy"]
+
+
+class DynamoCostOptions(PolicyOptions):
+    """NVIDIA Dynamo KV-router cost defaults."""
+
+    overlap_weight: float = Field(1.0, description="Weight of prefill blocks against decode (active) blocks.")
+    temperature: float = Field(0.0, ge=0, description="0: argmin; >0: softmax sampling over -cost/temperature.")
 
 
 class DynamoCostPolicy(Policy):
     name = "dynamo-cost"
+    Options = DynamoCostOptions
+    opts: DynamoCostOptions
     needs_tokens = True
 
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        super().__init__(options)
-        try:
-            self.opts = DynamoCostOptions.model_validate(self.options)
-        except ValidationError as exc:
-            raise PolicyError(f"invalid dynamo-cost options: {exc}") from exc
+    def __init__(
+        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        super().__init__(options, sections)
         self._active: dict[str, int] = {}  # worker id -> blocks of its active requests
         self._prefill: dict[str, int] = {}  # worker id -> uncached blocks of its active requests
         # request -> (worker, blocks, uncached blocks) until it completes. The router never sees the
@@ -51,9 +57,14 @@ class DynamoCostPolicy(Policy):
             new = max(total - c.matched_blocks, 0)
             prefill = new + self._prefill.get(c.worker.id, 0)
             decode = total + self._active.get(c.worker.id, 0)
-            costs[c.worker.id] = {"matched_blocks": c.matched_blocks, "prefill_blocks": prefill,
-                                  "decode_blocks": decode, "cost": self.opts.overlap_weight * prefill + decode,
-                                  "new_blocks": new, "total_blocks": total}
+            costs[c.worker.id] = {
+                "matched_blocks": c.matched_blocks,
+                "prefill_blocks": prefill,
+                "decode_blocks": decode,
+                "cost": self.opts.overlap_weight * prefill + decode,
+                "new_blocks": new,
+                "total_blocks": total,
+            }
         order = sorted(candidates, key=lambda c: costs[c.worker.id]["cost"])
         if self.opts.temperature > 0 and len(order) > 1:
             low = costs[order[0].worker.id]["cost"]
@@ -82,7 +93,3 @@ class DynamoCostPolicy(Policy):
         wid, total, new = owed
         self._active[wid] = max(0, self._active.get(wid, 0) - total)
         self._prefill[wid] = max(0, self._prefill.get(wid, 0) - new)
-
-    def remove_worker(self, worker: Worker) -> None:
-        self._active.pop(worker.id, None)
-        self._prefill.pop(worker.id, None)

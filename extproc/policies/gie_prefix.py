@@ -16,25 +16,34 @@ from collections.abc import Mapping
 from typing import Any
 
 import xxhash
-from pydantic import ValidationError
+from pydantic import Field
 
-from extproc.config import GiePrefixOptions
-from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest
-from extproc.workers import Worker
+from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 
-__all__ = ["GiePrefixPolicy"]
+__all__ = ["GiePrefixOptions", "GiePrefixPolicy"]
+
+
+class GiePrefixOptions(PolicyOptions):
+    """GIE / llm-d approximate prefix scorer defaults."""
+
+    block_chars: int = Field(64, gt=0, description="Characters per hashed block (16 tokens x 4 chars).")
+    max_blocks: int = Field(256, gt=0, description="At most this many leading blocks are hashed.")
+    lru_capacity: int = Field(31_250, gt=0, description="Blocks remembered per server.")
+    prefix_weight: float = Field(3.0, description="Weight of the prefix-match scorer.")
+    queue_weight: float = Field(2.0, description="Weight of the queue-depth scorer.")
+    kv_weight: float = Field(2.0, description="Weight of the KV-utilisation scorer.")
 
 
 class GiePrefixPolicy(Policy):
     name = "gie-prefix"
+    Options = GiePrefixOptions
+    opts: GiePrefixOptions
     needs_text = True
 
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        super().__init__(options)
-        try:
-            self.opts = GiePrefixOptions.model_validate(self.options)
-        except ValidationError as exc:
-            raise PolicyError(f"invalid gie-prefix options: {exc}") from exc
+    def __init__(
+        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        super().__init__(options, sections)
         self._servers: dict[str, OrderedDict[int, None]] = {}
         self._rng = random.Random()
 
@@ -44,7 +53,7 @@ class GiePrefixPolicy(Policy):
         prev = xxhash.xxh64_intdigest(model.encode())
         out = []
         for i in range(count):
-            prev = xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + text[i * size:(i + 1) * size].encode())
+            prev = xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + text[i * size : (i + 1) * size].encode())
             out.append(prev)
         return out
 
@@ -65,8 +74,13 @@ class GiePrefixPolicy(Policy):
             queue = 1.0 if high == low else (high - waiting[c.worker.id]) / (high - low)
             kv = 1.0 - (c.load.token_usage if c.load else 0.0)
             total = self.opts.prefix_weight * prefix + self.opts.queue_weight * queue + self.opts.kv_weight * kv
-            scores[c.worker.id] = {"prefix": prefix, "queue": queue, "kv": kv, "score": total,
-                                   "matched_blocks": matched}
+            scores[c.worker.id] = {
+                "prefix": prefix,
+                "queue": queue,
+                "kv": kv,
+                "score": total,
+                "matched_blocks": matched,
+            }
         shuffled = list(candidates)
         self._rng.shuffle(shuffled)  # random tie-break: sort is stable
         ranked = sorted(shuffled, key=lambda c: -scores[c.worker.id]["score"])
@@ -80,6 +94,3 @@ class GiePrefixPolicy(Policy):
             cache.move_to_end(h)
         while len(cache) > self.opts.lru_capacity:
             cache.popitem(last=False)
-
-    def remove_worker(self, worker: Worker) -> None:
-        self._servers.pop(worker.id, None)

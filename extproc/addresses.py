@@ -1,0 +1,82 @@
+"""Worker and listener addresses: URL normalization, ``host:port`` parsing, IP resolution, free ports.
+
+One module, because every part of the project names workers and sockets the same way: the router
+(worker URLs, KV-event hosts), the Envoy config generator (``host:port``), the local stack, the
+simulated worker launcher and the tests (free loopback ports).
+"""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+__all__ = [
+    "LOOPBACK",
+    "WILDCARD_HOSTS",
+    "free_port",
+    "free_ports",
+    "parse_worker_url",
+    "resolve_endpoint",
+    "split_host_port",
+    "substitute_wildcard",
+]
+
+LOOPBACK = "127.0.0.1"
+
+# Bind-all addresses a worker may report for its own sockets (e.g. ``tcp://*:5557``): a client must
+# connect to the worker's own host instead.
+WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+def parse_worker_url(value: str) -> str:
+    """``host:port`` or a URL -> a normalized base URL (``http://`` by default, no trailing slash)."""
+    value = value.strip().rstrip("/")
+    return value if value.startswith(("http://", "https://")) else "http://" + value
+
+
+def split_host_port(value: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or a URL -> (host, port)."""
+    parts = urlsplit(parse_worker_url(value))
+    try:
+        port = parts.port or default_port
+    except ValueError:  # a port that is not a number, or out of range
+        port = None
+    if not parts.hostname or port is None:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return parts.hostname, port
+
+
+def resolve_endpoint(url: str) -> tuple[str, int]:
+    """``http://host:port`` -> (ip, port); Envoy's ORIGINAL_DST accepts only IP literals."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(f"worker URL {url!r} has no host")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    ip = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)[0][4][0]
+    return str(ip), port
+
+
+def substitute_wildcard(host: str | None, fallback: str) -> str:
+    """A host to connect to: ``fallback`` for a wildcard bind address; IPv6 literals bracketed."""
+    if host is None or host.strip("[]") in WILDCARD_HOSTS or host in WILDCARD_HOSTS:
+        host = fallback
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct TCP ports the OS reports free right now (bound together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """One TCP port free on ``host`` right now."""
+    return free_ports(1, host)[0]

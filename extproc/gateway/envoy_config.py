@@ -1,0 +1,419 @@
+"""The Envoy pieces that put the router in front of a worker fleet (printed by ``prefix-router envoy-config``).
+
+Built as plain dicts and printed as YAML: Envoy's own schema is the contract, and ``envoy --mode
+validate`` (run by the tests) is the checker, so no typed config library is needed here.
+
+The pieces, in request order:
+
+1. ``header_mutation`` filter removes any client-sent ``x-gateway-destination-endpoint``. It runs
+   before ext_proc, so a client can never pick the upstream, not even while the router is down and
+   ext_proc fails open (measured: without it, Envoy proxies to any ``ip:port`` the client names).
+2. ``ext_proc`` filter: request headers SEND, body BUFFERED, responses SKIP (streams flow through
+   unbuffered), ``failure_mode_allow`` (fail open), ``envoy.lb`` metadata accepted.
+3. Routes: with the router's header and ``envoy.lb`` metadata -> ORIGINAL_DST cluster that connects
+   to that ``ip:port``; a generation request without them (router down or slow) -> an ordinary
+   least-request cluster of the same workers; any other path -> the same cluster, with ext_proc
+   disabled on that route (no round trip, body not buffered).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.request import GENERATION_PATHS
+from extproc.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE
+
+__all__ = [
+    "EXTPROC_CLUSTER",
+    "FAILOPEN_CLUSTER",
+    "ORIGINAL_DST_CLUSTER",
+    "GatewaySpec",
+    "bootstrap",
+    "clusters",
+    "example_files",
+    "http_filters",
+    "local_reply_config",
+    "pieces",
+    "routes",
+]
+
+EXTPROC_CLUSTER = "prefix_router_extproc"
+ORIGINAL_DST_CLUSTER = "prefix_router_picked"
+FAILOPEN_CLUSTER = "prefix_router_workers"
+UPSTREAM_HOST_HEADER = "x-upstream-host"
+HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+ACCESS_LOG_FORMAT = (
+    "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms"
+    " (%ROUTE_NAME%, %RESPONSE_CODE_DETAILS%)\n"
+)
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # same default as ServerConfig.max_body_bytes
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class GatewaySpec:
+    """Everything the generated config depends on."""
+
+    workers: list[tuple[str, int]]
+    extproc: tuple[str, int] | None = ("127.0.0.1", 9002)  # None: no router (plain least-request Envoy)
+    listen: tuple[str, int] = ("127.0.0.1", 8080)
+    admin: tuple[str, int] = ("127.0.0.1", 9901)
+    timeout_ms: int = 500
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    upstream_host_header: bool = False
+    access_log: bool = False
+    tls_ca: Path | None = None  # verify the router's certificate with this CA
+    tls_cert: Path | None = None  # client certificate (mTLS) ...
+    tls_key: Path | None = None  # ... and its key
+    tls_sni: str | None = None
+    extra_clusters: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def buffer_limit_bytes(self) -> int:
+        """Envoy's buffer must exceed the router's limit, so that the router (with a JSON error) answers 413."""
+        return 2 * self.max_body_bytes
+
+
+def http_filters(spec: GatewaySpec) -> list[dict[str, Any]]:
+    """The HTTP filter chain up to and including the router filter."""
+    strip = {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+        },
+    }
+    chain = [strip]
+    if spec.extproc is not None:
+        chain.append(
+            {
+                "name": "envoy.filters.http.ext_proc",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+                    "failure_mode_allow": True,
+                    "message_timeout": f"{spec.timeout_ms / 1000:.3f}s",
+                    "processing_mode": {
+                        "request_header_mode": "SEND",
+                        "request_body_mode": "BUFFERED",
+                        "request_trailer_mode": "SKIP",
+                        "response_header_mode": "SKIP",
+                        "response_body_mode": "NONE",
+                        "response_trailer_mode": "SKIP",
+                    },
+                    "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+                },
+            }
+        )
+    chain.append(
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+        }
+    )
+    return chain
+
+
+def _no_circuit_breaking() -> dict[str, Any]:
+    # Envoy's defaults (1024 requests / pending per cluster) would turn a burst into 503s, and on the
+    # ext_proc cluster into silent fail-open; admission control belongs to the workers' queues.
+    return {
+        "thresholds": [
+            {
+                "max_connections": 1_000_000,
+                "max_pending_requests": 1_000_000,
+                "max_requests": 1_000_000,
+                "max_retries": 3,
+            }
+        ]
+    }
+
+
+def _http2() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+
+
+def _tls_socket(spec: GatewaySpec) -> dict[str, Any]:
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if spec.tls_ca is not None:
+        validation: dict[str, Any] = {"trusted_ca": {"filename": str(spec.tls_ca)}}
+        if spec.tls_sni:  # a certificate from the same CA for another name must not pass
+            validation["match_typed_subject_alt_names"] = [{"san_type": "DNS", "matcher": {"exact": spec.tls_sni}}]
+        common["validation_context"] = validation
+    if spec.tls_cert is not None and spec.tls_key is not None:
+        common["tls_certificates"] = [
+            {"certificate_chain": {"filename": str(spec.tls_cert)}, "private_key": {"filename": str(spec.tls_key)}}
+        ]
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if spec.tls_sni:
+        context["sni"] = spec.tls_sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
+    """ext_proc (HTTP/2, optional TLS), ORIGINAL_DST (the router's pick) and the fail-open cluster."""
+    out: list[dict[str, Any]] = []
+    if spec.extproc is not None:
+        host, port = spec.extproc
+        extproc: dict[str, Any] = {
+            "name": EXTPROC_CLUSTER,
+            "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+            "connect_timeout": "0.25s",
+            "circuit_breakers": _no_circuit_breaking(),
+            "typed_extension_protocol_options": _http2(),
+            "load_assignment": {
+                "cluster_name": EXTPROC_CLUSTER,
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+            },
+        }
+        if spec.tls_ca is not None or spec.tls_cert is not None:
+            extproc["transport_socket"] = _tls_socket(spec)
+        out.append(extproc)
+    out.append(
+        {
+            "name": ORIGINAL_DST_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "1s",
+            "circuit_breakers": _no_circuit_breaking(),
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        }
+    )
+    all_ips = all(_is_ip(h) for h, _ in spec.workers)
+    out.append(
+        {
+            "name": FAILOPEN_CLUSTER,
+            "type": "STATIC" if all_ips else "STRICT_DNS",
+            "lb_policy": "LEAST_REQUEST",
+            "connect_timeout": "1s",
+            "circuit_breakers": _no_circuit_breaking(),
+            "load_assignment": {
+                "cluster_name": FAILOPEN_CLUSTER,
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in spec.workers]}],
+            },
+            # Fail-open must not send traffic to a dead worker: Envoy checks /health itself.
+            "health_checks": [
+                {
+                    "timeout": "1s",
+                    "interval": "2s",
+                    "unhealthy_threshold": 2,
+                    "healthy_threshold": 1,
+                    "http_health_check": {"path": "/health"},
+                }
+            ],
+        }
+    )
+    return out + spec.extra_clusters
+
+
+def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
+    """Router's pick -> ORIGINAL_DST; other generation requests (fail-open) and other paths -> least-request.
+
+    Paths the router does not parse never reach ext_proc at all (disabled per route): no gRPC round
+    trip for them, and their bodies stream through instead of being buffered (a buffered body over
+    Envoy's buffer limit would be refused).
+    """
+    action: dict[str, Any] = {"timeout": "0s"}  # generations may stream for minutes; idle timeout still applies
+    extra: dict[str, Any] = {}
+    if spec.upstream_host_header:
+        extra["response_headers_to_add"] = [
+            {
+                "header": {"key": UPSTREAM_HOST_HEADER, "value": "%UPSTREAM_HOST%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
+    failopen = {"cluster": FAILOPEN_CLUSTER, **action}
+    if spec.extproc is None:
+        return [{"name": "workers", "match": {"prefix": "/"}, "route": failopen, **extra}]
+    # Match on the router's metadata as well as its header: a client cannot set dynamic metadata, and a
+    # route cached before ext_proc ran (filters look up per-route config) must be the fail-open one.
+    picked = {
+        "name": "router-picked",
+        "match": {
+            "prefix": "/",
+            "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+            "dynamic_metadata": [
+                {
+                    "filter": LB_METADATA_NAMESPACE,
+                    "path": [{"key": DESTINATION_HEADER}],
+                    "value": {"present_match": True},
+                }
+            ],
+        },
+        "route": {"cluster": ORIGINAL_DST_CLUSTER, **action},
+        **extra,
+    }
+    paths = "|".join(re.escape(p.lstrip("/")) for p in GENERATION_PATHS)
+    generation = {"name": "fail-open", "match": {"safe_regex": {"regex": f"^/({paths})$"}}, "route": failopen, **extra}
+    other = {
+        "name": "pass-through",
+        "match": {"prefix": "/"},
+        "route": failopen,
+        "typed_per_filter_config": {
+            "envoy.filters.http.ext_proc": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True,
+            }
+        },
+        **extra,
+    }
+    return [picked, generation, other]
+
+
+def local_reply_config() -> dict[str, Any]:
+    """Envoy's own error replies (its 413 past the buffer limit, 503 no healthy upstream...) as OpenAI JSON.
+
+    The router's ImmediateResponses are local replies too; they already are OpenAI JSON and carry
+    the details ``prefix_router``, so the mappers leave them alone.
+    """
+
+    def mapper(condition: str, type_: str) -> dict[str, Any]:
+        expression = f"!response.code_details.startsWith('prefix_router') && {condition}"
+        return {
+            "filter": {
+                "extension_filter": {
+                    "name": "envoy.access_loggers.extension_filters.cel",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                        "expression": expression,
+                    },
+                }
+            },
+            "body_format_override": {
+                "json_format": {
+                    "error": {"message": "%LOCAL_REPLY_BODY%", "type": type_, "param": None, "code": "%RESPONSE_CODE%"}
+                }
+            },
+        }
+
+    return {
+        "mappers": [
+            mapper("response.code < 500", "invalid_request_error"),
+            mapper("response.code >= 500", "service_unavailable"),
+        ]
+    }
+
+
+def pieces(spec: GatewaySpec) -> dict[str, Any]:
+    """The drop-in parts for a user's own Envoy."""
+    return {
+        "http_filters": http_filters(spec),
+        "clusters": clusters(spec),
+        "routes": routes(spec),
+        "local_reply_config": local_reply_config(),
+    }
+
+
+def bootstrap(spec: GatewaySpec) -> dict[str, Any]:
+    """A complete single-listener Envoy bootstrap around the pieces."""
+    hcm: dict[str, Any] = {
+        "@type": HCM_TYPE,
+        "stat_prefix": "gateway",
+        "codec_type": "AUTO",
+        "route_config": {
+            "name": "gateway",
+            "virtual_hosts": [{"name": "gateway", "domains": ["*"], "routes": routes(spec)}],
+        },
+        "http_filters": http_filters(spec),
+        "local_reply_config": local_reply_config(),
+    }
+    if spec.access_log:
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                    "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+                },
+            }
+        ]
+    return {
+        "admin": {"address": _address(*spec.admin)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": _address(*spec.listen),
+                    "per_connection_buffer_limit_bytes": spec.buffer_limit_bytes,
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
+            "clusters": clusters(spec),
+        },
+    }
+
+
+# The files under envoy/ in the repository: this generator's output for a local fleet of four workers
+# on 127.0.0.1:30001-30004 and the router on 127.0.0.1:9002 (tests check they never drift).
+EXAMPLE_SPEC = GatewaySpec(
+    workers=[("127.0.0.1", 30001 + i) for i in range(4)], upstream_host_header=True, access_log=True
+)
+_EXAMPLE_HEADER = (
+    "# Generated by `prefix-router envoy-config{flags}`; regenerate with\n"
+    "# `python -m extproc.gateway.envoy_config` rather than editing. See docs/gateway.md.\n"
+)
+
+
+def example_files(spec: GatewaySpec = EXAMPLE_SPEC) -> dict[str, str]:
+    """Relative path -> content of the example configs kept under ``envoy/``."""
+    workers = " ".join(f"--worker {h}:{p}" for h, p in spec.workers)
+    flags = f" {workers} --upstream-host-header"
+    return {
+        "envoy/envoy.yaml": _EXAMPLE_HEADER.format(flags=flags + " --access-log --bootstrap") + dump(bootstrap(spec)),
+        "envoy/extproc-filter.yaml": _EXAMPLE_HEADER.format(flags=flags)
+        + "# Your HCM's http_filters, in order.\n"
+        + dump(http_filters(spec)),
+        "envoy/clusters.yaml": _EXAMPLE_HEADER.format(flags=flags)
+        + "# Add to static_resources.clusters.\n"
+        + dump(clusters(spec)),
+        "envoy/routes.yaml": _EXAMPLE_HEADER.format(flags=flags)
+        + "# Your virtual host's routes, in this order.\n"
+        + dump(routes(spec)),
+        "envoy/local-reply.yaml": _EXAMPLE_HEADER.format(flags=flags)
+        + "# Optional: your HCM's local_reply_config (Envoy's own errors as OpenAI-style JSON).\n"
+        + dump(local_reply_config()),
+    }
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Spell repeated pieces out instead of YAML anchors/aliases: the output is for people to paste."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump(data: Any) -> str:
+    return yaml.dump(data, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False)
+
+
+if __name__ == "__main__":  # regenerate envoy/ (run from the repository root)
+    for name, content in example_files().items():
+        Path(name).write_text(content)
+        print(f"wrote {name}")

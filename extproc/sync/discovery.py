@@ -1,0 +1,83 @@
+"""What a worker says about itself: served model, page size, KV-event publishers per DP rank.
+
+The one place that reads ``/model_info`` and ``/server_info`` (``/get_*`` on older SGLang) and
+interprets them. Health checks call ``discover`` when a worker joins or rejoins (it may have
+restarted with other settings); the event hub calls it for a worker it cannot subscribe to yet.
+Configured values always win over discovered ones, and discovered values are never written back
+into the configured fields: a worker started with ``--dp-size N`` publishes on N ports, all of
+which ``event_endpoints`` derives from ``/server_info`` each time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from extproc.addresses import substitute_wildcard
+from extproc.sync.workers import Worker
+
+__all__ = ["discover", "event_endpoints", "page_size"]
+
+
+async def _get_json(session: aiohttp.ClientSession, worker: Worker, *paths: str) -> dict[str, Any] | None:
+    for path in paths:  # newer name first, then the older alias
+        try:
+            async with session.get(worker.url + path) as response:
+                if response.status == 200:
+                    data = await response.json(content_type=None)
+                    if isinstance(data, dict):
+                        return data
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            continue
+    return None
+
+
+async def discover(session: aiohttp.ClientSession, worker: Worker) -> bool:
+    """Refresh ``worker.info`` (and ``worker.model`` unless configured); True if ``/server_info`` answered."""
+    model_info = await _get_json(session, worker, "/model_info", "/get_model_info")
+    server_info = await _get_json(session, worker, "/server_info", "/get_server_info")
+    if server_info is None and model_info is None:
+        return False
+    info: dict[str, Any] = dict(server_info or {})
+    if model_info is not None:
+        info["model_info"] = model_info
+    worker.info = info
+    if worker.model is None:
+        served = info.get("served_model_name") or (model_info or {}).get("model_path")
+        if isinstance(served, str) and served:
+            worker.model = served
+    return server_info is not None
+
+
+def event_endpoints(worker: Worker) -> list[tuple[str, str | None]]:
+    """``(events, replay)`` endpoints, one pair per DP rank: from config, else from ``/server_info``."""
+    if worker.kv_events_endpoint:
+        return [(worker.kv_events_endpoint, worker.replay_endpoint)]
+    info = worker.info.get("kv_events") if isinstance(worker.info, dict) else None
+    if not isinstance(info, dict):
+        return []
+    publisher = info.get("publisher", "zmq")
+    base = info.get("endpoint_port_base")
+    if publisher not in (None, "zmq") or not isinstance(base, int):
+        return []
+    host = substitute_wildcard(info.get("endpoint_host"), worker.ip)
+    replay_base = info.get("replay_endpoint_port_base")
+    dp_size = info.get("dp_size")
+    ranks = dp_size if isinstance(dp_size, int) and dp_size > 0 else 1
+    out = []
+    for rank in range(ranks):
+        replay = f"tcp://{host}:{replay_base + rank}" if isinstance(replay_base, int) else None
+        out.append((f"tcp://{host}:{base + rank}", replay))
+    return out
+
+
+def page_size(worker: Worker) -> int | None:
+    """The worker's page size (= KV-event ``block_size``) as its ``/server_info`` reports it."""
+    info = worker.info if isinstance(worker.info, dict) else {}
+    events = info.get("kv_events")
+    for value in (info.get("page_size"), events.get("block_size") if isinstance(events, dict) else None):
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,150 @@
+"""The write path's root: one event subscriber per worker publisher (per DP rank).
+
+``EventHub`` keeps the set of subscriptions equal to what the workers publish: on start and every
+``discovery_interval_s`` it subscribes to workers it can now reach (their endpoints come from
+configuration or ``/server_info``, see ``extproc.sync.discovery``), resubscribes a worker whose
+endpoints changed (restarted with other settings), and forgets workers that left the registry.
+Per publisher: ``EventSubscriber`` (ZMQ) -> ``WorkerCacheView`` (sequencing, decode, apply) ->
+``BlockIndex``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+import zmq.asyncio
+
+from extproc.config import EventsConfig
+from extproc.index import BlockIndex
+from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
+from extproc.sync.discovery import discover, event_endpoints
+from extproc.sync.subscriber import EventSubscriber
+from extproc.sync.workers import Worker, WorkerRegistry
+
+__all__ = ["EventHub"]
+
+log = logging.getLogger(__name__)
+
+Endpoints = list[tuple[str, str | None]]
+
+
+class EventHub:
+    """Keeps one subscriber per worker publisher and answers what the router may trust."""
+
+    def __init__(self, config: EventsConfig, registry: WorkerRegistry, index: BlockIndex) -> None:
+        self.config = config
+        self.registry = registry
+        self.index = index
+        self.views: dict[str, list[WorkerCacheView]] = {}
+        self._endpoints: dict[str, Endpoints] = {}
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    def state(self, worker: Worker) -> IndexState:
+        """``synced`` only when every publisher of the worker is."""
+        views = self.views.get(worker.id)
+        if not views:
+            return "unknown"
+        return "synced" if all(v.state == "synced" for v in views) else "unknown"
+
+    def block_size(self, worker: Worker) -> int | None:
+        """The page size the worker's events carry (None before the first ``BlockStored``)."""
+        for view in self.views.get(worker.id, ()):
+            if view.block_size:
+                return view.block_size
+        return None
+
+    def stats(self, worker: Worker) -> list[ViewStats]:
+        """Counters of each of the worker's event streams (one per DP rank)."""
+        return [view.stats for view in self.views.get(worker.id, ())]
+
+    async def start(self) -> None:
+        if not self.config.enabled or self._loop_task is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        await self.sync_once()
+        self._loop_task = asyncio.create_task(self._discover_forever(), name="kv-event-discovery")
+
+    async def stop(self) -> None:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        if self._loop_task is not None:
+            tasks.append(self._loop_task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        self._loop_task = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            try:
+                await self.sync_once()
+            except Exception:  # discovery must never die; the next round retries
+                log.exception("KV-event discovery failed")
+
+    async def sync_once(self) -> None:
+        """Subscribe to newly reachable publishers; follow changed endpoints; drop departed workers."""
+        present = {w.id for w in self.registry.workers}
+        for worker_id in list(self._tasks):
+            if worker_id not in present:
+                self._unsubscribe(worker_id)
+                self.index.forget(worker_id)
+        for worker in self.registry.workers:
+            subscribed = self._endpoints.get(worker.id)
+            if subscribed is None and not worker.kv_events_endpoint and not worker.info:
+                assert self._http is not None
+                await discover(self._http, worker)
+            endpoints = event_endpoints(worker)
+            if endpoints == subscribed or not endpoints:
+                continue
+            if subscribed is not None:
+                log.info("worker %s: KV-event endpoints changed to %s; resubscribing", worker.id, endpoints)
+                self._unsubscribe(worker.id)
+                self.index.clear(worker.id)
+                self.index.forget_routed(worker.id)
+            await self.subscribe(worker, endpoints)
+
+    def _unsubscribe(self, worker_id: str) -> None:
+        for task in self._tasks.pop(worker_id, ()):
+            task.cancel()
+        self.views.pop(worker_id, None)
+        self._endpoints.pop(worker_id, None)
+
+    async def subscribe(self, worker: Worker, endpoints: Endpoints) -> list[EventSubscriber]:
+        assert self._ctx is not None, "EventHub.start() first"
+        views, tasks, subs = [], [], []
+
+        def model() -> str:  # read at use: the served model may be discovered after subscribing
+            return worker.model or ""
+
+        for events_ep, replay_ep in endpoints:
+            view = WorkerCacheView(
+                worker.id,
+                self.index,
+                model=model,
+                resync_after_s=self.config.resync_after_s,
+                max_hashes=self.index.config.max_blocks_per_worker * 3,
+            )
+            sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
+            views.append(view)
+            subs.append(sub)
+            tasks.append(asyncio.create_task(sub.run(), name=f"kv-events-{worker.id}"))
+        self.views[worker.id] = views
+        self._tasks[worker.id] = tasks
+        self._endpoints[worker.id] = list(endpoints)
+        return subs

@@ -1,0 +1,89 @@
+"""The worker set: who can serve, at which ``ip:port``, and whether they are healthy now.
+
+Envoy's ORIGINAL_DST cluster needs a literal ``ip:port`` in the destination header, so host names
+are resolved once here. Everything the router learns about a worker hangs off its ``Worker``:
+health (``extproc.sync.health``), what it reports about itself (``extproc.sync.discovery``), its
+load (``extproc.sync.load``) and its KV events (``extproc.sync.hub``), so every consumer sees one
+consistent candidate set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from extproc.addresses import resolve_endpoint
+from extproc.config import WorkerConfig
+
+__all__ = ["Worker", "WorkerRegistry"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker as the router sees it. Identity is the object; ``id`` is its label."""
+
+    id: str
+    url: str
+    ip: str
+    port: int
+    model: str | None = None
+    # Set only by configuration; otherwise the publisher endpoints come from ``info`` (discovery).
+    kv_events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    healthy: bool = True
+    in_flight: int = 0
+    # Last /server_info (page_size, kv_events, ...) plus "model_info": the last /model_info.
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        """The ``ip:port`` Envoy connects to (IPv6 bracketed)."""
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig) -> Worker:
+        ip, port = resolve_endpoint(config.url)
+        parts = urlsplit(config.url)
+        label = config.name or f"{parts.hostname}:{port}"
+        return cls(
+            id=label,
+            url=config.url,
+            ip=ip,
+            port=port,
+            model=config.model,
+            kv_events_endpoint=config.kv_events_endpoint,
+            replay_endpoint=config.replay_endpoint,
+        )
+
+
+class WorkerRegistry:
+    """All configured workers; ``candidates()`` is the healthy subset routing may choose from."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+
+    @classmethod
+    def from_configs(cls, configs: Iterable[WorkerConfig]) -> WorkerRegistry:
+        return cls([Worker.from_config(c) for c in configs])
+
+    def candidates(self, model: str | None = None) -> list[Worker]:
+        """Healthy workers serving ``model``.
+
+        A model name no worker reports falls back to every healthy worker: SGLang serves its one
+        model whatever name the client sends, so an unknown name is not a reason to refuse.
+        """
+        healthy = [w for w in self.workers if w.healthy]
+        if model is None:
+            return healthy
+        matching = [w for w in healthy if w.model is None or w.model == model]
+        return matching or healthy
+
+    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+        if worker.healthy != healthy:
+            worker.healthy = healthy
+            log.warning("worker %s is now %s", worker.id, "healthy" if healthy else "UNHEALTHY")

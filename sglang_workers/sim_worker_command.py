@@ -1,0 +1,234 @@
+"""``prefix-router sim-worker``: run one SGLang-faithful simulated worker.
+
+Flag names follow SGLang's ``launch_server`` where SGLang has the same knob (``--page-size``,
+``--schedule-policy``, ``--chunked-prefill-size``, ...), so a command line reads like the real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from .config import SimWorkerConfig
+from .timing import PROFILES
+
+__all__ = ["build_config", "configure", "main"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run a simulated SGLang worker: SGLang's HTTP API, radix cache, continuous-batching scheduler "
+        "and KV-event publisher (ZMQ, byte-identical to SGLang 0.5.23), on CPU, with time taken from a "
+        "timing profile of a real GPU. `prefix-router sim-worker --port 30001` alone works."
+    )
+    d = SimWorkerConfig.model_fields
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default=d["host"].default, help="HTTP bind address.")
+    net.add_argument("--port", type=int, default=d["port"].default, help="HTTP port.")
+    net.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=d["kv_events_port"].default,
+        help="ZMQ PUB port of the KV-event publisher (SGLang endpoint tcp://*:PORT).",
+    )
+    net.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=None,
+        help="ZMQ ROUTER port for replaying missed batches (default: --kv-events-port + 1).",
+    )
+    net.add_argument(
+        "--kv-events-host",
+        default=d["kv_events_host"].default,
+        help="Bind host of the ZMQ sockets ('*' = all interfaces, like SGLang).",
+    )
+    net.add_argument("--kv-topic", default=d["kv_topic"].default, help="Topic frame of published batches.")
+    net.add_argument("--no-kv-events", action="store_true", help="Do not publish KV events at all.")
+    net.add_argument(
+        "--event-format",
+        choices=["tagged", "positional"],
+        default=d["event_format"].default,
+        help="Event encoding: tagged maps (SGLang >= 0.5.20) or positional arrays (<= 0.5.15).",
+    )
+    net.add_argument(
+        "--replay-format",
+        type=int,
+        choices=[3, 2],
+        default=d["replay_format"].default,
+        help="Replay reply frames: 3 = (topic, seq, payload) as 0.5.23, 2 = (seq, payload) as <= 0.5.20.",
+    )
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=d["model"].default, help="Model name served in /v1/models and /model_info.")
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer directory or tokenizer.json (default: the built-in Llama-3-style tokenizer).",
+    )
+    model.add_argument(
+        "--chat-template", default=None, help="Chat template file or literal (default: the tokenizer's)."
+    )
+    model.add_argument(
+        "--context-length",
+        type=int,
+        default=d["context_length"].default,
+        help="Longest prompt + output a request may ask for (longer: HTTP 413).",
+    )
+
+    sched = parser.add_argument_group("cache and scheduler (SGLang server args)")
+    sched.add_argument(
+        "--page-size",
+        type=int,
+        default=d["page_size"].default,
+        help="Tokens per KV page; the block_size of KV events. Must equal the router's block size.",
+    )
+    sched.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens (default: the profile's pool at SGLang's memory defaults).",
+    )
+    sched.add_argument(
+        "--schedule-policy",
+        choices=["fcfs", "lpm"],
+        default=d["schedule_policy"].default,
+        help="Waiting-queue order: first come first served, or longest cached prefix first.",
+    )
+    sched.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=d["chunked_prefill_size"].default,
+        help="Prefill tokens per step; longer prompts are chunked.",
+    )
+    sched.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=d["max_prefill_tokens"].default,
+        help="Prefill tokens admitted into one batch.",
+    )
+    sched.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=d["max_running_requests"].default,
+        help="Cap on concurrently running requests.",
+    )
+    sched.add_argument(
+        "--default-max-new-tokens",
+        type=int,
+        default=d["default_max_new_tokens"].default,
+        help="Output length when a /generate or chat request sets none.",
+    )
+
+    timing = parser.add_argument_group("timing")
+    timing.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=d["profile"].default,
+        help="GPU timing profile; 'instant' takes no simulated time.",
+    )
+    timing.add_argument(
+        "--speedup",
+        type=float,
+        default=d["speedup"].default,
+        help="Run simulated time this many times faster than real time.",
+    )
+    timing.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"].default,
+        help="Seed of generated tokens (same prompt + seed = same output).",
+    )
+    timing.add_argument(
+        "--load-time",
+        type=float,
+        default=d["load_time"].default,
+        help="Seconds to answer 503 after start, like SGLang loading a model (real time).",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="Log verbosity."
+    )
+
+
+def build_config(args: argparse.Namespace) -> SimWorkerConfig:
+    return SimWorkerConfig(
+        host=args.host,
+        port=args.port,
+        kv_events=not args.no_kv_events,
+        kv_events_host=args.kv_events_host,
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+        kv_topic=args.kv_topic,
+        event_format=args.event_format,
+        replay_format=args.replay_format,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        context_length=args.context_length,
+        page_size=args.page_size,
+        capacity_tokens=args.capacity_tokens,
+        schedule_policy=args.schedule_policy,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_running_requests=args.max_running_requests,
+        default_max_new_tokens=args.default_max_new_tokens,
+        profile=args.profile,
+        speedup=args.speedup,
+        seed=args.seed,
+        load_time=args.load_time,
+    )
+
+
+async def serve(config: SimWorkerConfig) -> None:
+    """Run until SIGINT/SIGTERM."""
+    from .server import SimWorker  # heavy imports (tokenizers, aiohttp) only when serving
+
+    worker = SimWorker(config)
+    await worker.start()
+    events = (
+        f"KV events on tcp://{config.kv_events_host}:{config.kv_events_port} (replay {config.replay_port})"
+        if config.kv_events
+        else "KV events off"
+    )
+    print(
+        f"sim-worker ready on http://{config.host}:{worker.bound_port} ({config.profile}, page {config.page_size}, "
+        f"{worker.scheduler.capacity if worker.scheduler else 0} KV tokens; {events})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await worker.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "config"
+            print(f"prefix-router sim-worker: {where}: {err['msg']}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:  # unknown profile, unreadable tokenizer
+        print(f"prefix-router sim-worker: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # port in use
+        print(f"prefix-router sim-worker: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # zmq.ZMQError (address in use) and friends, without a traceback
+        if type(exc).__module__.startswith("zmq"):
+            print(f"prefix-router sim-worker: cannot bind KV-event sockets: {exc}", file=sys.stderr)
+            return 1
+        raise
+    return 0
