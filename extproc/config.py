@@ -112,6 +112,14 @@ class ModelConfig(Section):
     )
     chat_template: str | None = Field(None, description="Chat template file overriding the tokenizer's.")
     block_size: int | None = Field(None, description="Worker page size; read from /server_info when omitted.")
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Size of the model's vocabulary: a request carrying a token id at or above it is refused with 400 "
+            "(SGLang's scheduler dies on an out-of-range id). Null: not checked (negative ids always are)."
+        ),
+    )
 
 
 class PolicyConfig(Section):
