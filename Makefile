@@ -2,6 +2,8 @@
 #   make up     run the local gateway stack (4 simulated workers + router + Envoy) on :8080
 #   make test   run the checks (ruff, mypy) and the test suite
 # Both create .venv and install the project into it on first use.
+#   make sglang-cpu   real SGLang 0.5.23 for this CPU (own venv in ~/.cache, ~11 GB once): enables the
+#                     real-SGLang tests, `prefix-router up --engine sglang-cpu` and `bench --engine sglang-cpu`
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +11,7 @@ BIN := $(VENV)/bin
 WORKERS ?= 4
 PORT ?= 8080
 
-.PHONY: up test check bench install clean
+.PHONY: up test check bench install clean sglang-cpu
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +35,10 @@ check: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# Real SGLang on CPU: reuses ~/.cache/prefix-router/sglang-0.5.23 when it is there (see docs/real-sglang.md).
+sglang-cpu: $(VENV)/.installed
+	$(BIN)/python -m sglang_workers.sglang_cpu_install --python $(PYTHON)
 
 bench: $(VENV)/.installed
 	$(BIN)/prefix-router bench

@@ -1,10 +1,13 @@
-"""``prefix-router sglang-launch``: the launch command of a real SGLang GPU worker wired for this router.
+"""``prefix-router sglang-launch``: the launch command of a real SGLang worker wired for this router.
 
 The router needs four things from each SGLang worker, all off by default in SGLang: KV events over
 ZMQ (``--kv-events-config`` with a replay socket, so a restarted router can catch up), a page size
 equal to the router's block size (``--page-size``; SGLang's CUDA default is 1), Prometheus metrics
 (``--enable-metrics``) and ``cached_tokens`` in OpenAI responses (``--enable-cache-report``). This
-command prints that command line (default) or replaces itself with it (``--run``).
+command prints that command line (default) or replaces itself with it (``--run``). With ``--cpu`` it
+launches from the ``make sglang-cpu`` install instead: its Python, its tiny Llama, the CPU flags
+(``--sleep-on-idle`` among them) and the environment (``SGLANG_USE_CPU_ENGINE=1``, the libcuda.so.1
+stand-in on ``LD_LIBRARY_PATH``, no downloads).
 """
 
 from __future__ import annotations
@@ -15,15 +18,22 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 __all__ = ["build_command", "configure", "kv_events_config", "main", "sglang_flags"]
 
 
 def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: str = "*") -> str:
-    """The ``--kv-events-config`` JSON value (SGLang binds PUB/ROUTER when the host is ``*``)."""
+    """The ``--kv-events-config`` JSON value.
+
+    SGLang binds its PUB socket only for a wildcard host (``*``, ``0.0.0.0``, ``::``); for a concrete
+    one it *connects* to it, and a router subscribing there hears nothing, so ``"bind": true`` is added.
+    """
     config: dict[str, object] = {"publisher": "zmq", "endpoint": f"tcp://{host}:{port}", "topic": topic}
     if replay_port is not None:
         config["replay_endpoint"] = f"tcp://{host}:{replay_port}"
+    if host not in ("*", "0.0.0.0", "::"):
+        config["bind"] = True
     return json.dumps(config, separators=(",", ":"))
 
 
@@ -35,17 +45,19 @@ def sglang_flags(
     kv_replay_port: int | None = None,
     topic: str = "",
     replay: bool = True,
+    events_host: str = "*",
 ) -> dict[str, str | bool]:
     """The SGLang flags this router depends on: flag -> value (``True`` for a bare switch).
 
     Other tools (compose files, Kubernetes manifests, tests) take them from here so they cannot drift.
+    ``events_host`` is where the ZMQ sockets bind (``*``: every interface).
     """
     replay_port = (kv_replay_port or kv_events_port + 1) if replay else None
     return {
         "--host": host,
         "--port": str(port),
         "--page-size": str(page_size),
-        "--kv-events-config": kv_events_config(kv_events_port, replay_port, topic),
+        "--kv-events-config": kv_events_config(kv_events_port, replay_port, topic, events_host),
         "--enable-metrics": True,
         "--enable-cache-report": True,
     }
@@ -62,6 +74,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
         args.kv_replay_port,
         args.kv_topic,
         replay=not args.no_replay,
+        events_host=args.kv_events_host,
     )
     for flag, value in flags.items():
         cmd += [flag] if value is True else [flag, str(value)]
@@ -76,6 +89,10 @@ def build_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--mem-fraction-static", str(args.mem_fraction_static)]
     if args.dummy_weights:
         cmd += ["--load-format", "dummy"]
+    if args.cpu:
+        from .sglang_cpu import cpu_flags
+
+        cmd += cpu_flags(args.max_total_tokens)
     return cmd + list(args.extra)
 
 
@@ -86,7 +103,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--enable-metrics and --enable-cache-report. Needs a GPU host with SGLang installed "
         "(pip install 'prefix-router[sglang]', or the lmsysorg/sglang image)."
     )
-    parser.add_argument("--model-path", required=True, help="HF model id or local directory (SGLang --model-path).")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help=(
+            "Serve on this machine's CPU from the `make sglang-cpu` install: its Python and tiny Llama (unless "
+            "--python / --model-path say otherwise), the CPU flags and environment."
+        ),
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="HF model id or local directory (SGLang --model-path); required without --cpu.",
+    )
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=8192,
+        help="With --cpu: the KV pool size in tokens (SGLang --max-total-tokens).",
+    )
     parser.add_argument("--served-model-name", default=None, help="Name clients send in 'model' (default: the path).")
     parser.add_argument("--host", default="0.0.0.0", help="HTTP bind address of the worker.")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port of the worker.")
@@ -104,6 +139,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="ZMQ ROUTER replay port (default: --kv-events-port + 1; DP rank r uses port + r).",
+    )
+    parser.add_argument(
+        "--kv-events-host",
+        default="*",
+        help="Address the ZMQ sockets bind ('*' = every interface; a concrete one adds \"bind\": true).",
     )
     parser.add_argument("--no-replay", action="store_true", help="Do not open a replay socket.")
     parser.add_argument("--kv-topic", default="", help="Topic frame of KV-event batches.")
@@ -126,7 +166,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--load-format dummy: random weights, no download (load tests only).",
     )
-    parser.add_argument("--python", default=sys.executable, help="Python interpreter that has sglang installed.")
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="Python interpreter that has sglang installed (default: this one; with --cpu the install's).",
+    )
     parser.add_argument("--run", action="store_true", help="Execute the command instead of printing it.")
     parser.add_argument("extra", nargs="*", help="Further SGLang flags, after '--' (passed through unchanged).")
 
@@ -135,10 +179,36 @@ def main(args: argparse.Namespace) -> int:
     if args.page_size < 1 or not 0 < args.port < 65536 or not 0 < args.kv_events_port < 65536:
         print("prefix-router sglang-launch: --page-size must be >= 1 and ports within 1-65535", file=sys.stderr)
         return 2
+    env: dict[str, str] | None = None
+    run_env: dict[str, str] | None = None
+    if args.cpu:
+        from .sglang_cpu import TINY_MODEL_NAME, CpuInstall, cpu_environment, find_install, missing_install_reason
+
+        install = find_install()
+        if install is None and (args.python is None or args.model_path is None):
+            print(f"prefix-router sglang-launch: {missing_install_reason()}", file=sys.stderr)
+            return 1
+        install = install or CpuInstall(Path(args.python).resolve().parent.parent)
+        args.python = args.python or str(install.python)
+        if args.model_path is None:
+            args.model_path = str(install.model_dir)
+            args.served_model_name = args.served_model_name or TINY_MODEL_NAME
+        env = cpu_environment(install, {})
+        run_env = cpu_environment(install)
+    elif args.model_path is None:
+        print(
+            "prefix-router sglang-launch: --model-path is required (or --cpu for the local tiny Llama)", file=sys.stderr
+        )
+        return 2
+    args.python = args.python or sys.executable
     cmd = build_command(args)
     if not args.run:
-        print(shlex.join(cmd))
+        prefix = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items() if k != "PYTHONUNBUFFERED"]
+        print(" ".join([*prefix, shlex.join(cmd)]))
         return 0
+    if run_env is not None:
+        sys.stdout.flush()
+        os.execve(cmd[0], cmd, run_env)
     if args.python == sys.executable and importlib.util.find_spec("sglang") is None:
         print(
             "prefix-router sglang-launch: SGLang is not installed in this environment; on a GPU host run "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,79 @@ def test_run_without_sglang_explains_how_to_install() -> None:
 def test_rejects_bad_page_size() -> None:
     done = _run("--model-path", "m", "--page-size", "0")
     assert done.returncode == 2 and "page-size" in done.stderr
+
+
+def test_cpu_launch_command_uses_the_install_and_the_cpu_flags(tmp_path: Path) -> None:
+    """--cpu takes the Python, the model and the environment from the `make sglang-cpu` install."""
+    root = _fake_install(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "sglang-launch", "--cpu", "--port", "31000", "--kv-events-host", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(root)},
+    )
+    assert done.returncode == 0, done.stderr
+    words = shlex.split(done.stdout)
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-") and "/" not in w.split("=")[0])
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["LD_LIBRARY_PATH"] == str(root / "prefix-router" / "libcuda")
+    argv = words[len(env) :]
+    assert argv[0] == str(root / "bin" / "python") and argv[1:3] == ["-m", "sglang.launch_server"]
+    flags = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
+    assert flags["--model-path"] == str(root / "prefix-router" / "tiny-llama")
+    assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
+    assert flags["--cuda-graph-backend-decode"] == "disabled" and "--sleep-on-idle" in argv
+    # A concrete host: SGLang would connect its PUB socket there instead of binding it unless told to bind.
+    events = json.loads(flags["--kv-events-config"])
+    assert events["endpoint"] == "tcp://127.0.0.1:5557" and events["bind"] is True
+
+
+def test_cpu_launch_without_the_install_names_make_sglang_cpu(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "sglang-launch", "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")},
+    )
+    assert done.returncode == 1 and "make sglang-cpu" in done.stderr and "Traceback" not in done.stderr
+    up = subprocess.run(
+        [sys.executable, "-m", "extproc", "up", "--engine", "sglang-cpu", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")},
+    )
+    assert up.returncode == 1 and "make sglang-cpu" in up.stderr and "Traceback" not in up.stderr
+
+
+def test_install_errors_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_workers import sglang_cpu_install as installer
+
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(installer.shutil, "which", lambda name: None)
+    with pytest.raises(installer.InstallError, match="apt-get install gcc"):
+        installer.install(tmp_path / "venv", sys.executable)
+    monkeypatch.setattr(installer.shutil, "which", lambda name: "/usr/bin/cc")
+    monkeypatch.setattr(installer, "_free_gb", lambda path: 3.0)
+    with pytest.raises(installer.InstallError, match=r"needs about 12 GB free .* 3\.0 GB are"):
+        installer.install(tmp_path / "venv", sys.executable)
+    assert installer.main(["--dir", str(tmp_path / "venv")]) == 1  # the same, as one line on stderr
+
+
+def _fake_install(root: Path) -> Path:
+    """An install's layout with a current stamp (what find_install checks), without the 11 GB."""
+    from sglang_workers.sglang_cpu import SGLANG_CPU_VERSION, CpuInstall, model_digest, stub_digest
+
+    install = CpuInstall(root)
+    install.python.parent.mkdir(parents=True)
+    install.python.write_text("")
+    install.libcuda_dir.mkdir(parents=True)
+    (install.libcuda_dir / "libcuda.so.1").write_text("")
+    install.model_dir.mkdir(parents=True)
+    (install.model_dir / "config.json").write_text("{}")
+    install.stamp_path.write_text(
+        json.dumps({"sglang": SGLANG_CPU_VERSION, "libcuda": stub_digest(), "model": model_digest()})
+    )
+    return root

@@ -1,7 +1,8 @@
 """The whole gateway on one machine, as child processes on loopback (``prefix-router up`` runs one).
 
-N simulated SGLang workers (or workers you name), the router (``prefix-router serve``) and Envoy
-(configured by ``extproc.gateway.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
+N simulated SGLang workers, N real SGLang CPU workers (``sglang_workers.sglang_cpu``, after ``make
+sglang-cpu``) or workers you name, the router (``prefix-router serve``) and Envoy (configured by
+``extproc.gateway.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
 ``stop_router``/``start_router``) is kept stable.
 
@@ -113,6 +114,8 @@ class GatewayStack:
         worker_urls: Sequence[str] = (),
         sim_workers: int = 0,
         sim_worker_options: dict[str, Any] | None = None,
+        sglang_cpu_workers: int = 0,
+        sglang_cpu_options: dict[str, Any] | None = None,
         port: int = 0,
         host: str = LOOPBACK,
         policy: str | None = None,
@@ -135,11 +138,13 @@ class GatewayStack:
         startup_timeout_s: float = 60.0,
         own_sessions: bool = False,
     ) -> None:
-        if not worker_urls and sim_workers <= 0:
-            raise ValueError("give worker_urls or sim_workers > 0")
+        if not worker_urls and sim_workers <= 0 and sglang_cpu_workers <= 0:
+            raise ValueError("give worker_urls, sim_workers > 0 or sglang_cpu_workers > 0")
         self.worker_urls = list(worker_urls)
         self.sim_workers = sim_workers
         self.sim_worker_options = dict(sim_worker_options or {})
+        self.sglang_cpu_workers = sglang_cpu_workers
+        self.sglang_cpu_options = dict(sglang_cpu_options or {})
         self.host = host
         # Ports we picked ourselves may be taken by someone else before the child binds them
         # (tests run in parallel); those are re-picked and the child restarted.
@@ -169,6 +174,7 @@ class GatewayStack:
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="prefix-router-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._sims: list[Any] = []
+        self._cpu_workers: list[Any] = []
         self._router: _Child | None = None
         self._envoy: _Child | None = None
         self.envoy_config_path = self.log_dir / "envoy.yaml"
@@ -184,6 +190,11 @@ class GatewayStack:
     def sim_processes(self) -> list[Any]:
         """The simulated workers this stack started (``sglang_workers.process.SimWorkerProcess``)."""
         return list(self._sims)
+
+    @property
+    def sglang_cpu_processes(self) -> list[Any]:
+        """The real SGLang CPU workers this stack started (``sglang_workers.sglang_cpu.SGLangCpuWorker``)."""
+        return list(self._cpu_workers)
 
     @property
     def router_process(self) -> subprocess.Popen[bytes] | None:
@@ -203,6 +214,8 @@ class GatewayStack:
         try:
             if self.sim_workers:
                 await asyncio.to_thread(self._start_sim_workers)
+            if self.sglang_cpu_workers:
+                await asyncio.to_thread(self._start_cpu_workers)
             await self._wait_workers()
             if self.with_router:
                 await self.start_router()
@@ -237,7 +250,7 @@ class GatewayStack:
 
     def children_alive(self) -> dict[str, bool]:
         """Which child processes still run (``up`` watches this)."""
-        alive = {f"worker {sim.url}": sim.alive() for sim in self._sims}
+        alive = {f"worker {w.url}": w.alive() for w in [*self._sims, *self._cpu_workers]}
         for child in (self._router, self._envoy):
             if child is not None:
                 alive[child.name] = child.process.poll() is None
@@ -266,6 +279,16 @@ class GatewayStack:
             self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
         )
         self.worker_urls.extend(sim.url for sim in self._sims)
+
+    def _start_cpu_workers(self) -> None:
+        from sglang_workers.sglang_cpu import CpuWorkerError, start_cpu_workers
+
+        options = {"startup_timeout": max(self.startup_timeout_s, 300.0), **self.sglang_cpu_options}
+        try:
+            self._cpu_workers = start_cpu_workers(self.sglang_cpu_workers, log_dir=self.log_dir, **options)
+        except CpuWorkerError as exc:
+            raise StackError(str(exc)) from None
+        self.worker_urls.extend(w.url for w in self._cpu_workers)
 
     async def _wait_workers(self) -> None:
         """Wait until every worker is ready: ``/ready`` (SGLang: a flag, answered at once), else ``/health``.
@@ -425,5 +448,8 @@ class GatewayStack:
         sims, self._sims = self._sims, []
         for sim in sims:
             sim.stop()
+        cpu_workers, self._cpu_workers = self._cpu_workers, []
+        for worker in cpu_workers:
+            worker.stop()
         if self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -1,7 +1,9 @@
-"""``prefix-router up``: the local gateway stack (simulated workers + router + Envoy) in the foreground.
+"""``prefix-router up``: the local gateway stack (workers + router + Envoy) in the foreground.
 
-Starts a ``GatewayStack``, prints where everything listens, then one access-log line per request
-until Ctrl-C or SIGTERM, and stops Envoy, the router and the workers in that order.
+The workers are simulated (``--engine sim``, the default), real SGLang 0.5.23 on this machine's CPU
+(``--engine sglang-cpu``, after ``make sglang-cpu``) or ones you run (``--worker URL``). Starts a
+``GatewayStack``, prints where everything listens, then one access-log line per request until Ctrl-C
+or SIGTERM, and stops Envoy, the router and the workers in that order.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +24,25 @@ from extproc.gateway.stack import GatewayStack
 __all__ = ["configure", "main"]
 
 
+ENGINES = ("sim", "sglang-cpu")
+DEFAULT_WORKERS = {"sim": 4, "sglang-cpu": 2}  # a CPU worker takes ~4 GB and a core while busy
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sim-workers", type=int, default=4, help="How many simulated SGLang workers to start.")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="sim",
+        help=(
+            "What the workers are: sim = simulated SGLang workers (no GPU, starts in a second); sglang-cpu = real "
+            "SGLang 0.5.23 serving a tiny random-weight Llama on this CPU (needs `make sglang-cpu`; ~40-100 s to "
+            "start, ~4 GB each)."
+        ),
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="How many workers to start (default: 4 simulated, 2 sglang-cpu)."
+    )
+    parser.add_argument("--sim-workers", type=int, default=None, help="Same as --workers (kept for existing scripts).")
     parser.add_argument(
         "--worker",
         action="append",
@@ -52,20 +73,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", type=Path, help="Keep the children's logs here (default: a temp dir).")
 
 
-def _banner(stack: GatewayStack) -> str:
+ENGINE_LABELS = {"sim": "simulated SGLang", "sglang-cpu": "real SGLang 0.5.23 on CPU (tiny random-weight Llama)"}
+
+
+def _banner(stack: GatewayStack, engine: str) -> str:
     workers = "\n".join(f"    {url}" for url in stack.worker_urls)
+    label = ENGINE_LABELS[engine] if stack.sim_workers or stack.sglang_cpu_workers else "yours"
+    model = '"tiny-llama"' if engine == "sglang-cpu" else '"default"'
     return (
         f"""
 prefix-router gateway is up: {stack.url}
 
-  workers ({len(stack.worker_urls)}):
+  workers ({len(stack.worker_urls)}, {label}):
 {workers}
   router:  {stack.router_address} (ext_proc gRPC)  metrics: http://{LOOPBACK}:{stack.metrics_port}/metrics
   envoy:   admin {stack.admin_url}   logs: {stack.log_dir}
 
 Try it (the x-upstream-host response header names the worker that served):
   curl -i {stack.url}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model": "default", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": {model}, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE, DETAILS). ROUTE is router-picked
 when the router chose the worker, fail-open when Envoy's least-request route served a generation request
@@ -77,18 +103,57 @@ request never reached a worker. Ctrl-C stops everything.
     )
 
 
+def worker_count(args: argparse.Namespace) -> int:
+    """--workers, else --sim-workers, else the engine's default."""
+    for value in (args.workers, args.sim_workers):
+        if value is not None:
+            return int(value)
+    return DEFAULT_WORKERS[args.engine]
+
+
+def sglang_cpu_router_config(path: Path, model_dir: str) -> Path:
+    """The router's view of the CPU workers' model: its tokenizer (the model's own) and vocabulary size."""
+    from sglang_workers.sglang_cpu import TINY_MODEL_NAME, TINY_MODEL_VOCAB
+
+    path.write_text(
+        f"models:\n  - name: {TINY_MODEL_NAME}\n    tokenizer: {model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
+    )
+    return path
+
+
 async def _run_up(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.sim_speedup != 1.0:
         options["speedup"] = args.sim_speedup
+    count = 0 if args.worker else worker_count(args)
+    config = args.config
+    cpu_config: Path | None = None
+    if args.engine == "sglang-cpu" and not args.worker and config is None:
+        from sglang_workers.sglang_cpu import find_install
+
+        install = find_install()
+        assert install is not None  # main() checked
+        fd, name = tempfile.mkstemp(prefix="prefix-router-sglang-cpu-", suffix=".yaml")
+        os.close(fd)
+        cpu_config = config = sglang_cpu_router_config(Path(name), str(install.model_dir))
+    try:
+        return await _serve(args, options, count, config)
+    finally:
+        if cpu_config is not None:
+            cpu_config.unlink(missing_ok=True)
+
+
+async def _serve(args: argparse.Namespace, options: dict[str, Any], count: int, config: Path | None) -> int:
+    cpu = args.engine == "sglang-cpu"
     stack = GatewayStack(
         worker_urls=args.worker,
-        sim_workers=0 if args.worker else args.sim_workers,
+        sim_workers=0 if cpu else count,
         sim_worker_options=options,
+        sglang_cpu_workers=count if cpu else 0,
         port=args.port,
         host=args.host,
         policy=args.policy,
-        config=args.config,
+        config=config,
         router_port=args.router_port,
         metrics_port=args.metrics_port,
         admin_port=args.admin_port,
@@ -114,7 +179,7 @@ async def _run_up(args: argparse.Namespace) -> int:
         stopping.cancel()
         print(f"prefix-router up: {starting.exception()}", file=sys.stderr)
         return 1
-    print(_banner(stack), flush=True)
+    print(_banner(stack, args.engine), flush=True)
     status = 0
     while not stop.is_set():
         dead = [name for name, alive in stack.children_alive().items() if not alive]
@@ -138,7 +203,14 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"prefix-router up: {exc}", file=sys.stderr)
             return 2
-    elif args.sim_workers < 1:
-        print("prefix-router up: --sim-workers must be at least 1 (or give --worker URL)", file=sys.stderr)
+    elif worker_count(args) < 1:
+        print("prefix-router up: --workers must be at least 1 (or give --worker URL)", file=sys.stderr)
         return 2
+    elif args.engine == "sglang-cpu":
+        from sglang_workers.sglang_cpu import missing_install_reason
+
+        reason = missing_install_reason()
+        if reason is not None:
+            print(f"prefix-router up: {reason}", file=sys.stderr)
+            return 1
     return asyncio.run(_run_up(args))

@@ -1,0 +1,209 @@
+"""``make sglang-cpu``: install real SGLang 0.5.23 for this machine's CPU, or reuse the install already there.
+
+Three steps, each skipped when its result is present and current (``sglang_workers.sglang_cpu`` says
+where everything lives):
+
+1. a virtualenv with ``sglang==0.5.23`` (pip, ~4 min and ~11 GB on a fresh machine; the project's
+   ``.venv`` is untouched: the two do not share pins);
+2. ``libcuda.so.1``, built from ``cpu/libcuda_stub.c`` with the C compiler (well under a second);
+3. the tiny random-weight Llama, built by ``cpu/build_tiny_model.py`` under the SGLang venv's Python
+   from the project's default tokenizer (a few seconds; nothing is downloaded).
+
+Then one import check (``sglang`` and ``sgl_kernel`` with the stand-in on the library path). Whatever
+is missing (a C compiler, disk space, a Python for the venv) is reported in one line, with the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from extproc.tokenization import DEFAULT_TOKENIZER_DIR
+
+from .sglang_cpu import (
+    CPU_DIR,
+    SGLANG_CPU_VERSION,
+    CpuInstall,
+    cpu_environment,
+    default_install_dir,
+    model_digest,
+    stub_digest,
+)
+
+__all__ = ["InstallError", "install", "main"]
+
+INSTALL_GB = 11  # what `pip install sglang==0.5.23` leaves on disk (torch arrives as the CUDA build)
+NEEDED_GB = 12  # free space asked for before pip starts: the install plus room for unpacking
+
+
+class InstallError(RuntimeError):
+    """A missing prerequisite or a failed step: the message says what to do."""
+
+
+def _say(message: str) -> None:
+    print(f"sglang-cpu: {message}", flush=True)
+
+
+def find_compiler() -> str:
+    """The C compiler (``$CC``, ``cc`` or ``gcc``); a clear error naming the Debian package otherwise."""
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise InstallError(
+        "no C compiler found (tried $CC, cc, gcc); one is needed to build the libcuda.so.1 stand-in. "
+        "On Debian or Ubuntu: apt-get install gcc"
+    )
+
+
+def installed_sglang(install: CpuInstall) -> str | None:
+    """The sglang version in the venv, or None (no venv, no sglang)."""
+    if not install.python.exists():
+        return None
+    probe = subprocess.run(
+        [str(install.python), "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+        capture_output=True,
+        text=True,
+    )
+    return (probe.stdout.strip() or None) if probe.returncode == 0 else None
+
+
+def _free_gb(path: Path) -> float:
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free / 2**30
+
+
+def install_sglang(install: CpuInstall, python: str) -> bool:
+    """Install sglang into the venv unless it is there; True if anything was done."""
+    version = install.stamp().get("sglang") if install.python.exists() else None
+    version = version or installed_sglang(install)
+    if version == SGLANG_CPU_VERSION:
+        _say(f"sglang=={version} already installed in {install.root}: reusing it")
+        return False
+    free = _free_gb(install.root)
+    if free < NEEDED_GB:
+        raise InstallError(
+            f"not enough disk space at {install.root}: sglang=={SGLANG_CPU_VERSION} needs about {NEEDED_GB} GB free "
+            f"(the install is ~{INSTALL_GB} GB) and {free:.1f} GB are. Free some space, or set "
+            "PREFIX_ROUTER_SGLANG_CPU to a directory on a larger disk"
+        )
+    if not install.python.exists():
+        _say(f"creating the virtualenv {install.root} (with {python})")
+        install.root.parent.mkdir(parents=True, exist_ok=True)
+        created = subprocess.run([python, "-m", "venv", str(install.root)])
+        if created.returncode != 0:
+            raise InstallError(
+                f"could not create a virtualenv with {python} (status {created.returncode}); on Debian or Ubuntu "
+                "apt-get install python3-venv, or pass PYTHON=/path/to/python3 to make"
+            )
+    _say(f"installing sglang=={SGLANG_CPU_VERSION} (a few minutes, ~{INSTALL_GB} GB) ...")
+    pip = subprocess.run(
+        [str(install.python), "-m", "pip", "install", "--no-cache-dir", "--quiet", f"sglang=={SGLANG_CPU_VERSION}"]
+    )
+    if pip.returncode != 0:
+        raise InstallError(f"pip install sglang=={SGLANG_CPU_VERSION} failed (status {pip.returncode}; see above)")
+    return True
+
+
+def build_stub(install: CpuInstall, compiler: str) -> bool:
+    target = install.libcuda_dir / "libcuda.so.1"
+    if target.exists() and install.stamp().get("libcuda") == stub_digest():
+        _say(f"libcuda.so.1 stand-in up to date: {target}")
+        return False
+    install.libcuda_dir.mkdir(parents=True, exist_ok=True)
+    built = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(CPU_DIR / "libcuda_stub.c")],
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        raise InstallError(f"{compiler} could not build the libcuda.so.1 stand-in:\n{built.stderr.strip()}")
+    _say(f"built the libcuda.so.1 stand-in: {target}")
+    return True
+
+
+def build_model(install: CpuInstall, tokenizer: Path) -> bool:
+    if (install.model_dir / "config.json").exists() and install.stamp().get("model") == model_digest(tokenizer):
+        _say(f"tiny Llama up to date: {install.model_dir}")
+        return False
+    built = subprocess.run(
+        [
+            str(install.python),
+            str(CPU_DIR / "build_tiny_model.py"),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(install.model_dir),
+        ],
+        env=cpu_environment(install),
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        raise InstallError(f"building the tiny Llama failed:\n{(built.stderr or built.stdout).strip()[-2000:]}")
+    _say(f"built the tiny Llama from {tokenizer}: {install.model_dir}")
+    return True
+
+
+def check_imports(install: CpuInstall) -> None:
+    checked = subprocess.run(
+        [str(install.python), "-c", "import sgl_kernel, sglang; print(sglang.__version__)"],
+        env=cpu_environment(install),
+        capture_output=True,
+        text=True,
+    )
+    if checked.returncode != 0 or checked.stdout.strip() != SGLANG_CPU_VERSION:
+        raise InstallError(
+            "sglang does not import with the stand-in on LD_LIBRARY_PATH:\n"
+            + (checked.stderr or checked.stdout).strip()[-2000:]
+        )
+
+
+def install(root: Path, python: str, tokenizer: Path = DEFAULT_TOKENIZER_DIR) -> CpuInstall:
+    """Run every step that is not done yet; the returned install is complete."""
+    target = CpuInstall(root)
+    compiler = find_compiler()  # before pip: fail in a second, not after minutes of downloads
+    changed = install_sglang(target, python)
+    changed = build_stub(target, compiler) or changed
+    changed = build_model(target, tokenizer) or changed
+    if changed or not target.stamp_path.exists():
+        check_imports(target)  # ~15 s: only after something was (re)built
+    target.stamp_path.write_text(
+        json.dumps({"sglang": SGLANG_CPU_VERSION, "libcuda": stub_digest(), "model": model_digest(tokenizer)}, indent=2)
+        + "\n"
+    )
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_workers.sglang_cpu_install",
+        description="Install (or reuse) real SGLang 0.5.23 for CPU serving: venv, libcuda.so.1 stand-in, tiny Llama.",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=default_install_dir(),
+        help="Install directory (default: $PREFIX_ROUTER_SGLANG_CPU or ~/.cache/prefix-router/sglang-0.5.23).",
+    )
+    parser.add_argument(
+        "--python", default=sys.executable, help="Interpreter the venv is created with (3.10 or newer)."
+    )
+    args = parser.parse_args(argv)
+    try:
+        done = install(args.dir, args.python)
+    except InstallError as exc:
+        print(f"sglang-cpu: {exc}", file=sys.stderr)
+        return 1
+    _say(f"ready: {done.root} (prefix-router sglang-launch --cpu --run starts a worker)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
