@@ -338,6 +338,54 @@ def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
     assert parse_loads({"unrelated": 1}) is None and parse_metrics("up 1\n") is None
 
 
+def test_every_field_of_sglang_0_5_23_loads_is_read_and_prefill_speed_derived() -> None:
+    from extproc.sync.load import LoadTracker, WorkerLoad, parse_loads
+
+    rank = {
+        "timestamp": 100.0,
+        "dp_rank": 0,
+        "num_running_reqs": 1,
+        "num_waiting_reqs": 2,
+        "num_waiting_uncached_tokens": 900,
+        "num_used_tokens": 300,
+        "num_total_tokens": 1300,
+        "num_active_tokens": 1300,
+        "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": 8192,
+        "max_running_requests": 2048,
+        "token_usage": 0.0366,
+        "gen_throughput": 120.5,
+        "cache_hit_rate": 0.5,
+        "utilization": 0.0,
+        "total_prefill_uncached_tokens": 10_000,
+        "total_prefill_busy_us": 2_000_000,
+        "decode_moments": [30.0, 30.0, 212229.0, 30.0, 212229.0, 30.0],
+        "memory": {"weight_gb": 0.003, "kv_cache_gb": 0.004, "graph_gb": 0.0, "token_capacity": 8192},
+        "disaggregation": {"mode": "null"},
+        "queues": {"waiting": 2, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
+    }
+    load = parse_loads({"version": "0.5.23", "loads": [rank, {**rank, "dp_rank": 1}]})
+    assert load is not None
+    assert (load.num_waiting_uncached_tokens, load.num_total_tokens, load.max_running_requests) == (1800, 2600, 4096)
+    assert load.gen_throughput == 241.0 and load.cache_hit_rate == 0.5 and load.utilization == 0.0
+    assert (load.total_prefill_uncached_tokens, load.total_prefill_busy_us) == (20_000, 4_000_000)
+    assert load.decode_moments == [60.0, 60.0, 424458.0, 60.0, 424458.0, 60.0]
+    assert load.memory is not None and len(load.memory) == 2 and load.queues is not None
+    assert load.reported_at == 100.0
+    # Every flat key real SGLang reports lands in a field of the same name (none is dropped on the floor).
+    fields = set(WorkerLoad.__dataclass_fields__)
+    assert {k for k, v in rank.items() if k not in ("timestamp", "dp_rank")} <= fields
+    # Two polls: the counters' deltas give the measured prefill speed.
+    from extproc.config import LoadConfig
+    from extproc.sync.workers import WorkerRegistry
+
+    worker = _workers(1)[0]
+    tracker = LoadTracker(LoadConfig(), WorkerRegistry([worker]))
+    tracker.set(worker, WorkerLoad(total_prefill_uncached_tokens=1000, total_prefill_busy_us=100_000))
+    tracker.set(worker, WorkerLoad(total_prefill_uncached_tokens=5000, total_prefill_busy_us=300_000))
+    assert tracker.get(worker).prefill_tokens_per_s == pytest.approx(20_000.0)  # type: ignore[union-attr]
+
+
 def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None:
     from extproc.sync.discovery import event_endpoints, page_size
 
