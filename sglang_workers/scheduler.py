@@ -42,7 +42,7 @@ from .load_report import LoadCounters
 from .radix_cache import RadixCache, TreeNode
 from .timing import TimingProfile
 
-__all__ = ["HEALTH_CHECK_RID_PREFIX", "Request", "Scheduler", "SchedulerStats", "Step"]
+__all__ = ["HEALTH_CHECK_RID_PREFIX", "FinishedStats", "Histogram", "Request", "Scheduler", "SchedulerStats", "Step"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,32 @@ ITL_BUCKETS = (
     6.0,
     8.0,
 )
+TOKEN_BUCKETS = (  # SGLang's prompt / generation length buckets
+    100.0, 300.0, 500.0, 700.0, 1000.0, 1500.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 7000.0, 8000.0, 9000.0,
+    10000.0, 12500.0, 15000.0, 17500.0, 20000.0, 22500.0, 25000.0, 27500.0, 30000.0, 35000.0, 40000.0, 60000.0,
+    80000.0, 100000.0, 200000.0, 300000.0, 400000.0, 600000.0, 800000.0, 1e6, 1.1e6,
+)  # fmt: skip
+EVICTION_BUCKETS = (
+    0.001,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.006,
+    0.007,
+    0.008,
+    0.009,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+)
+LOADS_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 E2E_BUCKETS = (
     0.1,
     0.2,
@@ -156,7 +182,11 @@ class Request:
     last_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None  # set when the request failed instead of finishing
+    stream: bool = False  # the client streams it (SGLang labels its request metrics is_streaming)
     retracted: bool = False  # was retracted once: its next prefill recomputes work (not a cache statistic)
+    num_retractions: int = 0
+    admitted_at: float | None = None  # monotonic time of its first admission (SGLang's forward entry)
+    sent_at: float | None = None  # when its first answer (chunk) left the HTTP server
     updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
     rng: random.Random | None = None
 
@@ -200,6 +230,18 @@ class Step:
 
 
 @dataclass
+class FinishedStats:
+    """SGLang's tokenizer-side request metrics, per ``is_streaming`` value (counted when a request finishes)."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+
+
+@dataclass
 class SchedulerStats:
     """Counters behind /metrics and /v1/loads."""
 
@@ -214,6 +256,19 @@ class SchedulerStats:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    finished: dict[bool, FinishedStats] = field(default_factory=lambda: {False: FinishedStats()})
+    prompt_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    uncached_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    generation_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    prefill_forward: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # per request
+    request_process: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # per request
+    evicted_tokens: int = 0
+    evictions: Histogram = field(default_factory=lambda: Histogram(EVICTION_BUCKETS))
+    loads_served: Histogram = field(default_factory=lambda: Histogram(LOADS_BUCKETS))
+    prefill_compute_tokens: int = 0
+    prefill_cache_tokens: int = 0
+    busy_s: float = 0.0  # wall seconds in steps
+    idle_s: float = 0.0  # wall seconds waiting for work
 
 
 class Scheduler:
@@ -268,7 +323,12 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(
-        self, input_ids: list[int], max_new_tokens: int, cache_salt: str | None = None, rid: str | None = None
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        cache_salt: str | None = None,
+        rid: str | None = None,
+        stream: bool = False,
     ) -> Request:
         """Queue a request; its tokens arrive on ``request.updates`` (``None`` = finished).
 
@@ -276,7 +336,12 @@ class Scheduler:
         """
         max_new_tokens = max(0, min(max_new_tokens, self.capacity - 1 - len(input_ids)))
         req = Request(
-            rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt, sim_arrival=self.sim_time
+            rid or f"{next(self._rids):x}",
+            list(input_ids),
+            max_new_tokens,
+            cache_salt,
+            sim_arrival=self.sim_time,
+            stream=stream,
         )
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
@@ -350,7 +415,11 @@ class Scheduler:
     def _ensure_free(self, tokens: int) -> bool:
         shortfall = tokens - self.free_tokens
         if shortfall > 0:
-            self.cache.evict(shortfall)
+            start = time.perf_counter()
+            freed = self.cache.evict(shortfall)
+            if freed:
+                self.stats.evicted_tokens += freed
+                self.stats.evictions.observe(time.perf_counter() - start)
         return self.free_tokens >= tokens
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -408,7 +477,9 @@ class Scheduler:
             self._health_waiters = 0
             self.last_output_at = time.monotonic()
         self._wakeup.clear()
+        start = time.monotonic()
         await self._wakeup.wait()
+        self.stats.idle_s += time.monotonic() - start
         self._paced_until = None
 
     async def _sleep(self, simulated: float) -> None:
@@ -421,6 +492,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         self.sim_time += simulated
         now = loop.time()
+        self.stats.busy_s += simulated / self.config.speedup
         if self._paced_until is None:
             self._paced_until, self._debt = now, 0.0
         self._debt += simulated / self.config.speedup - (now - self._paced_until)
@@ -498,6 +570,7 @@ class Scheduler:
             req.chunk_prefix, req.chunk_len = prefix_len, take
             if req.cached_tokens < 0:
                 req.cached_tokens = prefix_len
+                req.admitted_at = time.monotonic()
                 if not req.health_check:
                     self.stats.prompt_tokens += len(req.input_ids)
                     self.stats.cached_tokens += prefix_len
@@ -516,6 +589,8 @@ class Scheduler:
         self.stats.prefill_batches += 1
         # SGLang's effective prefill tokens: health checks and re-prefilled retractions are not cache statistics.
         counted = [r for r in batch if not r.health_check and not r.retracted]
+        self.stats.prefill_compute_tokens += sum(r.chunk_len for r in counted)
+        self.stats.prefill_cache_tokens += sum(r.chunk_prefix for r in counted)
         self.counters.on_prefill(
             launch,
             duration,
@@ -565,6 +640,7 @@ class Scheduler:
                 self.cache.unlock(req.last_node)
             req.last_node, req.kv_len, req.tree_len = None, 0, 0
             req.retracted = True
+            req.num_retractions += 1
             self.waiting.insert(0, req)
             self.stats.num_retractions += 1
             self.counters.on_retract(1)
@@ -593,9 +669,29 @@ class Scheduler:
         req.finished_at = now
         req.sim_finished = self.sim_time
         if not req.health_check:
-            self.stats.e2e.observe(now - req.arrival)
+            self._record_finished(req, now)
         req.updates.put_nowait(None)
         self._wakeup.set()
+
+    def _record_finished(self, req: Request, now: float) -> None:
+        """The request metrics SGLang's tokenizer manager records when a request finishes."""
+        stats = self.stats
+        stats.e2e.observe(now - req.arrival)
+        by_stream = stats.finished.setdefault(req.stream, FinishedStats())
+        by_stream.num_requests += 1
+        by_stream.prompt_tokens += len(req.input_ids)
+        by_stream.generation_tokens += len(req.output_ids)
+        by_stream.e2e.observe(now - req.arrival)
+        if req.first_token_at is not None:
+            by_stream.ttft.observe(req.first_token_at - req.arrival)
+            if len(req.output_ids) > 1:
+                by_stream.tpot.observe((now - req.first_token_at) / (len(req.output_ids) - 1))
+            if req.admitted_at is not None:
+                stats.prefill_forward.observe(req.first_token_at - req.admitted_at)
+                stats.request_process.observe(max(req.admitted_at - req.arrival, 0.0))
+        stats.prompt_lengths.observe(len(req.input_ids))
+        stats.uncached_lengths.observe(len(req.input_ids) - max(req.cached_tokens, 0))
+        stats.generation_lengths.observe(len(req.output_ids))
 
     def _emit(self, req: Request, now: float) -> None:
         """Sample the next token (seeded, so the same prompt always gets the same output)."""

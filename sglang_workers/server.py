@@ -16,7 +16,6 @@ import logging
 import re
 import time
 import uuid
-from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -33,8 +32,9 @@ from extproc.tokenization import (
 
 from .config import SimWorkerConfig
 from .kv_events import KVEventPublisher
-from .metrics import render_metrics
+from .metrics import GRAPH_PHASES, HttpStats, render_metrics
 from .radix_cache import RadixCache
+from .responses import ErrorKind, error_body, meta_info, model_info, usage, weight_versions
 from .scheduler import Request, Scheduler
 from .timing import get_profile
 
@@ -54,35 +54,32 @@ LOAD_SECTIONS = {
 }
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "BadRequestError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
 
 class ApiError(Exception):
-    """A client-visible error: becomes an OpenAI-style JSON body with this status."""
+    """A client-visible error: becomes the JSON body SGLang gives this kind of refusal (``responses.error_body``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: ErrorKind = "openai") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.kind = kind
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {
-        "object": "error",
-        "message": message,
-        "type": _ERROR_TYPES.get(status, "Error"),
-        "param": param,
-        "code": status,
-    }
-    return web.json_response(body, status=status)
+def error_response(status: int, message: str, kind: ErrorKind = "openai") -> web.Response:
+    return web.json_response(error_body(kind, status, message), status=status)
+
+
+def validation_error(field: str, problem: str) -> ApiError:
+    """What SGLang's pydantic request models answer for a body that does not parse (400, "Bad Request")."""
+    return ApiError(400, f"1 validation error:\n  {{'loc': ('body', {field!r}), 'msg': {problem!r}}}", "validation")
+
+
+def _distinct_prompts(reqs: list[Request]) -> list[Request]:
+    """One request per prompt (``n`` choices of one prompt share it): SGLang counts prompt tokens once."""
+    seen: dict[tuple[int, ...], Request] = {}
+    for req in reqs:
+        seen.setdefault(tuple(req.input_ids), req)
+    return list(seen.values())
 
 
 def output_vocabulary(tokenizer: ModelTokenizer) -> list[int]:
@@ -115,6 +112,7 @@ class SimWorker:
         self.started_at = time.time()
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
+        self.http_stats = HttpStats()
 
     @property
     def tokenizer_path(self) -> str:
@@ -166,7 +164,7 @@ class SimWorker:
 
     # -- app ---------------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._count, self._errors], client_max_size=64 * 1024 * 1024)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/v1/completions", self.completions)
@@ -185,17 +183,33 @@ class SimWorker:
         return app
 
     @web.middleware
+    async def _count(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """SGLang's http_requests_total / _active / http_responses_total, per route and method."""
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else request.path
+        self.http_stats.started(endpoint, request.method)
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            self.http_stats.finished(endpoint, request.method, status)
+
+    @web.middleware
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc.status, exc.message, exc.param)
+            return error_response(exc.status, exc.message, exc.kind)
         except web.HTTPNotFound:
-            return error_response(404, f"Not Found: {request.method} {request.path}")
+            return error_response(404, "Not Found", "detail")
         except web.HTTPMethodNotAllowed:
-            return error_response(405, f"Method Not Allowed: {request.method} {request.path}")
+            return error_response(405, "Method Not Allowed", "detail")
         except web.HTTPException:
             raise
         except (ConnectionResetError, asyncio.CancelledError):
@@ -216,58 +230,67 @@ class SimWorker:
         try:
             body = json.loads(raw or b"null")
         except ValueError as exc:
-            raise ApiError(400, f"Invalid JSON body: {exc}") from None
+            raise validation_error("body", f"JSON decode error: {exc}") from None
         if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
+            raise validation_error("body", "Input should be a valid dictionary or object")
         return body
 
-    def _check_input_ids(self, ids: Any, field: str) -> list[int]:
-        try:  # array() checks every item is an integer in C; far cheaper than a Python loop per token
-            if not isinstance(ids, list) or not ids:
-                raise ValueError
-            array("Q", ids)  # unsigned: rejects negatives and ids over 64 bits too
-        except (TypeError, ValueError, OverflowError):
-            raise ApiError(400, f"'{field}' must be a non-empty list of non-negative token ids.", field) from None
+    def _check_input_ids(self, ids: list[Any], field: str, kind: ErrorKind) -> list[int]:
+        """Integer ids (else a validation error). Ids a real worker would crash on are refused (see docs)."""
+        if not all(type(t) is int for t in ids):
+            raise validation_error(field, "Input should be a valid integer")
+        vocab = self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            # SGLang 0.5.23 indexes its embedding with the id and its scheduler dies; the simulator refuses.
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (size {vocab}).", kind)
         return ids
 
-    def _check_length(self, input_ids: list[int], max_new_tokens: int) -> None:
-        limit = self.config.context_length
-        total = len(input_ids) + max_new_tokens
-        if total > limit:
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def _check_length(self, input_ids: list[int], kind: ErrorKind) -> None:
+        """SGLang's two length checks: the context length (tokenizer side), then what the pool can hold."""
+        if len(input_ids) >= self.config.context_length:
             raise ApiError(
-                413,
-                (
-                    f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
-                    f"You requested a total of {total} tokens: {len(input_ids)} tokens from the input messages "
-                    f"and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
-                    f"the input messages or the completion to fit within the limit."
-                ),
+                400,
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({self.config.context_length} tokens).",
+                kind,
             )
-        capacity = self._require_ready().capacity
-        if len(input_ids) >= capacity - 1:
+        limit = min(self.config.context_length - 1, self._require_ready().capacity - 1) - 5  # max_req_input_len
+        if len(input_ids) >= limit:
             raise ApiError(
-                413, f"The input ({len(input_ids)} tokens) does not fit the KV cache pool of {capacity} tokens."
+                400,
+                f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length ({limit} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate.",
+                kind,
             )
 
     @staticmethod
-    def _max_tokens(value: Any, field: str, default: int) -> int:
+    def _max_tokens(value: Any, field: str, default: int, kind: ErrorKind) -> int:
         if value is None:
             return default
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ApiError(400, f"'{field}' must be a non-negative integer.", field)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise validation_error(field, "Input should be a valid integer")
+        if value < 0:
+            raise ApiError(400, f"max_new_tokens must be at least 0, got {value}.", kind)
         return value
 
     @staticmethod
     def _cache_salt(body: dict[str, Any]) -> str | None:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
-            raise ApiError(400, "'cache_salt' must be a string.", "cache_salt")
+            raise validation_error("cache_salt", "Input should be a valid string")
         return salt or None
 
-    def _submit(self, input_ids: list[int], max_new_tokens: int, salt: str | None, rid: str | None) -> Request:
+    def _submit(
+        self, input_ids: list[int], max_new_tokens: int, salt: str | None, stream: bool, kind: ErrorKind
+    ) -> Request:
         scheduler = self._require_ready()
-        self._check_length(input_ids, max_new_tokens)
-        return scheduler.submit(input_ids, max_new_tokens, salt, rid)
+        self._check_length(input_ids, kind)
+        return scheduler.submit(input_ids, max_new_tokens, salt, None, stream)
 
     async def _tokens(self, req: Request) -> AsyncIterator[list[int]]:
         """The request's tokens as the scheduler produces them; aborts it if the client goes away."""
@@ -291,35 +314,21 @@ class SimWorker:
         """After a stream's last token: if the request failed, end the stream with an error event."""
         if req.error is None:
             return False
-        await self._send(resp, {"error": {"message": req.error, "type": _ERROR_TYPES[500], "code": 500}})
+        await self._send(resp, {"error": {"message": req.error, "type": "InternalServerError", "code": 500}})
         await self._send(resp, "[DONE]")
         await resp.write_eof()
         return True
 
     @staticmethod
-    def _finish_reason(req: Request) -> dict[str, Any]:
-        return {"type": "length", "length": req.max_new_tokens}
-
-    def _meta(self, req: Request, finished: bool) -> dict[str, Any]:
-        now = time.monotonic()
-        return {
-            "id": req.rid,
-            "finish_reason": self._finish_reason(req) if finished else None,
-            "prompt_tokens": len(req.input_ids),
-            "weight_version": "default",
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": max(req.cached_tokens, 0),
-            "e2e_latency": round(now - req.arrival, 6),
-        }
-
-    def _usage(self, req: Request) -> dict[str, Any]:
-        prompt, completion = len(req.input_ids), len(req.output_ids)
-        return {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + completion,
-            "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": max(req.cached_tokens, 0)},
-        }
+    def _usage(reqs: list[Request], details: bool = True) -> dict[str, Any]:
+        """One usage for the choices of one request: prompts counted once per distinct prompt (as SGLang)."""
+        prompts = _distinct_prompts(reqs)
+        return usage(
+            sum(len(r.input_ids) for r in prompts),
+            sum(len(r.output_ids) for r in reqs),
+            sum(max(r.cached_tokens, 0) for r in prompts),
+            details,
+        )
 
     @staticmethod
     async def _sse(request: web.Request) -> web.StreamResponse:
@@ -336,38 +345,47 @@ class SimWorker:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise ApiError(400, "Either 'text' or 'input_ids' must be provided (not both).")
-        batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
+        if text is None and ids is None:
+            raise ApiError(400, "Either text, input_ids or input_embeds should be provided.", "generate")
         prompts: list[list[int]]
-        if text is not None:
-            texts = text if isinstance(text, list) else [text]
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise ApiError(400, "'text' must be a string or a list of strings.", "text")
-            prompts = [self.tokenizer.encode_text(t) for t in texts]
-            if not all(prompts):
-                raise ApiError(400, "'text' encodes to no tokens.", "text")
+        if ids is not None:  # input_ids win over text, as in SGLang
+            if not isinstance(ids, list):
+                raise validation_error("input_ids", "Input should be a valid list")
+            batch = bool(ids) and isinstance(ids[0], list)
+            if not ids or (batch and not all(ids)):
+                raise ApiError(400, "input_ids cannot be empty.", "generate")
+            items = ids if batch else [ids]
+            if not all(isinstance(p, list) for p in items):
+                raise validation_error("input_ids", "Input should be a valid list")
+            prompts = [self._check_input_ids(p, "input_ids", "generate") for p in items]
         else:
-            prompts = [
-                self._check_input_ids(p, "input_ids") for p in (ids if batch and isinstance(ids, list) else [ids])
-            ]
+            batch = isinstance(text, list)
+            texts: list[Any] = text if isinstance(text, list) else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise validation_error("text", "Input should be a valid string")
+            prompts = [self.tokenizer.encode_text(str(t)) for t in texts]
+            if not all(prompts):
+                raise ApiError(400, "input_ids cannot be empty.", "generate")
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
-            raise ApiError(400, "'sampling_params' must be an object (or one per prompt).", "sampling_params")
-        max_new = [
-            self._max_tokens(p.get("max_new_tokens"), "max_new_tokens", self.config.default_max_new_tokens)
-            for p in params_list
-        ]
+            raise validation_error("sampling_params", "Input should be a valid dictionary")
+        max_new = []
+        for p in params_list:
+            value = p.get("max_new_tokens")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                # SGLang parses sampling params in Rust: its serde message, as a bare string
+                raise ApiError(400, f"invalid type: {type(value).__name__} {json.dumps(value)}, expected i64", "plain")
+            max_new.append(self._max_tokens(value, "max_new_tokens", self.config.default_max_new_tokens, "generate"))
         salt = self._cache_salt(body)
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         stream = bool(body.get("stream", False))
         if stream and batch:
-            raise ApiError(400, "Streaming is not supported for batched /generate requests.", "stream")
-        for p, n in zip(prompts, max_new):  # check all before queueing any
-            self._check_length(p, n)
+            raise ApiError(400, "Streaming is not supported for batched /generate requests.", "generate")
+        for p in prompts:  # check all before queueing any
+            self._check_length(p, "generate")
         scheduler = self._require_ready()
-        reqs = [scheduler.submit(p, n, salt, rid if not batch else None) for p, n in zip(prompts, max_new)]
+        reqs = [scheduler.submit(p, n, salt, rid if not batch else None, stream) for p, n in zip(prompts, max_new)]
 
         if not stream:
             await asyncio.gather(*(self._wait(r) for r in reqs))
@@ -375,7 +393,7 @@ class SimWorker:
                 {
                     "text": self.tokenizer.decode(r.output_ids),
                     "output_ids": list(r.output_ids),
-                    "meta_info": self._meta(r, True),
+                    "meta_info": meta_info(r, True),
                 }
                 for r in reqs
             ]
@@ -383,15 +401,17 @@ class SimWorker:
 
         req = reqs[0]
         resp = await self._sse(request)
+        first = True
         async for _ in self._tokens(req):
             await self._send(
                 resp,
                 {
                     "text": self.tokenizer.decode(req.output_ids),
                     "output_ids": list(req.output_ids),
-                    "meta_info": self._meta(req, req.finished),
+                    "meta_info": meta_info(req, req.finished, first_chunk=first),
                 },
             )
+            first = False
         if await self._stream_failed(resp, req):
             return resp
         if not req.output_ids or not req.finished:
@@ -400,7 +420,7 @@ class SimWorker:
                 {
                     "text": self.tokenizer.decode(req.output_ids),
                     "output_ids": list(req.output_ids),
-                    "meta_info": self._meta(req, True),
+                    "meta_info": meta_info(req, True),
                 },
             )
         await self._send(resp, "[DONE]")
@@ -408,84 +428,96 @@ class SimWorker:
         return resp
 
     # -- OpenAI ------------------------------------------------------------------------------------
-    def _completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # SGLang serves a one-element batch as a single prompt
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """``prompt`` as SGLang's CompletionRequest accepts it: str, [str], [int] or [[int]]; one list per item."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode_text(prompt)
+            items: list[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            items = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            items = prompt
+        else:
+            raise validation_error("prompt", "Input should be a valid string or list")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.tokenizer.encode_text(item)
+            elif isinstance(item, list) and item and all(type(t) is int for t in item):
+                ids = self._check_input_ids(item, "prompt", "openai")
+            else:
+                raise validation_error("prompt", "Input should be a valid list of integers")
             if not ids:
-                raise ApiError(400, "'prompt' encodes to no tokens.", "prompt")
-            return ids
-        if isinstance(prompt, list):
-            return self._check_input_ids(prompt, "prompt")
-        raise ApiError(400, "'prompt' must be a string or a list of token ids.", "prompt")
+                raise ApiError(400, "The prompt is empty.")
+            out.append(ids)
+        return out
+
+    @staticmethod
+    def _choices(body: dict[str, Any]) -> int:
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise validation_error("n", "Input should be greater than or equal to 1")
+        return n
+
+    @staticmethod
+    def _model(body: dict[str, Any]) -> str:
+        model = body.get("model")
+        return model if isinstance(model, str) else "default"
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         if "prompt" not in body:
-            raise ApiError(400, "Missing required field 'prompt'.", "prompt")
-        input_ids = self._completion_prompt(body["prompt"])
-        max_new = self._max_tokens(body.get("max_tokens"), "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
-        req = self._submit(input_ids, max_new, self._cache_salt(body), None)
-        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+            raise validation_error("prompt", "Field required")
+        prompts = self._completion_prompts(body["prompt"])
+        limit = body.get("max_tokens")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit <= 0:
+            raise validation_error("max_tokens", "Value error, max_tokens must be positive")
+        max_new = self._max_tokens(limit, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, "openai")
+        n = self._choices(body)
+        salt = self._cache_salt(body)
+        for ids in prompts:
+            self._check_length(ids, "openai")
+        stream = bool(body.get("stream"))
+        reqs = [self._submit(ids, max_new, salt, stream, "openai") for ids in prompts for _ in range(n)]
+        model = self._model(body)
+        cid, created = uuid.uuid4().hex, int(time.time())
+
+        def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
 
         if not body.get("stream"):
-            await self._wait(req)
+            await asyncio.gather(*(self._wait(r) for r in reqs))
             return web.json_response(
                 {
                     "id": cid,
                     "object": "text_completion",
                     "created": created,
                     "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": self.tokenizer.decode(req.output_ids),
-                            "logprobs": None,
-                            "finish_reason": "length",
-                            "matched_stop": None,
-                        }
-                    ],
-                    "usage": self._usage(req),
-                    "metadata": {"weight_version": "default"},
+                    "choices": [choice(i, self.tokenizer.decode(r.output_ids), "length") for i, r in enumerate(reqs)],
+                    "usage": self._usage(reqs),
+                    "metadata": {
+                        "weight_version": "default",
+                        "weight_versions": weight_versions(len(reqs[0].output_ids)),
+                    },
                 }
             )
 
-        resp = await self._sse(request)
-        async for tokens in self._tokens(req):
-            await self._send(
-                resp,
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": self.tokenizer.decode(tokens),
-                            "logprobs": None,
-                            "finish_reason": None,
-                            "matched_stop": None,
-                        }
-                    ],
-                },
-            )
-        if await self._stream_failed(resp, req):
-            return resp
-        await self._send(
-            resp,
-            {
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            return {
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
                 "model": model,
-                "choices": [
-                    {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "matched_stop": None}
-                ],
-            },
-        )
+                "choices": choices,
+                "usage": None,
+            }
+
+        resp = await self._sse(request)
+        for index, req in enumerate(reqs):
+            async for tokens in self._tokens(req):
+                await self._send(resp, chunk([choice(index, self.tokenizer.decode(tokens), None)]))
+            if await self._stream_failed(resp, req):
+                return resp
+            await self._send(resp, chunk([choice(index, "", "length")]))
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(
                 resp,
@@ -495,7 +527,7 @@ class SimWorker:
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": self._usage(req),
+                    "usage": self._usage(reqs, details=False),
                 },
             )
         await self._send(resp, "[DONE]")
@@ -505,25 +537,30 @@ class SimWorker:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
-        ):
-            raise ApiError(400, "'messages' must be a non-empty list of objects with a 'role'.", "messages")
+        if "messages" not in body:
+            raise validation_error("messages", "Field required")
+        if not isinstance(messages, list):
+            raise validation_error("messages", "Input should be a valid list")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise validation_error("messages", "Field required: role")
+        if not messages:
+            raise ApiError(400, "Messages cannot be empty.")
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         try:
             input_ids = self.tokenizer.encode_chat(messages, tools)
         except ChatTemplateError as exc:
-            raise ApiError(400, f"Cannot apply the chat template: {exc}", "messages") from None
+            raise ApiError(400, f"Cannot apply the chat template: {exc}") from None
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_new = self._max_tokens(limit, "max_tokens", self.config.default_max_new_tokens)
-        req = self._submit(input_ids, max_new, self._cache_salt(body), None)
-        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        max_new = self._max_tokens(limit, "max_tokens", self.config.default_max_new_tokens, "openai")
+        n = self._choices(body)
+        salt = self._cache_salt(body)
+        self._check_length(input_ids, "openai")
+        reqs = [self._submit(input_ids, max_new, salt, bool(body.get("stream")), "openai") for _ in range(n)]
+        model = self._model(body)
+        cid, created = uuid.uuid4().hex, int(time.time())
 
         if not body.get("stream"):
-            await self._wait(req)
+            await asyncio.gather(*(self._wait(r) for r in reqs))
             return web.json_response(
                 {
                     "id": cid,
@@ -532,41 +569,51 @@ class SimWorker:
                     "model": model,
                     "choices": [
                         {
-                            "index": 0,
+                            "index": i,
                             "message": {
                                 "role": "assistant",
-                                "content": self.tokenizer.decode(req.output_ids),
+                                "content": self.tokenizer.decode(r.output_ids),
                                 "reasoning_content": None,
-                                "tool_calls": None,
                             },
                             "logprobs": None,
                             "finish_reason": "length",
                             "matched_stop": None,
                         }
+                        for i, r in enumerate(reqs)
                     ],
-                    "usage": self._usage(req),
-                    "metadata": {"weight_version": "default"},
+                    "usage": self._usage(reqs),
+                    "metadata": {
+                        "weight_version": "default",
+                        "weight_versions": weight_versions(len(reqs[0].output_ids)),
+                    },
                 }
             )
 
-        def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
             return {
                 "id": cid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
                 ],
             }
 
         resp = await self._sse(request)
-        await self._send(resp, chunk({"role": "assistant", "content": ""}, None))
-        async for tokens in self._tokens(req):
-            await self._send(resp, chunk({"content": self.tokenizer.decode(tokens)}, None))
-        if await self._stream_failed(resp, req):
-            return resp
-        await self._send(resp, chunk({}, "length"))
+        for index, req in enumerate(reqs):
+            first = True
+            async for tokens in self._tokens(req):
+                if first:  # SGLang names the role in a chunk of its own (empty content) before the first token
+                    await self._send(
+                        resp, chunk(index, {"reasoning_content": None, "role": "assistant", "content": ""}, None)
+                    )
+                    first = False
+                delta = {"reasoning_content": None, "content": self.tokenizer.decode(tokens)}
+                await self._send(resp, chunk(index, delta, None))
+            if await self._stream_failed(resp, req):
+                return resp
+            await self._send(resp, chunk(index, {"reasoning_content": None}, "length"))
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(
                 resp,
@@ -576,7 +623,7 @@ class SimWorker:
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": self._usage(req),
+                    "usage": self._usage(reqs),
                 },
             )
         await self._send(resp, "[DONE]")
@@ -657,36 +704,60 @@ class SimWorker:
                 }
             )
         load = scheduler.load() if scheduler else {}
+        capacity = scheduler.capacity if scheduler else 0
+        profile = self.profile
+        graphs = dict.fromkeys(GRAPH_PHASES, 0.0)
         return web.json_response(
             {
+                # The server arguments a router, sgl-router, smg or a dashboard reads, under SGLang's names.
                 "model_path": cfg.model,
                 "tokenizer_path": self.tokenizer_path,
                 "served_model_name": cfg.model,
                 "host": cfg.host,
                 "port": self.bound_port or cfg.port,
                 "skip_tokenizer_init": False,
+                "is_embedding": False,
+                "dtype": "bfloat16",
+                "kv_cache_dtype": "auto",
+                "device": "cuda",
                 "context_length": cfg.context_length,
                 "page_size": cfg.page_size,
                 "chunked_prefill_size": cfg.chunked_prefill_size,
                 "max_prefill_tokens": cfg.max_prefill_tokens,
                 "max_running_requests": cfg.max_running_requests,
+                "max_total_tokens": cfg.capacity_tokens,
                 "schedule_policy": cfg.schedule_policy,
-                "max_total_num_tokens": scheduler.capacity if scheduler else None,
-                "tp_size": 1,
+                "random_seed": cfg.seed,
+                "tp_size": profile.num_gpus,
+                "pp_size": 1,
                 "dp_size": 1,
+                "load_balance_method": "round_robin",
                 "enable_dp_attention": False,
                 "disable_radix_cache": False,
+                "enable_hierarchical_cache": False,
+                "speculative_algorithm": None,
+                "disaggregation_mode": "null",
                 "enable_metrics": True,
                 "enable_cache_report": True,
                 "kv_events_config": kv_cfg,
-                "kv_events": self.kv_events_info(),
+                "max_total_num_tokens": capacity,
+                "status": "ready" if self.ready else "starting",
                 "internal_states": [
                     {
+                        "effective_max_running_requests_per_dp": cfg.max_running_requests,
                         "last_gen_throughput": load.get("gen_throughput", 0.0),
-                        "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0},
+                        "memory_usage": {
+                            "weight": profile.weight_gb,
+                            "kvcache": load.get("memory", {}).get("kv_cache_gb", 0.0),
+                            "startup_available": 0.0,
+                            "token_capacity": capacity,
+                            "token_capacity_swa": None,
+                            "graph": {**graphs, "decode": profile.graph_gb},
+                        },
                     }
                 ],
                 "version": SGLANG_VERSION,
+                "kv_events": self.kv_events_info(),
                 "simulator": {
                     "profile": cfg.profile,
                     "speedup": cfg.speedup,
@@ -698,29 +769,26 @@ class SimWorker:
         )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model_path": self.config.model,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-            }
-        )
+        return web.json_response(model_info(self.config.model, self.tokenizer_path))
 
     async def loads(self, request: web.Request) -> web.Response:
         """``/v1/loads`` as 0.5.23 serves it: ``include`` sections, ``dp_rank`` filter, JSON or Prometheus."""
         scheduler = self._require_ready()
+        start = time.perf_counter()
+        try:
+            return self._loads(request, scheduler)
+        finally:
+            scheduler.stats.loads_served.observe(time.perf_counter() - start)
+
+    def _loads(self, request: web.Request, scheduler: Scheduler) -> web.Response:
         raw_rank = request.query.get("dp_rank")
         try:
             dp_rank = int(raw_rank) if raw_rank is not None else None
         except ValueError:
             raise ApiError(
-                400, f"dp_rank: Input should be a valid integer, unable to parse string as an integer: {raw_rank!r}"
+                400,
+                f"dp_rank: Input should be a valid integer, unable to parse string as an integer: {raw_rank!r}",
+                "validation",
             ) from None
         include = request.query.get("include")
         sections = {s.strip() for s in include.split(",")} if include else None
@@ -774,15 +842,17 @@ class SimWorker:
     async def metrics(self, request: web.Request) -> web.Response:
         scheduler = self._require_ready()
         return web.Response(
-            text=render_metrics(scheduler, self.config.model), content_type="text/plain", charset="utf-8"
+            text=render_metrics(scheduler, self.config.model, self.http_stats),
+            content_type="text/plain",
+            charset="utf-8",
         )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "POST"):
-            raise ApiError(405, f"Method Not Allowed: {request.method} /flush_cache")
+            raise ApiError(405, "Method Not Allowed", "detail")
         if self._require_ready().flush_cache():
             return web.Response(
                 text="Cache flushed.\nPlease check backend logs for more details. "
                 "(When there are running or waiting requests, the operation will not be performed.)\n"
             )
-        raise ApiError(400, "Cache not flushed because there are pending requests.")
+        return web.Response(status=400, text="Flush cache failed.\n")

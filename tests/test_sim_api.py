@@ -245,35 +245,54 @@ def test_metrics_names(worker: SimWorkerProcess) -> None:
     assert float(prompt_total.split()[-1]) >= 29
 
 
+# Each refusal in the shape SGLang 0.5.23 gives it (checked against a real worker by the conformance test):
+# validation = pydantic ("Bad Request"), openai = the OpenAI layer, generate = native /generate, detail = routing.
+SHAPES = {
+    "validation": lambda e: e["object"] == "error" and e["type"] == "Bad Request" and e["code"] == 400,
+    "openai": lambda e: e["object"] == "error" and e["type"] == "BadRequestError" and e["code"] == 400,
+    "generate": lambda e: set(e) == {"error"} and isinstance(e["error"]["message"], str),
+    "detail": lambda e: set(e) == {"detail"},
+}
+
+
 @pytest.mark.parametrize(
-    ("method", "path", "raw", "status", "fragment"),
+    ("method", "path", "raw", "status", "kind", "fragment"),
     [
-        ("POST", "/generate", b"{not json", 400, "Invalid JSON"),
-        ("POST", "/generate", b"{}", 400, "text"),
-        ("POST", "/generate", b'{"input_ids": []}', 400, "input_ids"),
-        ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "input_ids"),
-        ("POST", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', 400, "max_new_tokens"),
-        ("POST", "/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
-        ("POST", "/v1/chat/completions", b'{"messages": []}', 400, "messages"),
-        ("POST", "/v1/chat/completions", b"[1, 2]", 400, "object"),
+        ("POST", "/generate", b"{not json", 400, "validation", "JSON"),
+        ("POST", "/generate", b"{}", 400, "generate", "text, input_ids"),
+        ("POST", "/generate", b'{"input_ids": []}', 400, "generate", "input_ids cannot be empty"),
+        ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "generate", "vocabulary"),
         (
             "POST",
             "/generate",
-            json.dumps({"input_ids": [1] * 4000, "sampling_params": {"max_new_tokens": 200}}).encode(),
-            413,
+            b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}',
+            400,
+            "generate",
+            "at least 0",
+        ),
+        ("POST", "/v1/completions", b'{"max_tokens": 3}', 400, "validation", "prompt"),
+        ("POST", "/v1/chat/completions", b'{"messages": []}', 400, "openai", "Messages cannot be empty"),
+        ("POST", "/v1/chat/completions", b"[1, 2]", 400, "validation", "dictionary"),
+        (
+            "POST",
+            "/generate",
+            json.dumps({"input_ids": [1] * 4096, "sampling_params": {"max_new_tokens": 200}}).encode(),
+            400,
+            "generate",
             "context length",
         ),
-        ("GET", "/no/such/path", None, 404, "Not Found"),
-        ("GET", "/generate", None, 405, "Method"),
+        ("GET", "/no/such/path", None, 404, "detail", "Not Found"),
+        ("GET", "/generate", None, 405, "detail", "Method Not Allowed"),
     ],
 )
-def test_errors_are_openai_style_json(
-    worker: SimWorkerProcess, method: str, path: str, raw: bytes | None, status: int, fragment: str
+def test_errors_have_sglangs_shapes(
+    worker: SimWorkerProcess, method: str, path: str, raw: bytes | None, status: int, kind: str, fragment: str
 ) -> None:
     got, body = http(method, worker.url + path, raw=raw)
     assert got == status
     err = json.loads(body)
-    assert err["object"] == "error" and err["code"] == status and fragment in err["message"]
+    assert SHAPES[kind](err), err
+    assert fragment in json.dumps(err)
 
 
 def test_not_ready_answers_503() -> None:
