@@ -93,10 +93,10 @@ class Cluster:
                         text = await resp.text()
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     return {}
-                match = _REQUESTS_TOTAL.search(text)
-                if match is None:
+                matches = _REQUESTS_TOTAL.findall(text)  # one line per is_streaming value in SGLang 0.5.23
+                if not matches:
                     return {}
-                counts[str(worker.url)] = int(float(match.group(1)))
+                counts[str(worker.url)] = int(sum(float(m) for m in matches))
         return counts
 
     async def stop(self) -> None:
