@@ -19,6 +19,7 @@ import grpc
 
 from extproc.addresses import parse_worker_url
 from extproc.config import ConfigError, RouterConfig, WorkerConfig, load_config
+from extproc.metrics_http import MetricsServer
 from extproc.policies import PolicyError
 from extproc.router import Router
 from extproc.servicer import ExtProcServicer, add_services, mark_serving
@@ -128,10 +129,15 @@ async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
         raise ConfigError(f"cannot listen on {address}: {exc}") from exc
     if not bound:
         raise ConfigError(f"cannot listen on {address}")
+    metrics: MetricsServer | None = None
     if config.server.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.server.metrics_port, addr=config.server.host, registry=router.telemetry.metrics)
+        metrics = MetricsServer(router.telemetry.metrics, registry, config.server.host, config.server.metrics_port)
+        try:
+            await metrics.start()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {config.server.host}:{config.server.metrics_port}: {exc}"
+            ) from exc
     await health.start()
     await router.start()
     await server.start()
@@ -153,6 +159,8 @@ async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
         await server.stop(config.server.grace_period_s)
         await router.stop()
         await health.stop()
+        if metrics is not None:
+            await metrics.stop()
 
 
 def main(args: argparse.Namespace) -> int:

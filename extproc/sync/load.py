@@ -4,7 +4,8 @@ Polled on an interval (never on the request path): ``GET /v1/loads?include=core&
 first, ``/get_load`` for older SGLang releases, then ``/metrics`` (Prometheus text, needs
 ``--enable-metrics``). Whichever answers first is remembered per worker. The router's own in-flight
 count lives on ``Worker.in_flight``; this module only adds what the worker itself knows (requests
-from other routers, the real queue, KV pressure).
+from other routers, the real queue, KV pressure). A poll whose connection is refused is also the
+router's fastest sign that a worker died: it leaves the candidate set at once.
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def parse_metrics(text: str) -> WorkerLoad | None:
     )
 
 
+def _refused(exc: BaseException) -> bool:
+    """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
+
+
 class LoadTracker:
     """Latest reported load per worker, refreshed by one background task."""
 
@@ -156,7 +162,12 @@ class LoadTracker:
                         load = parse_metrics(await resp.text())
                     else:
                         load = parse_loads(await resp.json(content_type=None))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                if _refused(exc):
+                    # Nothing listens there any more: stop choosing it now rather than at the next
+                    # failed /health (the health checker brings it back once it answers again).
+                    self.registry.mark_unreachable(worker, "connection refused")
+                    return
                 if known:
                     return  # worker down: health checks handle that; keep the path
                 continue

@@ -83,7 +83,15 @@ class WorkerRegistry:
         matching = [w for w in healthy if w.model is None or w.model == model]
         return matching or healthy
 
-    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+    def set_healthy(self, worker: Worker, healthy: bool, why: str = "") -> None:
         if worker.healthy != healthy:
             worker.healthy = healthy
-            log.warning("worker %s is now %s", worker.id, "healthy" if healthy else "UNHEALTHY")
+            suffix = f" ({why})" if why else ""
+            log.warning("worker %s is now %s%s", worker.id, "healthy" if healthy else "UNHEALTHY", suffix)
+
+    def mark_unreachable(self, worker: Worker, why: str) -> None:
+        """A sign of death seen outside the health checks (e.g. a refused load poll): out of the candidates now.
+
+        The health checker keeps polling it and brings it back after ``health.healthy_after`` successes.
+        """
+        self.set_healthy(worker, False, why)
