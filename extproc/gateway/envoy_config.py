@@ -198,6 +198,9 @@ def _workers_assignment(spec: GatewaySpec, name: str) -> dict[str, Any]:
     }
 
 
+_LB_TYPES = "type.googleapis.com/envoy.extensions.load_balancing_policies"
+
+
 def _override_host() -> dict[str, Any]:
     """Envoy's Endpoint Picker load balancer: each attempt takes the next ``ip:port`` of the router's list.
 
@@ -210,7 +213,7 @@ def _override_host() -> dict[str, Any]:
                 "typed_extension_config": {
                     "name": "envoy.load_balancing_policies.override_host",
                     "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "@type": f"{_LB_TYPES}.override_host.v3.OverrideHost",
                         "override_host_sources": [
                             {"metadata": {"key": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
                         ],
@@ -219,9 +222,7 @@ def _override_host() -> dict[str, Any]:
                                 {
                                     "typed_extension_config": {
                                         "name": "envoy.load_balancing_policies.least_request",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
-                                        },
+                                        "typed_config": {"@type": f"{_LB_TYPES}.least_request.v3.LeastRequest"},
                                     }
                                 }
                             ]
