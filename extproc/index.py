@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from extproc.config import IndexConfig
 
-__all__ = ["TIERS", "BlockIndex", "tier_of"]
+__all__ = ["TIERS", "BlockIndex", "rank_key", "tier_of"]
 
 TIERS = ("gpu", "host", "disk")
 
@@ -38,6 +38,15 @@ _MEDIUM_TIER = {
     "DISK": "disk",
     "EXTERNAL": "disk",
 }
+
+
+def rank_key(worker_id: str, rank: int) -> str:
+    """The index slot of one data-parallel rank of a worker: its own id for rank 0, ``id#dpN`` after.
+
+    Each rank of a ``--dp-size N`` worker has its own radix cache and publisher, so each gets its
+    own slot; a single-rank worker keeps the slot named after it.
+    """
+    return worker_id if rank == 0 else f"{worker_id}#dp{rank}"
 
 
 def tier_of(medium: str | None) -> str:

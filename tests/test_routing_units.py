@@ -360,8 +360,10 @@ def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None
     assert page_size(worker) == 32
     worker.info["kv_events"]["endpoint_host"] = "10.1.2.3"
     assert event_endpoints(worker)[0][0] == "tcp://10.1.2.3:5557"
-    worker.kv_events_endpoint = "tcp://127.0.0.9:7000"  # configured endpoints win
-    assert event_endpoints(worker) == [("tcp://127.0.0.9:7000", None)]
+    worker.kv_events_endpoint = "tcp://127.0.0.9:7000"  # configured endpoints win: rank 0's, the others offset
+    assert event_endpoints(worker) == [("tcp://127.0.0.9:7000", None), ("tcp://127.0.0.9:7001", None)]
+    worker.replay_endpoint = "tcp://127.0.0.9:7100"
+    assert event_endpoints(worker)[1] == ("tcp://127.0.0.9:7001", "tcp://127.0.0.9:7101")
 
 
 def test_decision_span_explains_the_choice_without_prompt_text() -> None:
@@ -397,3 +399,39 @@ def test_simulated_workers_time_scale_is_applied() -> None:
     decision = policy.select(_request(4096), _candidates([slow, fast], [0, 0]))
     assert decision.scores["w0"]["prefill_s"] == pytest.approx(16 * decision.scores["w1"]["prefill_s"])
     assert decision.ranked[0] is fast
+
+
+def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:
+    from extproc.index import rank_key
+    from extproc.response import DP_RANK_HEADERS
+
+    workers = _workers(2)
+    for w in workers:
+        w.info = {"dp_size": 2, "page_size": 16}
+    router = Router(RouterConfig(), WorkerRegistry(workers))
+    parsed = ParsedRequest(path="/generate", kind="generate", model="m", input_ids=list(range(160)))
+    keys = router.prompts.chain(parsed, list(range(160)), (16, ""))
+    router.index.store(rank_key("w1", 1), keys)  # rank 1 of w1 holds the prompt; rank 0 nothing
+    router.index.store(rank_key("w1", 0), keys[:2])
+    first = router.route(parsed)
+    assert first.worker.id == "w1" and first.dp_rank == 1
+    assert first.matched_blocks == 10  # the worker's best rank
+    assert all(first.upstream_headers[h] == "1" for h in DP_RANK_HEADERS)
+    assert workers[1].rank_in_flight == {1: 1}
+    # Its decision is recorded on rank 1's slot only; rank 0's slot keeps its own two blocks.
+    assert router.index.match(keys, [rank_key("w1", 0)]) == {rank_key("w1", 0): 2}
+    router.finish(first)
+    assert workers[1].rank_in_flight == {1: 0}
+    # No rank holds anything: the rank with fewer of our requests in flight wins the tie.
+    workers[0].rank_in_flight[0] = 3
+    assert router._pin_rank(workers[0], [0, 0]) == 1
+    assert router._pin_rank(workers[0], [0, 0]) == 1  # 3 vs 1 in flight: still rank 1
+    assert router._pin_rank(workers[0], [4, 0]) == 0  # a match beats load
+    # A fallback must have the pinned rank: a single-rank worker is left out of the list.
+    workers[0].info = {}
+    pinned = router.route(parsed)
+    assert pinned.dp_rank == 1 and pinned.endpoints(2) == [workers[1].endpoint]
+    metrics = generate_latest(router.telemetry.metrics).decode()
+    assert 'prefix_router_index_blocks{dp_rank="1",tier="gpu",worker="w1"} 10.0' in metrics
+    assert 'prefix_router_index_blocks{dp_rank="0",tier="gpu",worker="w1"} 2.0' in metrics
+    assert 'prefix_router_rank_in_flight{dp_rank="1",worker="w1"} 1.0' in metrics

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -39,6 +39,8 @@ class WorkerLoad:
     max_total_num_tokens: int | None = None
     token_usage: float = 0.0
     age_s: float = 0.0  # seconds since it was polled
+    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
+    rank_requests: dict[int, int] = field(default_factory=dict)
 
 
 def _num(value: Any) -> float:
@@ -61,7 +63,14 @@ def parse_loads(body: Any) -> WorkerLoad | None:
     total_tokens = sum(_num(r.get("max_total_num_tokens") or r.get("num_total_tokens")) for r in ranks)
     used = sum(_num(r.get("num_used_tokens")) for r in ranks)
     usage = used / total_tokens if total_tokens else max((_num(r.get("token_usage")) for r in ranks), default=0.0)
+    rank_requests = {
+        r["dp_rank"] if isinstance(r.get("dp_rank"), int) else i: int(
+            _num(r.get("num_running_reqs")) + _num(r.get("num_waiting_reqs"))
+        )
+        for i, r in enumerate(ranks)
+    }
     return WorkerLoad(
+        rank_requests=rank_requests,
         num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
         num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
         num_used_tokens=int(used),

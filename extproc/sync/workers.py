@@ -37,6 +37,7 @@ class Worker:
     replay_endpoint: str | None = None
     healthy: bool = True
     in_flight: int = 0
+    rank_in_flight: dict[int, int] = field(default_factory=dict)  # the router's in-flight per DP rank it pinned
     # Last /server_info (page_size, kv_events, ...) plus "model_info": the last /model_info.
     info: dict[str, Any] = field(default_factory=dict)
 
