@@ -17,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "ConfigError",
+    "DiscoveryConfig",
+    "DnsWorkersConfig",
     "EventsConfig",
     "HealthConfig",
     "IndexConfig",
+    "KubernetesDiscoveryConfig",
     "LoadConfig",
     "ModelConfig",
     "ObservabilityConfig",
@@ -212,6 +215,56 @@ class HealthConfig(Section):
     healthy_after: int = Field(1, description="Consecutive successes before it comes back.")
 
 
+class DnsWorkersConfig(Section):
+    """A DNS name whose every address is a worker (a compose service, a Kubernetes headless Service)."""
+
+    host: str = Field(description="The name to resolve, e.g. sglang-workers.default.svc.cluster.local.")
+    port: int = Field(30000, ge=1, le=65535, description="The workers' HTTP port.")
+    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the workers.")
+    model: str | None = Field(None, description="Served model; read from /model_info when omitted.")
+
+
+class KubernetesDiscoveryConfig(Section):
+    """Workers are the ready pods of a label selector, watched through the Kubernetes API."""
+
+    label_selector: str = Field(description="Pods matching this selector are workers, e.g. app=sglang.")
+    namespace: str | None = Field(
+        None, description="Namespace to watch; default: the router pod's own (service account), else 'default'."
+    )
+    port: int = Field(30000, ge=1, le=65535, description="The workers' HTTP port on each pod IP.")
+    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the workers.")
+    kubeconfig: Path | None = Field(
+        None, description="kubeconfig file to use outside a cluster; default: in-cluster config, else ~/.kube/config."
+    )
+
+
+class DiscoveryConfig(Section):
+    """Live worker discovery: DNS re-resolution, config reload, Kubernetes pods (docs/deploy.md)."""
+
+    dns: list[DnsWorkersConfig] = Field(
+        default_factory=list, description="Names whose every address is a worker, re-resolved every dns_interval_s."
+    )
+    dns_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "How often DNS names are resolved again (these and the host names of `workers:` entries): "
+            "workers join and leave, a moved worker is followed."
+        ),
+    )
+    nameservers: list[str] = Field(
+        default_factory=list,
+        description="DNS servers to ask ('ip' or 'ip:port'); empty: the system resolver (getaddrinfo).",
+    )
+    reload_config: bool = Field(
+        True, description="Watch the --config file and apply changed `workers:` / `discovery.dns` (also on SIGHUP)."
+    )
+    reload_interval_s: float = Field(1.0, gt=0, description="How often the config file's modification time is read.")
+    kubernetes: KubernetesDiscoveryConfig | None = Field(
+        None, description="Watch the pods of a label selector (needs the `kubernetes` package)."
+    )
+
+
 class ObservabilityConfig(Section):
     """Tracing and metrics."""
 
@@ -262,6 +315,7 @@ class RouterConfig(Section):
     events: EventsConfig = Field(default_factory=EventsConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
 

@@ -63,7 +63,11 @@ class Worker:
 
 
 class WorkerRegistry:
-    """All configured workers; ``candidates()`` is the healthy subset routing may choose from."""
+    """All known workers; ``candidates()`` is the healthy subset routing may choose from.
+
+    The set changes only through ``reconcile`` (``extproc.sync.sources``: DNS, config reload,
+    Kubernetes); every consumer reads ``workers`` afresh each time, so a change shows everywhere at once.
+    """
 
     def __init__(self, workers: list[Worker]) -> None:
         self.workers = workers
@@ -83,6 +87,32 @@ class WorkerRegistry:
             return healthy
         matching = [w for w in healthy if w.model is None or w.model == model]
         return matching or healthy
+
+    def reconcile(self, desired: list[Worker]) -> tuple[list[Worker], list[Worker]]:
+        """Make the set equal to ``desired``; returns (added, removed).
+
+        A worker whose id, URL and address are unchanged keeps its object (health, load, in-flight
+        counts, index). A new worker, or one that moved to another address, starts out of the
+        candidates: the health checker takes it in after its first good ``/health`` (and reads its
+        ``/server_info`` then).
+        """
+        current = {w.id: w for w in self.workers}
+        kept: list[Worker] = []
+        added: list[Worker] = []
+        removed: list[Worker] = []
+        for worker in desired:
+            old = current.pop(worker.id, None)
+            if old is not None and (old.url, old.ip, old.port) == (worker.url, worker.ip, worker.port):
+                kept.append(old)
+                continue
+            if old is not None:
+                removed.append(old)
+            worker.healthy = False
+            kept.append(worker)
+            added.append(worker)
+        removed.extend(current.values())
+        self.workers = kept
+        return added, removed
 
     def set_healthy(self, worker: Worker, healthy: bool, why: str = "") -> None:
         if worker.healthy != healthy:
