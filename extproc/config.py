@@ -24,6 +24,7 @@ __all__ = [
     "IndexConfig",
     "KubernetesDiscoveryConfig",
     "LoadConfig",
+    "MemoryConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "PolicyConfig",
@@ -152,7 +153,6 @@ class PolicyConfig(Section):
 class IndexConfig(Section):
     """The per-worker block index fed by KV events."""
 
-    max_blocks_per_worker: int = Field(2_000_000, description="Memory bound: oldest entries beyond this are dropped.")
     speculative_ttl_s: float = Field(
         2.0, description="Entries inserted by routing decisions expire after this unless events confirm them."
     )
@@ -166,16 +166,22 @@ class IndexConfig(Section):
             "for this long."
         ),
     )
-    key_cache_bytes: int = Field(
-        32 * 1024 * 1024,
-        ge=0,
-        description=(
-            "Token bytes of recent prompts kept so that a shared prefix's block keys are reused, not hashed "
-            "again; 0 disables."
-        ),
-    )
     default_block_size: int = Field(
         16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size."
+    )
+
+
+class MemoryConfig(Section):
+    """One bound for all of the router's caches together (extproc/memory.py lists the parts and shares)."""
+
+    budget_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description=(
+            "Bytes the router's caches may hold together: block index, engine-hash maps, its own routing "
+            "record, block-key and tokenizer caches, shared-state queue (each a fixed share, oldest dropped "
+            "first). The default keeps the whole process under about 512 MB."
+        ),
     )
 
 
@@ -295,11 +301,6 @@ class SharedStateConfig(Section):
         "prefix-router:decisions",
         description="Pub/sub channel; replicas of one fleet share it, other fleets use another.",
     )
-    queue_size: int = Field(
-        10_000,
-        gt=0,
-        description="Decisions waiting to be published; beyond this they are dropped (never block a request).",
-    )
     timeout_s: float = Field(1.0, gt=0, description="Connect and socket timeout towards the store.")
     retry_s: float = Field(1.0, gt=0, description="Pause before reconnecting after the store failed.")
 
@@ -312,6 +313,7 @@ class RouterConfig(Section):
     models: list[ModelConfig] = Field(default_factory=list)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)

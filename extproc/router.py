@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from extproc.config import RouterConfig
 from extproc.index import BlockIndex, rank_key
 from extproc.key_cache import KeyCache
+from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
 from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.request import ParsedRequest
@@ -93,22 +94,43 @@ class Router:
         self.config = config
         self.registry = registry
         self.policy = policy_from_config(config.policy)
-        self.index = BlockIndex(config.index)
-        self.events = EventHub(config.events, registry, self.index)
+        self.memory = MemoryPlan.from_budget(config.memory.budget_bytes)
+        self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
+        self.events = EventHub(config.events, registry, self.index, SharedBound(self.memory.engine_hashes))
         self.loads = LoadTracker(config.load, registry)
         self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
         self.telemetry.watch_fleet(registry, self.index, self.events)
         self.shared: SharedDecisions | None = None
         if config.shared_state.backend != "none":
-            self.shared = SharedDecisions(config.shared_state, self.index, metrics=self.telemetry.metrics)
+            self.shared = SharedDecisions(
+                config.shared_state, self.index, metrics=self.telemetry.metrics, max_keys=self.memory.shared_keys
+            )
         self.prompts = PromptPreparer(
             config.models,
-            KeyCache(config.index.key_cache_bytes),
+            KeyCache(self.memory.key_cache_bytes),
             config.index.max_lookup_blocks,
             self.policy.needs_tokens,
             self.policy.needs_text,
         )
+        # The piece caches of the tokenizers this router uses share one part of the budget.
+        self._tokenizers = [self.prompts.tokenizer_for(m.name) for m in config.models] or [
+            self.prompts.tokenizer_for(None)
+        ]
+        if self.prompts.tokenizer_for(None) not in self._tokenizers:
+            self._tokenizers.append(self.prompts.tokenizer_for(None))
+        for tokenizer in self._tokenizers:
+            tokenizer.set_cache_bytes(self.memory.piece_cache_bytes // len(self._tokenizers))
+        self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
+
+    def memory_usage(self) -> dict[str, int]:
+        """Estimated bytes each part of the memory budget holds now (``/metrics`` reads it at scrape time)."""
+        usage = self.index.memory()
+        usage["engine_hashes"] = self.events.memory()
+        usage["key_cache"] = self.prompts.key_cache_bytes
+        usage["piece_cache"] = sum(t.cache_stats["bytes"] for t in self._tokenizers)
+        usage["shared_state"] = self.shared.queued_keys * SHARED_KEY_BYTES if self.shared is not None else 0
+        return usage
 
     async def start(self) -> None:
         """Start background work (event subscriptions, load polling)."""

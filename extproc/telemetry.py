@@ -13,7 +13,7 @@ routers in one process (tests, benchmarks) never share or collide.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -32,7 +32,7 @@ from extproc.sync.discovery import dp_size
 from extproc.sync.hub import EventHub
 from extproc.sync.workers import WorkerRegistry
 
-__all__ = ["FleetCollector", "Telemetry"]
+__all__ = ["FleetCollector", "MemoryCollector", "Telemetry"]
 
 _propagator = TraceContextTextMapPropagator()
 
@@ -103,6 +103,29 @@ class FleetCollector(Collector):
             for name, family in counters.items():
                 family.add_metric([wid], sum(getattr(s, name) for s in stats))
         yield from (blocks, synced, rank_in_flight, lag, healthy, in_flight, *counters.values())
+
+
+class MemoryCollector(Collector):
+    """``memory.budget_bytes`` by part: estimated bytes held and the part's limit."""
+
+    def __init__(self, usage: Callable[[], dict[str, int]], limits: dict[str, int]) -> None:
+        self.usage = usage
+        self.limits = limits
+
+    def collect(self) -> Iterator[Any]:
+        held = GaugeMetricFamily(
+            "prefix_router_memory_bytes", "Estimated bytes each cache of the router holds.", labels=["part"]
+        )
+        limit = GaugeMetricFamily(
+            "prefix_router_memory_limit_bytes",
+            "Bytes each cache may hold: its share of memory.budget_bytes.",
+            labels=["part"],
+        )
+        for part, value in self.usage().items():
+            held.add_metric([part], value)
+        for part, value in self.limits.items():
+            limit.add_metric([part], value)
+        yield from (held, limit)
 
 
 def _exporter(config: ObservabilityConfig) -> SpanExporter | None:
@@ -176,6 +199,10 @@ class Telemetry:
         """Send decision spans to ``processor`` too (the configured exporter, or a test's)."""
         self.provider.add_span_processor(processor)
         self.tracing = True
+
+    def watch_memory(self, usage: Callable[[], dict[str, int]], limits: dict[str, int]) -> None:
+        """Report what each part of the memory budget holds, and its limit."""
+        self.metrics.register(MemoryCollector(usage, limits))
 
     def watch_fleet(self, workers: WorkerRegistry, index: BlockIndex, events: EventHub) -> None:
         """Report the fleet's index, event and worker figures with this router's metrics."""

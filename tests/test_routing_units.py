@@ -98,15 +98,21 @@ def test_speculative_entries_expire_unless_confirmed() -> None:
     assert index.match(keys, ["b"]) == {"b": 0}
 
 
-def test_memory_is_bounded_per_worker() -> None:
-    index = BlockIndex(IndexConfig(max_blocks_per_worker=10))
+def test_memory_is_bounded_across_the_fleet() -> None:
+    index = BlockIndex(max_blocks=10, max_recent=10)
     keys = block_keys(list(range(16 * 25)), 16)
     index.store("a", keys)
-    assert index.size("a") == 10
+    assert index.size("a") == 10 and index.blocks_total == 10
     assert index.blocks("a") == set(keys[-10:])  # the most recently stored survive
+    index.store("b", keys[:4])  # the largest holder makes room for a newcomer
+    assert (index.size("a"), index.size("b"), index.blocks_total) == (6, 4, 10)
+    assert index.blocks("a") == set(keys[-6:])
+    index.remove("a", keys[-2:])
+    assert index.blocks_total == 8
     for i in range(0, 25, 5):
         index.record_routed("b", keys[i : i + 5])
-    assert sum(len(v) for v in index._recent.values()) <= 10
+    assert sum(len(v) for v in index._recent.values()) <= 10 and index.recent_total <= 10
+    assert index.memory() == {"index": 8 * 160, "speculative": index.recent_total * 290}
 
 
 # -- prefix-aware -----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from extproc.config import EventsConfig
 from extproc.index import BlockIndex, rank_key
+from extproc.memory import HASH_BYTES, SharedBound
 from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
 from extproc.sync.discovery import discover, event_endpoints
 from extproc.sync.subscriber import EventSubscriber
@@ -36,10 +37,14 @@ Endpoints = list[tuple[str, str | None]]
 class EventHub:
     """Keeps one subscriber per worker publisher and answers what the router may trust."""
 
-    def __init__(self, config: EventsConfig, registry: WorkerRegistry, index: BlockIndex) -> None:
+    def __init__(
+        self, config: EventsConfig, registry: WorkerRegistry, index: BlockIndex, hashes: SharedBound | None = None
+    ) -> None:
         self.config = config
         self.registry = registry
         self.index = index
+        # Every view's engine-hash map counts against this one bound (memory.budget_bytes's share).
+        self.hashes = hashes or SharedBound(index.max_blocks)
         self.views: dict[str, list[WorkerCacheView]] = {}
         self._endpoints: dict[str, Endpoints] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
@@ -134,10 +139,15 @@ class EventHub:
     def _rank_keys(self, worker_id: str) -> list[str]:
         return [rank_key(worker_id, r) for r in range(max(1, len(self._endpoints.get(worker_id, ()))))]
 
+    def memory(self) -> int:
+        """Estimated bytes of every view's engine-hash map."""
+        return self.hashes.used * HASH_BYTES
+
     def _unsubscribe(self, worker_id: str) -> None:
         for task in self._tasks.pop(worker_id, ()):
             task.cancel()
-        self.views.pop(worker_id, None)
+        for view in self.views.pop(worker_id, ()):
+            view.close()
         self._endpoints.pop(worker_id, None)
 
     async def subscribe(self, worker: Worker, endpoints: Endpoints) -> list[EventSubscriber]:
@@ -153,7 +163,7 @@ class EventHub:
                 self.index,
                 model=model,
                 resync_after_s=self.config.resync_after_s,
-                max_hashes=self.index.config.max_blocks_per_worker * 3,
+                hashes=self.hashes,
             )
             sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
             views.append(view)
