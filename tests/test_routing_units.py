@@ -237,7 +237,7 @@ def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
 
 
 def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
-    policy = create_policy("session", {"header": "x-session-id", "fallback": "least-load"})
+    policy = create_policy("session", {"fallback": "least-load"})
     workers = _workers(3)
     req = RoutingRequest(model="m", path="/generate", headers={"x-session-id": "abc"})
     first = policy.select(req, _candidates(workers, [0, 0, 0]))
@@ -441,3 +441,24 @@ def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:
     assert 'prefix_router_index_blocks{dp_rank="1",tier="gpu",worker="w1"} 10.0' in metrics
     assert 'prefix_router_index_blocks{dp_rank="0",tier="gpu",worker="w1"} 2.0' in metrics
     assert 'prefix_router_rank_in_flight{dp_rank="1",worker="w1"} 1.0' in metrics
+
+
+def test_session_affinity_headers_are_a_configurable_list() -> None:
+    policy = create_policy("session", {"fallback": "least-load"})
+    workers = _workers(3)
+    # aiperf's header is among the defaults; the first header present names the session.
+    aiperf = RoutingRequest(model="m", path="/generate", headers={"x-session-affinity": "conv-7"})
+    first = policy.select(aiperf, _candidates(workers, [0, 0, 0]))
+    assert first.reason == "session-new"
+    policy.on_routed(aiperf, first)
+    cands = _candidates(workers, [0, 0, 0])
+    for c in cands:
+        c.in_flight = 9 if c.worker is first.ranked[0] else 0
+    again = policy.select(aiperf, cands)
+    assert again.ranked[0] is first.ranked[0] and again.reason == "session-affinity"
+    custom = create_policy("session", {"headers": ["X-Conversation"], "fallback": "least-load"})
+    assert custom.select(aiperf, _candidates(workers, [0, 0, 0])).reason.startswith("no-session")
+    tagged = RoutingRequest(model="m", path="/generate", headers={"x-conversation": "c1"})
+    assert custom.select(tagged, _candidates(workers, [0, 0, 0])).reason == "session-new"
+    with pytest.raises(PolicyError):
+        create_policy("session", {"headers": []})
