@@ -11,6 +11,7 @@ stdlib) and never re-serialized: Envoy forwards the client's bytes untouched.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,7 +70,14 @@ def generation_kind(method: str, path: str) -> RequestKind | None:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+    """A non-empty list of ints in [0, 2**64), as SGLang accepts them (a negative id is a 400 there too)."""
+    if not (isinstance(value, list) and value and all(type(t) is int for t in value)):
+        return False
+    try:
+        array("Q", value)  # range check in C: unsigned 64-bit, like the worker's own check
+    except OverflowError:
+        return False
+    return True
 
 
 def _optional_str(body: dict[str, Any], key: str) -> str | None:
@@ -111,7 +119,9 @@ def _parse_completion(body: dict[str, Any], parsed: ParsedRequest) -> None:
     elif _is_token_ids(prompt):
         parsed.input_ids = prompt
     else:
-        raise RequestError(400, "'prompt' must be a string or an array of token ids", param="prompt")
+        raise RequestError(
+            400, "'prompt' must be a string or an array of token ids (integers from 0 to 2**64-1)", param="prompt"
+        )
 
 
 def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
@@ -124,7 +134,11 @@ def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
         input_ids = input_ids[0]
     if input_ids is not None:
         if not _is_token_ids(input_ids):
-            raise RequestError(400, "'input_ids' must be a non-empty array of token ids", param="input_ids")
+            raise RequestError(
+                400,
+                "'input_ids' must be a non-empty array of token ids (integers from 0 to 2**64-1)",
+                param="input_ids",
+            )
         parsed.input_ids = input_ids
     elif isinstance(text, str):
         parsed.prompt_text = text

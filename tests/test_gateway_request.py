@@ -70,6 +70,9 @@ def test_generate_forms(body: bytes, text: str | None, ids: list[int] | None) ->
         ("completion", b'{"prompt": [1, "a"]}', 400, "prompt"),
         ("completion", b'{"prompt": "x", "model": 3}', 400, "model"),
         ("generate", b'{"input_ids": [1.5]}', 400, "input_ids"),
+        # Found by tests/test_gateway_fuzz.py: a negative id once reached the hashing and cost a 500.
+        ("completion", b'{"prompt": [0, 0, -1]}', 400, "prompt"),
+        ("generate", b'{"input_ids": [18446744073709551616]}', 400, "input_ids"),
         ("generate", b'{"text": 1}', 400, "text"),
         ("generate", b'{"text": "' + b"a" * 100 + b'"}', 413, None),
     ],
