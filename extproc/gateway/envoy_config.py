@@ -285,10 +285,11 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "connect_timeout": "1s",
             "circuit_breakers": _no_circuit_breaking(),
             "outlier_detection": _outlier_detection(),
-            # Fail-open must not send traffic to a dead worker: Envoy checks /health itself.
+            # Fail-open must not send traffic to a dead worker: Envoy checks /health itself. SGLang answers
+            # /health after 1 s at the earliest (it runs a generation), so the timeout must be well above 1 s.
             "health_checks": [
                 {
-                    "timeout": "1s",
+                    "timeout": "5s",
                     "interval": "2s",
                     "unhealthy_threshold": 2,
                     "healthy_threshold": 1,

@@ -10,7 +10,7 @@ consistent candidate set.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -71,6 +71,7 @@ class WorkerRegistry:
 
     def __init__(self, workers: list[Worker]) -> None:
         self.workers = workers
+        self.listeners: list[Callable[[], None]] = []  # called after the set changed (health checks follow it)
 
     @classmethod
     def from_configs(cls, configs: Iterable[WorkerConfig]) -> WorkerRegistry:
@@ -112,6 +113,9 @@ class WorkerRegistry:
             added.append(worker)
         removed.extend(current.values())
         self.workers = kept
+        if added or removed:
+            for listener in list(self.listeners):
+                listener()
         return added, removed
 
     def set_healthy(self, worker: Worker, healthy: bool, why: str = "") -> None:
