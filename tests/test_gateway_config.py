@@ -87,7 +87,9 @@ def test_filter_order_and_modes() -> None:
         {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
     ]
     retry = routes[1]["route"]["retry_policy"]
-    assert retry["retry_on"] == "connect-failure,refused-stream,reset-before-request" and retry["num_retries"] == 2
+    assert (
+        retry["retry_on"] == "connect-failure,refused-stream,reset-before-request,reset" and retry["num_retries"] == 2
+    )
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -51,8 +51,10 @@ EXTPROC_CLUSTER = "prefix_router_extproc"
 PICKED_CLUSTER = "prefix_router_picked"
 FAILOPEN_CLUSTER = "prefix_router_workers"
 METRICS_CLUSTER = "prefix_router_metrics"
-# Only failures where nothing reached a worker are retried: the request cannot have run twice.
+# Failures before any response byte are retried on the next worker: a refused connection, and (with
+# ``retry_on_reset``) a connection the worker reset, as a dying process does while the kernel tears it down.
 RETRY_ON = "connect-failure,refused-stream,reset-before-request"
+RETRY_ON_RESET = RETRY_ON + ",reset"
 UPSTREAM_HOST_HEADER = "x-upstream-host"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 ACCESS_LOG_FORMAT = (
@@ -87,6 +89,9 @@ class GatewaySpec:
     upstream_host_header: bool = False
     access_log: bool = False
     retries: int = 2  # attempts after the first on a refused connection (the router's fallbacks, then any)
+    # Also retry a request whose worker reset the connection before answering (it died accepting or running
+    # it): saves requests a dying worker took in; a request that itself crashes workers may crash retries more.
+    retry_on_reset: bool = True
     router_metrics: tuple[str, int] | None = None  # the router's metrics port: served as the gateway's /metrics
     tls_ca: Path | None = None  # verify the router's certificate with this CA
     tls_cert: Path | None = None  # client certificate (mTLS) ...
@@ -371,7 +376,7 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
 
 def _retry_policy(spec: GatewaySpec, other_host: bool) -> dict[str, Any]:
     policy: dict[str, Any] = {
-        "retry_on": RETRY_ON,
+        "retry_on": RETRY_ON_RESET if spec.retry_on_reset else RETRY_ON,
         "num_retries": spec.retries,
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
     }

@@ -42,6 +42,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--no-retry-on-reset",
+        action="store_true",
+        help=(
+            "Retry only refused connections, not requests whose worker reset the connection before answering "
+            "(a dying worker's last accepted requests then fail; a request that itself crashes workers cannot "
+            "crash a second one)."
+        ),
+    )
+    parser.add_argument(
         "--timeout-ms", type=int, default=500, help="ext_proc message timeout; a slower router is bypassed (fail-open)."
     )
     parser.add_argument(
@@ -82,6 +91,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         extproc=split_host_port(args.extproc),
         router_metrics=split_host_port(args.router_metrics) if args.router_metrics else None,
         retries=args.retries,
+        retry_on_reset=not args.no_retry_on_reset,
         listen=split_host_port(args.listen),
         admin=split_host_port(args.admin),
         timeout_ms=args.timeout_ms,
