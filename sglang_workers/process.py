@@ -135,8 +135,31 @@ def _flags(opts: dict[str, Any]) -> list[str]:
     return args
 
 
+def _port_runs(host: str, ranks: int) -> tuple[int, int, int]:
+    """An HTTP port and the first of ``2 * ranks`` consecutive free ports (event ports, then replay ports)."""
+    if ranks == 1:
+        port, kv_port, replay_port = free_ports(3, host)
+        return port, kv_port, replay_port
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        try:
+            with contextlib.ExitStack() as stack:
+                for candidate in range(base, base + 2 * ranks):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((host, candidate))
+        except OSError:
+            continue
+        port = free_ports(1, host)[0]
+        if not base <= port < base + 2 * ranks:
+            return port, base, base + ranks
+    raise SimWorkerError(f"no run of {2 * ranks} free ports on {host}")
+
+
 def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWorkerProcess:
-    port, kv_port, replay_port = free_ports(3, host)
+    port, kv_port, replay_port = _port_runs(host, int(opts.get("dp_size", 1)))
     args = [
         sys.executable,
         "-m",
