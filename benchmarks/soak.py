@@ -15,7 +15,9 @@ seconds; the supervisor restarts each. It reports:
   and Envoy's active upstream requests, once the client has stopped. Target: all zero;
 - RSS over time of the router (whichever process is current) and of Envoy.
 
-Run: ``python -m benchmarks.soak`` (about four minutes; ``--help`` for the knobs).
+Run: ``python -m benchmarks.soak`` (about four minutes; ``--help`` for the knobs). For the memory
+bound, ``--distinct-words 300 --kill-worker-every 0 --kill-router-every 0`` gives every request a
+prompt never seen before, so the router's index and caches fill to ``memory.budget_bytes``.
 """
 
 from __future__ import annotations
@@ -85,19 +87,29 @@ class SoakReport:
             "in flight at the end       " + ", ".join(f"{k}={v:g}" for k, v in self.in_flight_at_end.items()),
             "RSS over time (MB)         t_s: router / envoy",
         ]
-        lines += [f"    {r['t_s']:5.0f}: {r['router']:6.1f} / {r['envoy']:6.1f}" for r in self.rss_mb]
+        lines += [
+            f"    {r['t_s']:5.0f}: "
+            + (f"{r['router']:6.1f}" if r["router"] else "(restarting)")
+            + f" / {r['envoy']:6.1f}"
+            for r in self.rss_mb
+        ]
         lines += ["supervisor"] + [f"    {line}" for line in self.restarts]
         for item in self.lost[:20]:
             lines.append(f"  lost: {item}")
         return "\n".join(lines)
 
 
-def _conversation(rng: random.Random, systems: list[str], i: int) -> dict[str, Any]:
+def _conversation(rng: random.Random, systems: list[str], i: int, distinct_words: int = 0) -> dict[str, Any]:
+    system = rng.choice(systems)
+    if distinct_words:  # a prompt never seen before: fills the router's index and caches (memory check)
+        system = f"Document {i}: " + " ".join(
+            f"{rng.choice(_WORDS)}{rng.randrange(10**6)}" for _ in range(distinct_words)
+        )
     return {
         "stream": i % 2 == 1,  # half of them streamed: a killed worker's streams end cut short
         "model": "default",
         "messages": [
-            {"role": "system", "content": rng.choice(systems)},
+            {"role": "system", "content": system},
             {"role": "user", "content": f"question {i}: " + " ".join(rng.choice(_WORDS) for _ in range(40))},
         ],
         "max_tokens": 32,
@@ -257,7 +269,8 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
             tasks = []
             i = 0
             while (elapsed := time.monotonic() - t0) < args.duration:
-                tasks.append(asyncio.create_task(_post(session, stack.url, _conversation(rng, systems, i), t0)))
+                body = _conversation(rng, systems, i, args.distinct_words)
+                tasks.append(asyncio.create_task(_post(session, stack.url, body, t0)))
                 i += 1
                 await asyncio.sleep(max(0.0, i / rate - elapsed))
             results = await asyncio.gather(*tasks)
@@ -330,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", type=int, default=8, help="Distinct system prompts the conversations share.")
     parser.add_argument("--system-words", type=int, default=300, help="Words per system prompt.")
     parser.add_argument("--rss-every", type=float, default=15.0, help="Seconds between RSS samples.")
+    parser.add_argument(
+        "--distinct-words",
+        type=int,
+        default=0,
+        help="Give every request a system prompt of this many new words (about 6 tokens each): fills the caches.",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
     args = parser.parse_args(argv)
