@@ -72,6 +72,7 @@ class SoakReport:
     kills: list[dict[str, Any]] = field(default_factory=list)
     restarts: list[str] = field(default_factory=list)
     in_flight_at_end: dict[str, float] = field(default_factory=dict)
+    memory_mb: dict[str, str] = field(default_factory=dict)  # part -> "held / limit" at the end
     rss_mb: list[dict[str, float]] = field(default_factory=list)
 
     def format(self) -> str:
@@ -85,6 +86,7 @@ class SoakReport:
             f"latency p50 / p99          {self.latency_p50_s * 1000:.0f} / {self.latency_p99_s * 1000:.0f} ms",
             "kills                      " + ", ".join(f"{k['what']} at {k['at_s']:.0f}s" for k in self.kills),
             "in flight at the end       " + ", ".join(f"{k}={v:g}" for k, v in self.in_flight_at_end.items()),
+            "router caches (MB)         " + ", ".join(f"{k} {v}" for k, v in self.memory_mb.items()),
             "RSS over time (MB)         t_s: router / envoy",
         ]
         lines += [
@@ -149,7 +151,7 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], 
         return _Result(sent, time.monotonic() - t0, type(exc).__name__, None, str(exc)[:160])
 
 
-async def _capacity(url: str, systems: list[str], concurrency: int, seconds: float) -> float:
+async def _capacity(url: str, systems: list[str], concurrency: int, seconds: float, distinct_words: int) -> float:
     rng = random.Random(1)
     done = 0
     deadline = time.monotonic() + seconds
@@ -159,7 +161,7 @@ async def _capacity(url: str, systems: list[str], concurrency: int, seconds: flo
             nonlocal done
             i = k
             while time.monotonic() < deadline:
-                result = await _post(session, url, _conversation(rng, systems, i), 0.0)
+                result = await _post(session, url, _conversation(rng, systems, -1 - i, distinct_words), 0.0)
                 done += result.status == 200
                 i += concurrency
 
@@ -180,11 +182,23 @@ def _rss_mb(pid: int | None) -> float:
     return 0.0
 
 
-async def _in_flight(stack: GatewayStack) -> dict[str, float]:
+def _parts(text: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + '{part="'):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _in_flight(stack: GatewayStack) -> tuple[dict[str, float], dict[str, str]]:
+    """Requests still in flight (router, workers, Envoy) and the router's caches ("held/limit" MB)."""
     out: dict[str, float] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         async with session.get(f"http://127.0.0.1:{stack.metrics_port}/metrics") as r:
             text = await r.text()
+        held = _parts(text, "prefix_router_memory_bytes")
+        limits = _parts(text, "prefix_router_memory_limit_bytes")
+        memory = {p: f"{held.get(p, 0) / 2**20:.1f}/{limits[p] / 2**20:.1f}" for p in limits}
         out["router"] = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -201,7 +215,7 @@ async def _in_flight(stack: GatewayStack) -> dict[str, float]:
         out["envoy_upstream_active"] = sum(
             s["value"] for s in stats if s.get("name", "").endswith(".upstream_rq_active") and "value" in s
         )
-    return out
+    return out, memory
 
 
 async def run_soak(args: argparse.Namespace) -> SoakReport:
@@ -227,7 +241,7 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
     stop = asyncio.Event()
     supervisor = asyncio.create_task(stack.supervise(stop, say))
     try:
-        capacity = args.rate or await _capacity(stack.url, systems, args.concurrency, args.probe_s)
+        capacity = args.rate or await _capacity(stack.url, systems, args.concurrency, args.probe_s, args.distinct_words)
         rate = capacity * args.load if not args.rate else args.rate
         report = SoakReport(capacity_rps=capacity, rate_rps=rate, duration_s=args.duration)
         kills: list[Kill] = []
@@ -276,7 +290,7 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
             results = await asyncio.gather(*tasks)
         killer.cancel()
         await asyncio.sleep(1.0)  # let the last stream ends reach the router
-        report.in_flight_at_end = await _in_flight(stack)
+        report.in_flight_at_end, report.memory_mb = await _in_flight(stack)
         sampler.cancel()
         report.rss_mb.append(
             {
