@@ -226,7 +226,7 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
     ]
     stack = GatewayStack(
         sim_workers=args.workers,
-        sim_worker_options={"speedup": args.speedup},
+        sim_worker_options={"speedup": args.speedup, "capacity_tokens": args.capacity_tokens},
         policy=args.policy,
         access_log=False,
         own_sessions=True,
@@ -340,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=3, help="Simulated workers.")
     parser.add_argument("--policy", default="prefix-aware", help="Routing policy.")
     parser.add_argument("--speedup", type=float, default=1.0, help="Simulated GPU speed-up of the workers.")
+    parser.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="KV pool of each worker (default: the profile's); a large one lets the index outgrow the budget.",
+    )
     parser.add_argument("--load", type=float, default=0.8, help="Offered load as a fraction of measured capacity.")
     parser.add_argument("--rate", type=float, default=0.0, help="Requests per second (skips the capacity probe).")
     parser.add_argument("--concurrency", type=int, default=32, help="Clients of the capacity probe.")
