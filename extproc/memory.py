@@ -23,8 +23,17 @@ outside the budget: about 150 MB at rest (docs/deploy.md has the soak figures).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["BLOCK_BYTES", "HASH_BYTES", "RECENT_BYTES", "SHARED_KEY_BYTES", "MemoryPlan", "SharedBound"]
+__all__ = [
+    "BLOCK_BYTES",
+    "HASH_BYTES",
+    "RECENT_BYTES",
+    "SHARED_KEY_BYTES",
+    "BoundMember",
+    "MemoryPlan",
+    "SharedBound",
+]
 
 BLOCK_BYTES = 160  # one confirmed (key, worker slot) entry: holders dict + per-slot LRU order
 HASH_BYTES = 150  # one engine hash -> (own key, tier bits) mapping of an event stream
@@ -80,12 +89,28 @@ class MemoryPlan:
         }
 
 
+class BoundMember(Protocol):
+    def bound_size(self) -> int:
+        """Entries this member holds against the bound."""
+
+    def shrink(self, count: int) -> int:
+        """Drop up to ``count`` of its oldest entries (and take them off ``used``); returns how many went."""
+
+
 class SharedBound:
-    """A count several owners fill together (every event stream's engine-hash map): ``used`` of ``limit``."""
+    """A count several members fill together (every event stream's engine-hash map): ``used`` of ``limit``.
+
+    Over the limit, the largest member gives up its oldest entries first, so a worker that joins a
+    full fleet still keeps what it publishes.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.members: list[BoundMember] = []
 
-    def excess(self) -> int:
-        return max(0, self.used - self.limit)
+    def reclaim(self) -> None:
+        while self.used > self.limit and self.members:
+            largest = max(self.members, key=lambda m: m.bound_size())
+            if not largest.shrink(self.used - self.limit):
+                return

@@ -64,8 +64,8 @@ class WorkerCacheView:
         ""  # the worker's served model (a callable: read at use, it may be discovered late)
     )
     resync_after_s: float = 60.0
-    # The engine-hash maps of every view share one bound (``memory.budget_bytes``'s share); a view
-    # that goes over it drops its own oldest mappings (their later removals become no-ops).
+    # The engine-hash maps of every view share one bound (``memory.budget_bytes``'s share); over it,
+    # the largest map drops its oldest mappings (their later removals become no-ops).
     hashes: SharedBound | None = None
     max_hashes: int | None = None  # a bound of its own instead (tests)
     clock: Callable[[], float] = time.monotonic
@@ -81,6 +81,7 @@ class WorkerCacheView:
     def __post_init__(self) -> None:
         if self.hashes is None:
             self.hashes = SharedBound(self.max_hashes if self.max_hashes is not None else 6_000_000)
+        self.hashes.members.append(self)
         self._unknown_since = self.clock()
         self.index.set_unknown(self.worker_id, True)
 
@@ -114,6 +115,22 @@ class WorkerCacheView:
     def close(self) -> None:
         """The view is dropped (unsubscribed): give its share of the engine-hash bound back."""
         self._forget_hashes()
+        assert self.hashes is not None
+        if self in self.hashes.members:
+            self.hashes.members.remove(self)
+
+    def bound_size(self) -> int:
+        return len(self._own)
+
+    def shrink(self, count: int) -> int:
+        """Drop up to ``count`` of the oldest engine-hash mappings (the shared bound is over)."""
+        own = self._own
+        count = min(count, len(own))
+        for stale in list(itertools.islice(own, count)):
+            del own[stale]
+        assert self.hashes is not None
+        self.hashes.used -= count
+        return count
 
     def resync(self) -> None:
         """Forget everything and start from the next batch or replay (after a reconnect)."""
@@ -243,11 +260,8 @@ class WorkerCacheView:
         bound = self.hashes
         assert bound is not None
         bound.used += len(own) - before
-        excess = min(bound.excess(), len(own))
-        if excess:  # oldest mappings first; their later removals become no-ops
-            for stale in list(itertools.islice(own, excess)):
-                del own[stale]
-            bound.used -= excess
+        if bound.used > bound.limit:
+            bound.reclaim()
         stored = keys[: len(event.block_hashes)]
         self.index.store(self.worker_id, stored, tier)
         self.stats.blocks_stored += len(stored)
