@@ -16,8 +16,9 @@ turns it into a count with a measured cost per entry (CPython 3.11, 64-bit; ``tr
 Every part evicts its oldest entries once full, which only ever under-claims a cache (a lookup
 finds less than a worker holds, never more). ``/metrics`` shows what each part holds and its
 limit (``prefix_router_memory_bytes`` / ``prefix_router_memory_limit_bytes``). What the process
-needs besides (interpreter, gRPC, tokenizer vocabularies, buffers of requests in flight) is
-outside the budget: about 150 MB at rest (docs/deploy.md has the soak figures).
+needs besides (interpreter, gRPC, tokenizer vocabularies, buffers of requests in flight, allocator
+slack) is outside the budget: about 100 MB at rest; with every part of the default budget full the
+whole process measured about 410 MB (docs/deploy.md has the soak figures).
 """
 
 from __future__ import annotations
