@@ -45,6 +45,7 @@ class SimWorkerProcess:
     process: subprocess.Popen[bytes]
     log_path: Path
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -91,6 +92,20 @@ class SimWorkerProcess:
         self.stop()
         raise SimWorkerError(f"sim-worker not healthy after {timeout:.0f}s:\n{self.log()[-2000:]}")
 
+    def restart(self, timeout: float = 30.0) -> None:
+        """Run the same command again, on the same ports, after the process exited; wait until healthy.
+
+        What a supervisor does for a crashed worker: its address (and so the router's and Envoy's
+        view of it) stays valid, and it starts empty, as a restarted SGLang worker does.
+        """
+        if self.alive():
+            return
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
+            )
+        self.wait_healthy(timeout)
+
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL if it does not exit within ``timeout``; idempotent."""
         if self.alive():
@@ -120,8 +135,31 @@ def _flags(opts: dict[str, Any]) -> list[str]:
     return args
 
 
+def _port_runs(host: str, ranks: int) -> tuple[int, int, int]:
+    """An HTTP port and the first of ``2 * ranks`` consecutive free ports (event ports, then replay ports)."""
+    if ranks == 1:
+        port, kv_port, replay_port = free_ports(3, host)
+        return port, kv_port, replay_port
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        try:
+            with contextlib.ExitStack() as stack:
+                for candidate in range(base, base + 2 * ranks):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((host, candidate))
+        except OSError:
+            continue
+        port = free_ports(1, host)[0]
+        if not base <= port < base + 2 * ranks:
+            return port, base, base + ranks
+    raise SimWorkerError(f"no run of {2 * ranks} free ports on {host}")
+
+
 def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWorkerProcess:
-    port, kv_port, replay_port = free_ports(3, host)
+    port, kv_port, replay_port = _port_runs(host, int(opts.get("dp_size", 1)))
     args = [
         sys.executable,
         "-m",
@@ -140,11 +178,10 @@ def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWo
         *_flags(opts),
     ]
     fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
+    full_env = {**os.environ, **(env or {})}
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
-        )
-    return SimWorkerProcess(host, port, kv_port, replay_port, process, Path(log_name), args)
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
+    return SimWorkerProcess(host, port, kv_port, replay_port, process, Path(log_name), args, full_env)
 
 
 def start_sim_workers(

@@ -183,6 +183,7 @@ class Request:
     finished_at: float | None = None
     error: str | None = None  # set when the request failed instead of finishing
     stream: bool = False  # the client streams it (SGLang labels its request metrics is_streaming)
+    dp_rank: int = 0  # the data-parallel rank (scheduler) running it
     retracted: bool = False  # was retracted once: its next prefill recomputes work (not a cache statistic)
     num_retractions: int = 0
     admitted_at: float | None = None  # monotonic time of its first admission (SGLang's forward entry)
@@ -342,6 +343,7 @@ class Scheduler:
             cache_salt,
             sim_arrival=self.sim_time,
             stream=stream,
+            dp_rank=self.config.dp_rank,
         )
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -107,8 +108,11 @@ class SimWorker:
             raise ValueError(str(exc)) from exc
         self.ready = False  # weights "loaded" and warmed up (SGLang's ServerStatus leaves Starting)
         self.healthy = True  # False after a /health found no answer in time (SGLang's ServerStatus.UnHealthy)
-        self.publisher: KVEventPublisher | None = None
-        self.scheduler: Scheduler | None = None
+        self.publishers: list[KVEventPublisher] = []  # one per data-parallel rank
+        self.schedulers: list[Scheduler] = []  # one per data-parallel rank, each with its own radix cache
+        self._next_rank = 0  # SGLang's default load balancing of unpinned requests: round robin
+        # SGLang applies x-override-* request headers only with this set (its header-override mechanism).
+        self.header_overrides = os.environ.get("SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES", "").lower() in ("1", "true")
         self.started_at = time.time()
         self._runner: web.AppRunner | None = None
         self.bound_port: int | None = None
@@ -120,23 +124,38 @@ class SimWorker:
         return self.config.tokenizer or str(DEFAULT_TOKENIZER_DIR)
 
     # -- lifecycle ---------------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """Rank 0's scheduler (the only one without ``--dp-size``)."""
+        return self.schedulers[0] if self.schedulers else None
+
+    @property
+    def publisher(self) -> KVEventPublisher | None:
+        return self.publishers[0] if self.publishers else None
+
     async def start(self) -> None:
         cfg = self.config
-        if cfg.kv_events:
-            self.publisher = KVEventPublisher(
-                host=cfg.kv_events_host,
-                port=cfg.kv_events_port,
-                replay_port=cfg.replay_port,
-                topic=cfg.kv_topic,
-                buffer_steps=cfg.kv_buffer_steps,
-                dp_rank=cfg.dp_rank,
-                event_format=cfg.event_format,
-                replay_format=cfg.replay_format,
-            )
-            self.publisher.start()
-        cache = RadixCache(cfg.page_size, enable_events=cfg.kv_events)
-        self.scheduler = Scheduler(cfg, self.profile, cache, self.publisher, output_vocabulary(self.tokenizer))
-        self.scheduler.start()
+        vocab = output_vocabulary(self.tokenizer)
+        for rank in range(cfg.dp_size):
+            rank_cfg = cfg.rank(rank)
+            publisher = None
+            if cfg.kv_events:
+                publisher = KVEventPublisher(
+                    host=rank_cfg.kv_events_host,
+                    port=rank_cfg.kv_events_port,
+                    replay_port=rank_cfg.replay_port,
+                    topic=rank_cfg.kv_topic,
+                    buffer_steps=rank_cfg.kv_buffer_steps,
+                    dp_rank=rank_cfg.dp_rank,
+                    event_format=rank_cfg.event_format,
+                    replay_format=rank_cfg.replay_format,
+                )
+                publisher.start()
+                self.publishers.append(publisher)
+            cache = RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+            scheduler = Scheduler(rank_cfg, self.profile, cache, publisher, vocab)
+            scheduler.start()
+            self.schedulers.append(scheduler)
         app = self.build_app()
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -157,10 +176,10 @@ class SimWorker:
         self.ready = False
         if self._runner is not None:
             await self._runner.cleanup()
-        if self.scheduler is not None:
-            await self.scheduler.stop()
-        if self.publisher is not None:
-            await self.publisher.close()
+        for scheduler in self.schedulers:
+            await scheduler.stop()
+        for publisher in self.publishers:
+            await publisher.close()
 
     # -- app ---------------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -286,11 +305,56 @@ class SimWorker:
         return salt or None
 
     def _submit(
-        self, input_ids: list[int], max_new_tokens: int, salt: str | None, stream: bool, kind: ErrorKind
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        salt: str | None,
+        stream: bool,
+        kind: ErrorKind,
+        rank: int | None = None,
     ) -> Request:
-        scheduler = self._require_ready()
+        self._require_ready()
         self._check_length(input_ids, kind)
-        return scheduler.submit(input_ids, max_new_tokens, salt, None, stream)
+        return self._rank_scheduler(rank).submit(input_ids, max_new_tokens, salt, None, stream)
+
+    def _rank_scheduler(self, rank: int | None) -> Scheduler:
+        """The scheduler of ``rank``, or the next one round robin (SGLang's default for unpinned requests)."""
+        if rank is None:
+            rank = self._next_rank
+            self._next_rank = (self._next_rank + 1) % len(self.schedulers)
+        return self.schedulers[rank]
+
+    def _routed_rank(self, request: web.Request, body: dict[str, Any], api: str) -> int | None:
+        """The DP rank a request names, read as SGLang 0.5.23 reads it; None lets the worker choose.
+
+        Body ``routed_dp_rank`` (or the deprecated ``data_parallel_rank``); on the OpenAI APIs the
+        ``X-Data-Parallel-Rank`` header wins over it; on /generate and chat the header-override mechanism's
+        ``x-override-routed-dp-rank`` wins over both, only with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1.
+        A rank out of range is a 400; rank 0 on a single-rank worker is ignored.
+        """
+        value: Any = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ApiError(400, "'routed_dp_rank' must be an integer.")
+        headers: list[tuple[str, str]] = []
+        if api in ("chat", "completions"):
+            headers.append(("x-data-parallel-rank", "Invalid X-Data-Parallel-Rank header: must be an integer"))
+        if api in ("chat", "generate") and self.header_overrides:
+            headers.append(("x-override-routed-dp-rank", "invalid x-override-routed-dp-rank header"))
+        for name, problem in headers:
+            raw = request.headers.get(name)
+            if raw is not None:
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise ApiError(400, f"{problem}, got {raw!r}") from None
+        if value is None:
+            return None
+        size = len(self.schedulers)
+        if size <= 1 and value == 0:
+            return None
+        if not 0 <= value < size:
+            raise ApiError(400, f"routed_dp_rank={value} out of range [0, {size})")
+        return int(value)
 
     async def _tokens(self, req: Request) -> AsyncIterator[list[int]]:
         """The request's tokens as the scheduler produces them; aborts it if the client goes away."""
@@ -301,8 +365,8 @@ class SimWorker:
                     return
                 yield item
         finally:  # also runs when the handler stops early (client gone, write failed, cancelled)
-            if not req.finished and self.scheduler is not None:
-                self.scheduler.abort(req)
+            if not req.finished and self.schedulers:
+                self.schedulers[req.dp_rank].abort(req)
 
     async def _wait(self, req: Request) -> None:
         async for _ in self._tokens(req):
@@ -384,8 +448,12 @@ class SimWorker:
             raise ApiError(400, "Streaming is not supported for batched /generate requests.", "generate")
         for p in prompts:  # check all before queueing any
             self._check_length(p, "generate")
-        scheduler = self._require_ready()
-        reqs = [scheduler.submit(p, n, salt, rid if not batch else None, stream) for p, n in zip(prompts, max_new)]
+        self._require_ready()
+        rank = self._routed_rank(request, body, "generate")
+        reqs = [
+            self._rank_scheduler(rank).submit(p, n, salt, rid if not batch else None, stream)
+            for p, n in zip(prompts, max_new)
+        ]
 
         if not stream:
             await asyncio.gather(*(self._wait(r) for r in reqs))
@@ -477,7 +545,8 @@ class SimWorker:
         for ids in prompts:
             self._check_length(ids, "openai")
         stream = bool(body.get("stream"))
-        reqs = [self._submit(ids, max_new, salt, stream, "openai") for ids in prompts for _ in range(n)]
+        rank = self._routed_rank(request, body, "completions")
+        reqs = [self._submit(ids, max_new, salt, stream, "openai", rank) for ids in prompts for _ in range(n)]
         model = self._model(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 
@@ -555,7 +624,8 @@ class SimWorker:
         n = self._choices(body)
         salt = self._cache_salt(body)
         self._check_length(input_ids, "openai")
-        reqs = [self._submit(input_ids, max_new, salt, bool(body.get("stream")), "openai") for _ in range(n)]
+        rank = self._routed_rank(request, body, "chat")
+        reqs = [self._submit(input_ids, max_new, salt, bool(body.get("stream")), "openai", rank) for _ in range(n)]
         model = self._model(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 
@@ -685,7 +755,7 @@ class SimWorker:
             "endpoint_port_base": cfg.kv_events_port,
             "topic": cfg.kv_topic,
             "block_size": cfg.page_size,
-            "dp_size": 1,
+            "dp_size": cfg.dp_size,
             "replay_endpoint_port_base": cfg.replay_port,
         }
 
@@ -730,7 +800,7 @@ class SimWorker:
                 "random_seed": cfg.seed,
                 "tp_size": profile.num_gpus,
                 "pp_size": 1,
-                "dp_size": 1,
+                "dp_size": cfg.dp_size,
                 "load_balance_method": "round_robin",
                 "enable_dp_attention": False,
                 "disable_radix_cache": False,
@@ -772,15 +842,15 @@ class SimWorker:
         return web.json_response(model_info(self.config.model, self.tokenizer_path))
 
     async def loads(self, request: web.Request) -> web.Response:
-        """``/v1/loads`` as 0.5.23 serves it: ``include`` sections, ``dp_rank`` filter, JSON or Prometheus."""
+        """``/v1/loads`` as 0.5.23 serves it: one entry per DP rank, ``include`` sections, ``dp_rank`` filter."""
         scheduler = self._require_ready()
         start = time.perf_counter()
         try:
-            return self._loads(request, scheduler)
+            return self._loads(request)
         finally:
             scheduler.stats.loads_served.observe(time.perf_counter() - start)
 
-    def _loads(self, request: web.Request, scheduler: Scheduler) -> web.Response:
+    def _loads(self, request: web.Request) -> web.Response:
         raw_rank = request.query.get("dp_rank")
         try:
             dp_rank = int(raw_rank) if raw_rank is not None else None
@@ -795,7 +865,7 @@ class SimWorker:
         if sections is not None and not sections <= {"core", "all", *LOAD_SECTIONS}:
             # SGLang validates ``include`` outside its error handling: an unknown section is a bare 500.
             return web.Response(status=500, text="Internal Server Error")
-        loads = [load for load in [scheduler.load()] if dp_rank is None or load["dp_rank"] == dp_rank]
+        loads = [load for load in (s.load() for s in self.schedulers) if dp_rank is None or load["dp_rank"] == dp_rank]
         loads = [self._load_sections(load, sections) for load in loads]
         if request.query.get("format") == "prometheus":
             return web.Response(text=self._loads_prometheus(loads), content_type="text/plain", charset="utf-8")
@@ -850,7 +920,8 @@ class SimWorker:
     async def flush_cache(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "POST"):
             raise ApiError(405, "Method Not Allowed", "detail")
-        if self._require_ready().flush_cache():
+        self._require_ready()
+        if all(s.idle for s in self.schedulers) and all([s.flush_cache() for s in self.schedulers]):  # noqa: C419 (flush every rank)
             return web.Response(
                 text="Cache flushed.\nPlease check backend logs for more details. "
                 "(When there are running or waiting requests, the operation will not be performed.)\n"

@@ -8,7 +8,7 @@ project's ``.venv``), a ``libcuda.so.1`` stand-in built from ``cpu/libcuda_stub.
 random-weight Llama built from the project's default tokenizer (``cpu/build_tiny_model.py``).
 
 This module finds that install (``find_install``) and runs workers from it: the router-ready flags of
-``sglang_launch_command.sglang_flags`` plus the CPU ones (torch-native attention, no CUDA graphs,
+``sglang_flags.sglang_flags`` plus the CPU ones (torch-native attention, no CUDA graphs,
 ``--sleep-on-idle`` so an idle worker does not spin a core). ``start_cpu_workers`` starts them as child
 processes in their own process groups (SGLang runs three processes per worker: HTTP/tokenizer,
 scheduler, detokenizer), waits on ``/ready``, and stops each whole group. A worker takes ~34 s to start
@@ -34,7 +34,7 @@ from pathlib import Path
 from extproc.addresses import free_ports
 from extproc.tokenization import DEFAULT_TOKENIZER_DIR
 
-from .sglang_launch_command import sglang_flags
+from .sglang_flags import sglang_flags
 
 __all__ = [
     "CPU_DIR",
@@ -220,6 +220,7 @@ class SGLangCpuWorker:
     process: subprocess.Popen[bytes]
     log_path: Path
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -273,6 +274,20 @@ class SGLangCpuWorker:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5)
 
+    def restart(self, timeout: float = 300.0) -> None:
+        """Start the same command again on the same ports (after a crash) and wait until it is ready."""
+        self.stop()
+        with self.log_path.open("ab") as handle:
+            self.process = subprocess.Popen(
+                self.args,
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+        self.wait_ready(timeout)
+
     def kill(self) -> None:
         """A crash, not a goodbye: SIGKILL the whole group at once (tests of restarts use this)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -306,16 +321,17 @@ def spawn_cpu_worker(
     else:
         fd, name = tempfile.mkstemp(prefix=f"sglang-cpu-{port}-", suffix=".log")
         log_path, handle = Path(name), os.fdopen(fd, "wb")
+    env = cpu_environment(install)
     with handle:
         process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=handle,
             stderr=subprocess.STDOUT,
-            env=cpu_environment(install),
+            env=env,
             start_new_session=True,  # its own group: stop() takes the scheduler and detokenizer down too
         )
-    return SGLangCpuWorker(host, port, kv_port, replay_port, process, log_path, argv)
+    return SGLangCpuWorker(host, port, kv_port, replay_port, process, log_path, argv, env)
 
 
 def start_cpu_workers(

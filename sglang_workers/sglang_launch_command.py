@@ -3,10 +3,12 @@
 The router needs four things from each SGLang worker, all off by default in SGLang: KV events over
 ZMQ (``--kv-events-config`` with a replay socket, so a restarted router can catch up), a page size
 equal to the router's block size (``--page-size``; SGLang's CUDA default is 1), Prometheus metrics
-(``--enable-metrics``) and ``cached_tokens`` in OpenAI responses (``--enable-cache-report``). This
-command prints that command line (default) or replaces itself with it (``--run``). With ``--cpu`` it
-launches from the ``make sglang-cpu`` install instead: its Python, its tiny Llama, the CPU flags
-(``--sleep-on-idle`` among them) and the environment (``SGLANG_USE_CPU_ENGINE=1``, the libcuda.so.1
+(``--enable-metrics``) and ``cached_tokens`` in OpenAI responses (``--enable-cache-report``). With
+``--dp-size N`` it also sets ``SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1``, so that the rank the router pins
+(``x-override-routed-dp-rank``) holds on ``/generate`` too, and puts the replay ports after the N event
+ports. This command prints that command line (default) or replaces itself with it (``--run``). With
+``--cpu`` it launches from the ``make sglang-cpu`` install instead: its Python, its tiny Llama, the CPU
+flags (``--sleep-on-idle`` among them) and the environment (``SGLANG_USE_CPU_ENGINE=1``, the libcuda.so.1
 stand-in on ``LD_LIBRARY_PATH``, no downloads).
 """
 
@@ -14,53 +16,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shlex
 import sys
 from pathlib import Path
 
-__all__ = ["build_command", "configure", "kv_events_config", "main", "sglang_flags"]
+from .sglang_flags import kv_events_config, sglang_flags
 
+__all__ = ["DP_ENV", "build_command", "build_env", "configure", "kv_events_config", "main", "sglang_flags"]
 
-def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: str = "*") -> str:
-    """The ``--kv-events-config`` JSON value.
-
-    SGLang binds its PUB socket only for a wildcard host (``*``, ``0.0.0.0``, ``::``); for a concrete
-    one it *connects* to it, and a router subscribing there hears nothing, so ``"bind": true`` is added.
-    """
-    config: dict[str, object] = {"publisher": "zmq", "endpoint": f"tcp://{host}:{port}", "topic": topic}
-    if replay_port is not None:
-        config["replay_endpoint"] = f"tcp://{host}:{replay_port}"
-    if host not in ("*", "0.0.0.0", "::"):
-        config["bind"] = True
-    return json.dumps(config, separators=(",", ":"))
-
-
-def sglang_flags(
-    host: str = "0.0.0.0",
-    port: int = 30000,
-    page_size: int = 16,
-    kv_events_port: int = 5557,
-    kv_replay_port: int | None = None,
-    topic: str = "",
-    replay: bool = True,
-    events_host: str = "*",
-) -> dict[str, str | bool]:
-    """The SGLang flags this router depends on: flag -> value (``True`` for a bare switch).
-
-    Other tools (compose files, Kubernetes manifests, tests) take them from here so they cannot drift.
-    ``events_host`` is where the ZMQ sockets bind (``*``: every interface).
-    """
-    replay_port = (kv_replay_port or kv_events_port + 1) if replay else None
-    return {
-        "--host": host,
-        "--port": str(port),
-        "--page-size": str(page_size),
-        "--kv-events-config": kv_events_config(kv_events_port, replay_port, topic, events_host),
-        "--enable-metrics": True,
-        "--enable-cache-report": True,
-    }
+# SGLang 0.5.23 applies x-override-* request headers (the router's DP rank pin on /generate and chat) only with this.
+DP_ENV = {"SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES": "1"}
 
 
 def build_command(args: argparse.Namespace) -> list[str]:
@@ -75,6 +41,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
         args.kv_topic,
         replay=not args.no_replay,
         events_host=args.kv_events_host,
+        dp_size=args.dp_size,
     )
     for flag, value in flags.items():
         cmd += [flag] if value is True else [flag, str(value)]
@@ -94,6 +61,11 @@ def build_command(args: argparse.Namespace) -> list[str]:
 
         cmd += cpu_flags(args.max_total_tokens)
     return cmd + list(args.extra)
+
+
+def build_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment variables the worker needs beyond the flags (the DP rank pin with ``--dp-size``)."""
+    return dict(DP_ENV) if args.dp_size > 1 else {}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +110,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-replay-port",
         type=int,
         default=None,
-        help="ZMQ ROUTER replay port (default: --kv-events-port + 1; DP rank r uses port + r).",
+        help="ZMQ ROUTER replay port (default: --kv-events-port + --dp-size; DP rank r uses port + r).",
     )
     parser.add_argument(
         "--kv-events-host",
@@ -202,13 +174,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     args.python = args.python or sys.executable
     cmd = build_command(args)
+    dp_env = build_env(args)
     if not args.run:
-        prefix = [f"{k}={shlex.quote(v)}" for k, v in (env or {}).items() if k != "PYTHONUNBUFFERED"]
+        prefix = [f"{k}={shlex.quote(v)}" for k, v in {**(env or {}), **dp_env}.items() if k != "PYTHONUNBUFFERED"]
         print(" ".join([*prefix, shlex.join(cmd)]))
         return 0
     if run_env is not None:
         sys.stdout.flush()
-        os.execve(cmd[0], cmd, run_env)
+        os.execve(cmd[0], cmd, {**run_env, **dp_env})
     if args.python == sys.executable and importlib.util.find_spec("sglang") is None:
         print(
             "prefix-router sglang-launch: SGLang is not installed in this environment; on a GPU host run "
@@ -217,5 +190,6 @@ def main(args: argparse.Namespace) -> int:
         )
         return 1
     sys.stdout.flush()
+    os.environ.update(dp_env)
     os.execvp(cmd[0], cmd)
     return 0  # not reached

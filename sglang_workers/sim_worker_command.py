@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-replay-port",
         type=int,
         default=None,
-        help="ZMQ ROUTER port for replaying missed batches (default: --kv-events-port + 1).",
+        help="ZMQ ROUTER port for replaying missed batches (default: --kv-events-port + --dp-size).",
     )
     net.add_argument(
         "--kv-events-host",
@@ -81,6 +81,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
     sched = parser.add_argument_group("cache and scheduler (SGLang server args)")
+    sched.add_argument(
+        "--dp-size",
+        type=int,
+        default=d["dp_size"].default,
+        help=(
+            "Data-parallel ranks, as SGLang's --dp-size: each its own scheduler, radix cache and KV-event "
+            "publisher (rank r on --kv-events-port + r, dp_rank r in its batches, one /v1/loads entry). A "
+            "request names its rank with routed_dp_rank, X-Data-Parallel-Rank or (with "
+            "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1) x-override-routed-dp-rank; others go round robin."
+        ),
+    )
     sched.add_argument(
         "--page-size",
         type=int,
@@ -170,6 +181,7 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
         chat_template=args.chat_template,
         context_length=args.context_length,
         page_size=args.page_size,
+        dp_size=args.dp_size,
         capacity_tokens=args.capacity_tokens,
         schedule_policy=args.schedule_policy,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -189,8 +201,9 @@ async def serve(config: SimWorkerConfig) -> None:
 
     worker = SimWorker(config)
     await worker.start()
+    ranks = f", {config.dp_size} DP ranks from" if config.dp_size > 1 else ""
     events = (
-        f"KV events on tcp://{config.kv_events_host}:{config.kv_events_port} (replay {config.replay_port})"
+        f"KV events{ranks} on tcp://{config.kv_events_host}:{config.kv_events_port} (replay {config.replay_port})"
         if config.kv_events
         else "KV events off"
     )

@@ -7,7 +7,9 @@ Polled on an interval (never on the request path): ``GET /v1/loads?include=all&f
 count lives on ``Worker.in_flight``; this module only adds what the worker itself knows (requests
 from other routers, the real queue, KV pressure) and keeps every field 0.5.23 reports, summed over
 DP ranks. Two of them are cumulative (``total_prefill_uncached_tokens``, ``total_prefill_busy_us``):
-the tracker turns the deltas between two polls into the worker's measured prefill speed.
+the tracker turns the deltas between two polls into the worker's measured prefill speed. A poll whose
+connection is refused is also the router's fastest sign that a worker died: it leaves the candidate set
+at once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -45,6 +47,8 @@ class WorkerLoad:
     max_total_num_tokens: int | None = None
     token_usage: float = 0.0
     age_s: float = 0.0  # seconds since it was polled
+    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
+    rank_requests: dict[int, int] = field(default_factory=dict)
     # SGLang 0.5.23's further /v1/loads fields (None: the worker does not report them).
     num_waiting_uncached_tokens: int | None = None  # prefill work queued, in tokens
     num_total_tokens: int | None = None  # used + queued tokens
@@ -102,7 +106,14 @@ def parse_loads(body: Any) -> WorkerLoad | None:
 
     moments = [r["decode_moments"] for r in ranks if isinstance(r.get("decode_moments"), list)]
     stamps = [float(r["timestamp"]) for r in ranks if _is_number(r.get("timestamp"))]
+    rank_requests = {
+        r["dp_rank"] if isinstance(r.get("dp_rank"), int) else i: int(
+            _num(r.get("num_running_reqs")) + _num(r.get("num_waiting_reqs"))
+        )
+        for i, r in enumerate(ranks)
+    }
     return WorkerLoad(
+        rank_requests=rank_requests,
         num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
         num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
         num_used_tokens=int(used),
@@ -172,6 +183,11 @@ def _prefill_speed(before: WorkerLoad, after: WorkerLoad) -> float | None:
     return new_tokens / (busy_us / 1e6)
 
 
+def _refused(exc: BaseException) -> bool:
+    """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
+
+
 class LoadTracker:
     """Latest reported load per worker, refreshed by one background task."""
 
@@ -233,7 +249,12 @@ class LoadTracker:
                         load = parse_metrics(await resp.text())
                     else:
                         load = parse_loads(await resp.json(content_type=None))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                if _refused(exc):
+                    # Nothing listens there any more: stop choosing it now rather than at the next
+                    # failed /health (the health checker brings it back once it answers again).
+                    self.registry.mark_unreachable(worker, "connection refused")
+                    return
                 if known:
                     return  # worker down: health checks handle that; keep the path
                 continue
