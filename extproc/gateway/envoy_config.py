@@ -98,6 +98,10 @@ class GatewaySpec:
     tls_key: Path | None = None  # ... and its key
     tls_sni: str | None = None
     extra_clusters: list[dict[str, Any]] = field(default_factory=list)
+    # Envoy's own check of the fail-open cluster. SGLang's /ready is a flag (200 once warm-up is over, 503
+    # after a failed /health): free for the worker, and Envoy starts without waiting a second for /health's
+    # generation. Releases without /ready want "/health" (its 5 s timeout is kept for that).
+    health_path: str = "/ready"
 
     @property
     def buffer_limit_bytes(self) -> int:
@@ -290,15 +294,15 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "connect_timeout": "1s",
             "circuit_breakers": _no_circuit_breaking(),
             "outlier_detection": _outlier_detection(),
-            # Fail-open must not send traffic to a dead worker: Envoy checks /health itself. SGLang answers
-            # /health after 1 s at the earliest (it runs a generation), so the timeout must be well above 1 s.
+            # Fail-open must not send traffic to a dead worker: Envoy checks each worker itself (health_path).
+            # SGLang answers /health after 1 s at the earliest (it runs a generation): the timeout stays 5 s.
             "health_checks": [
                 {
                     "timeout": "5s",
                     "interval": "2s",
                     "unhealthy_threshold": 2,
                     "healthy_threshold": 1,
-                    "http_health_check": {"path": "/health"},
+                    "http_health_check": {"path": spec.health_path},
                 }
             ],
         }

@@ -80,6 +80,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--access-log", action="store_true", help="Log each request and its upstream (with --bootstrap)."
     )
+    parser.add_argument(
+        "--health-path",
+        default="/ready",
+        help=(
+            "Path of Envoy's health check of the workers (fail-open cluster): SGLang's /ready is a flag and costs "
+            "the worker nothing; use /health (a one-token generation, >= 1 s) for releases without /ready."
+        ),
+    )
     parser.add_argument("-o", "--output", type=Path, help="Write to this file instead of stdout.")
 
 
@@ -102,6 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_sni=args.tls_sni,
+        health_path=args.health_path,
     )
 
 
