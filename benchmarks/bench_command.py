@@ -5,12 +5,18 @@ simulated workers (same seed, profile, capacity and page size every time, so eve
 starts from cold, identical caches), start the contender in front of them, replay the workload
 open-loop, collect per-request results and per-worker counts, stop everything. Then print the
 Markdown table, write the JSON and the plots.
+
+``--engine sglang-cpu`` runs the same comparison on real SGLang 0.5.23 CPU workers (after ``make
+sglang-cpu``), started once and flushed before each contender, with a small workload that fits two
+cores unless the workload flags say otherwise. Those figures are CPU figures: compare the ratios
+between contenders, not the absolute times, with a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.client import ClientOptions, LatencyProbe, run_load
-from benchmarks.cluster import Cluster, ClusterError, ClusterSpec
+from benchmarks.cluster import Cluster, ClusterError, ClusterSpec, CpuWorkerPool
 from benchmarks.contenders import ContenderError, create_contender, validate_contender_names
 from benchmarks.metrics import RequestResult, Summary, failed, percentile, summarize
 from benchmarks.oracle import oracle_hit_rate
@@ -40,6 +46,20 @@ __all__ = ["configure", "main"]
 
 DEFAULT_CONTENDERS = "envoy-rr,envoy-lr,envoy-ringhash,sgl-router,ours:prefix-aware"
 DEFAULT_RATE = 8.0  # req/s for gsp and multiturn: below saturation for every contender at the default sizes
+# --engine sglang-cpu: defaults sized for two real CPU workers on a 2-core machine (a tiny Llama serves
+# ~10 short requests/s). A 2048-token pool holds two of the four system prompts: placement matters.
+CPU_DEFAULTS: dict[str, Any] = {
+    "workers": 2,
+    "capacity_tokens": 2048,
+    "gsp_groups": 4,
+    "gsp_prompts_per_group": 6,
+    "gsp_system_len": 480,
+    "gsp_question_len": 32,
+    "output_len": 8,
+    "rate": 2.0,
+    "contenders": "envoy-rr,envoy-lr,sgl-router,ours:prefix-aware",
+}
+_PARSER_DEFAULTS: dict[str, Any] = {}  # filled by configure(): what "not given on the command line" looks like
 
 
 def _rates(text: str) -> list[float]:
@@ -180,7 +200,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
     c = parser.add_argument_group("cluster (fresh and identical for every contender)")
-    c.add_argument("--workers", type=_positive(int), default=4, help="Simulated workers per cluster.")
+    c.add_argument(
+        "--engine",
+        choices=["sim", "sglang-cpu"],
+        default="sim",
+        help="sim: simulated SGLang workers (GPU timing profiles); sglang-cpu: real SGLang 0.5.23 serving a tiny "
+        "Llama on this CPU (needs `make sglang-cpu`; started once, caches flushed before each contender; "
+        f"defaults then {', '.join(f'{k}={v}' for k, v in CPU_DEFAULTS.items())}; --profile/--speedup do not "
+        "apply). CPU figures are relative: compare contenders, not absolute times, with a GPU.",
+    )
+    c.add_argument("--workers", type=_positive(int), default=4, help="Workers per cluster.")
     c.add_argument(
         "--profile",
         default="llama-3.1-8b-h100",
@@ -242,6 +271,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Measured sequential requests per prompt size and gateway.",
     )
     o.add_argument("--overhead-warmup", type=int, default=5, help="Unmeasured requests first, per size.")
+    _PARSER_DEFAULTS.update({key: parser.get_default(key) for key in CPU_DEFAULTS})
+
+
+def apply_engine_defaults(args: argparse.Namespace) -> None:
+    """With --engine sglang-cpu, every CPU default the command line did not override."""
+    if args.engine != "sglang-cpu":
+        return
+    for key, value in CPU_DEFAULTS.items():
+        if getattr(args, key) == _PARSER_DEFAULTS.get(key):
+            setattr(args, key, value)
 
 
 def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
@@ -293,11 +332,17 @@ def _progress(total: int, desc: str, disabled: bool) -> Any:
 
 
 async def run_one(
-    name: str, workload: Workload, spec: ClusterSpec, options: ClientOptions, rate: float | None, progress: bool
+    name: str,
+    workload: Workload,
+    spec: ClusterSpec,
+    options: ClientOptions,
+    rate: float | None,
+    progress: bool,
+    pool: CpuWorkerPool | None = None,
 ) -> tuple[Summary, list[float]]:
-    """One contender at one offered load on a fresh cluster; a start failure becomes its row."""
+    """One contender at one offered load on a fresh (or flushed) cluster; a start failure becomes its row."""
     contender = create_contender(name)
-    cluster = Cluster(spec)
+    cluster = Cluster(spec, pool)
     try:
         try:
             await cluster.start()
@@ -339,8 +384,21 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
         capacity_tokens=args.capacity_tokens,
         page_size=args.page_size,
         seed=args.seed,
+        engine=args.engine,
     )
     options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
+    async with contextlib.AsyncExitStack() as stack:
+        pool = await stack.enter_async_context(CpuWorkerPool(spec)) if spec.engine == "sglang-cpu" else None
+        return await _run_rates(args, names, spec, options, pool)
+
+
+async def _run_rates(
+    args: argparse.Namespace,
+    names: list[str],
+    spec: ClusterSpec,
+    options: ClientOptions,
+    pool: CpuWorkerPool | None,
+) -> BenchReport:
     rates: list[float | None] = list(args.rates) if args.rates else [args.rate]
     if args.workload != "trace":
         rates = [r if r is not None else DEFAULT_RATE for r in rates]
@@ -365,7 +423,7 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
             file=sys.stderr,
         )
         for name in names:
-            summary, values = await run_one(name, workload, spec, options, rate, not args.no_progress)
+            summary, values = await run_one(name, workload, spec, options, rate, not args.no_progress, pool)
             summaries.append(summary)
             ttfts[(name, rate)] = values
             status = (
@@ -378,9 +436,10 @@ async def run_routing(args: argparse.Namespace) -> BenchReport:
     assert workload is not None
     params = dict(workload.params)
     setup = {
+        "engine": spec.engine,
         "workers": spec.workers,
-        "profile": spec.profile,
-        "speedup": spec.speedup,
+        "profile": spec.profile if spec.engine == "sim" else "real SGLang 0.5.23, tiny Llama, CPU",
+        "speedup": spec.speedup if spec.engine == "sim" else None,
         "capacity_tokens": spec.capacity_tokens,
         "page_size": spec.page_size,
         "seed": spec.seed,
@@ -524,12 +583,23 @@ def main(args: argparse.Namespace) -> int:
     if args.workload != "trace" and args.trace is not None:
         print("prefix-router bench: --trace is only used with --workload trace", file=sys.stderr)
         return 2
+    apply_engine_defaults(args)
+    if args.engine == "sglang-cpu":
+        from sglang_workers.sglang_cpu import missing_install_reason
+
+        reason = missing_install_reason()
+        if reason is not None:
+            print(f"prefix-router bench: {reason}", file=sys.stderr)
+            return 1
     try:
         started = time.monotonic()
         report = asyncio.run(run_routing(args))
     except (TraceError, ValueError) as exc:
         print(f"prefix-router bench: {exc}", file=sys.stderr)
         return 2
+    except ClusterError as exc:
+        print(f"prefix-router bench: the workers did not start: {exc}", file=sys.stderr)
+        return 1
     print(markdown_table(report))
     if args.json is not None:
         write_json(report, args.json)

@@ -1,10 +1,14 @@
-"""A fresh cluster of simulated SGLang workers for one contender.
+"""A fresh cluster of SGLang workers for one contender: simulated, or real SGLang on this CPU.
 
 Every contender gets its own cluster built from the same ``ClusterSpec``: same number of workers,
 timing profile, speed-up, KV capacity, page size and seed. Caches therefore start cold and
 identical, and nothing one contender did (cached prefixes, queued work) leaks into the next one's
 numbers. All workers share one seed: a worker's output depends only on the prompt and the seed, so
 a request produces the same tokens whichever worker a contender sends it to.
+
+Real SGLang CPU workers (``engine="sglang-cpu"``) take a minute to start, so one set serves every
+contender (``CpuWorkerPool``): before each contender their caches are flushed (cold and identical
+again) and their request counters read, so each contender's counts are its own.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["Cluster", "ClusterError", "ClusterSpec"]
+__all__ = ["Cluster", "ClusterError", "ClusterSpec", "CpuWorkerPool"]
 
 _REQUESTS_TOTAL = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
 
@@ -35,20 +39,56 @@ class ClusterSpec:
     capacity_tokens: int
     page_size: int
     seed: int
+    engine: str = "sim"  # or "sglang-cpu": real SGLang 0.5.23 on this CPU (after `make sglang-cpu`)
 
 
-class Cluster:
-    """N sim-worker processes on free loopback ports; ``stop()`` always kills them."""
+class CpuWorkerPool:
+    """Real SGLang CPU workers started once for a whole benchmark (``async with``: stopped at the end)."""
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
+        self.workers: list[Any] = []
+
+    async def __aenter__(self) -> CpuWorkerPool:
+        from sglang_workers.sglang_cpu import CpuWorkerError, start_cpu_workers
+
+        try:
+            self.workers = await asyncio.to_thread(
+                start_cpu_workers,
+                self.spec.workers,
+                page_size=self.spec.page_size,
+                max_total_tokens=self.spec.capacity_tokens,
+                extra=("--random-seed", str(self.spec.seed)),
+            )
+        except CpuWorkerError as exc:
+            raise ClusterError(str(exc)[-1000:]) from None
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        workers, self.workers = self.workers, []
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+
+
+class Cluster:
+    """N sim-worker processes on free loopback ports (``stop()`` always kills them), or a flushed pool."""
+
+    def __init__(self, spec: ClusterSpec, pool: CpuWorkerPool | None = None) -> None:
+        self.spec = spec
+        self.pool = pool
         self._workers: list[Any] = []
+        self._baseline: dict[str, int] = {}
 
     @property
     def urls(self) -> list[str]:
         return [str(w.url) for w in self._workers]
 
     async def start(self) -> None:
+        if self.pool is not None:
+            self._workers = list(self.pool.workers)
+            await self._flush_all()
+            self._baseline = await self._counts()
+            return
         from sglang_workers.process import SimWorkerError, start_sim_workers
 
         try:
@@ -83,8 +123,30 @@ class Cluster:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
             return None
 
+    async def _flush_all(self, timeout_s: float = 60.0) -> None:
+        """Empty every worker's cache (SGLang refuses while requests run: retry until they are done)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        async with aiohttp.ClientSession() as session:
+            for worker in self._workers:
+                while True:
+                    try:
+                        async with session.post(
+                            f"{worker.url}/flush_cache", timeout=aiohttp.ClientTimeout(total=10)
+                        ) as r:
+                            if r.status == 200:
+                                break
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        pass
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise ClusterError(f"{worker.url} did not flush its cache in {timeout_s:.0f}s")
+                    await asyncio.sleep(0.5)
+
     async def request_counts(self) -> dict[str, int]:
-        """Requests each worker processed (``sglang:num_requests_total``); {} if they do not say."""
+        """Requests each worker processed for this contender (``sglang:num_requests_total``); {} if unknown."""
+        counts = await self._counts()
+        return {url: n - self._baseline.get(url, 0) for url, n in counts.items()}
+
+    async def _counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         async with aiohttp.ClientSession() as session:
             for worker in self._workers:
@@ -101,5 +163,7 @@ class Cluster:
 
     async def stop(self) -> None:
         workers, self._workers = self._workers, []
+        if self.pool is not None:
+            return  # the pool's workers serve the next contender; CpuWorkerPool stops them
         for worker in workers:
             await asyncio.to_thread(worker.stop)

@@ -126,6 +126,12 @@ def _ms(value: float) -> str:
 def markdown_table(report: BenchReport) -> str:
     """One table per offered load; ratios < 1 mean faster than the reference."""
     lines: list[str] = []
+    if report.setup.get("engine") == "sglang-cpu":
+        lines += [
+            "_Engine: real SGLang 0.5.23 on this CPU, serving a tiny random-weight Llama. These are CPU figures: "
+            "compare the contenders with each other (the ratios), not the times with a GPU._",
+            "",
+        ]
     for rate in report.rates():
         rows = [s for s in report.summaries if s.rate == rate]
         title = f"offered load {rate:g} req/s" if rate is not None else "trace arrivals"
