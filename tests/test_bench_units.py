@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,34 @@ def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
     expected = {"envoy-rr": "ROUND_ROBIN", "envoy-lr": "LEAST_REQUEST", "envoy-ringhash": "RING_HASH"}[name]
     assert f"lb_policy: {expected}" in text
     assert ("header_name: x-prefix-hash" in text) == (name == "envoy-ringhash")
+
+
+def test_sglang_cpu_engine_fills_only_the_defaults_not_given(tmp_path: Path) -> None:
+    import argparse
+    import subprocess
+    import sys
+
+    from benchmarks.bench_command import CPU_DEFAULTS, apply_engine_defaults, configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--engine", "sglang-cpu", "--workers", "3"])
+    apply_engine_defaults(args)
+    assert args.workers == 3  # given: kept
+    assert args.capacity_tokens == CPU_DEFAULTS["capacity_tokens"] and args.gsp_groups == CPU_DEFAULTS["gsp_groups"]
+    sim = parser.parse_args([])
+    apply_engine_defaults(sim)
+    assert sim.workers == 4 and sim.capacity_tokens == 24576  # the simulator's defaults are untouched
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "bench", "--engine", "sglang-cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "none")},
+    )
+    assert done.returncode == 1 and "make sglang-cpu" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cpu_reports_say_they_are_cpu_figures() -> None:
+    report = BenchReport("gsp", {}, {2.0: 0.5}, [failed("envoy-rr", 2.0, "x")], {}, {"engine": "sglang-cpu"})
+    assert "CPU figures" in markdown_table(report)
