@@ -46,16 +46,31 @@ def stack(
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-def router_metrics(stack: GatewayStack) -> dict[str, float]:
-    """The router's own /metrics, ``name{labels}`` -> value."""
+def router_samples(stack: GatewayStack) -> list[tuple[str, dict[str, str], float]]:
+    """The router's own /metrics as (name, labels, value) samples."""
     with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    out = {}
+    out = []
     for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if "=" in part)
+        out.append((name, {k: v.strip('"') for k, v in labels.items()}, float(value)))
     return out
+
+
+def metric(
+    stack: GatewayStack, name: str, how: Callable[[list[float]], float] = sum, empty: float | None = None, **labels: str
+) -> float:
+    """``name`` over every sample with these labels (all DP ranks, say), summed unless ``how`` says otherwise;
+    ``empty`` when there is no such sample yet (None: that is an error)."""
+    values = [v for n, ls, v in router_samples(stack) if n == name and all(ls.get(k) == x for k, x in labels.items())]
+    if not values and empty is not None:
+        return empty
+    assert values, f"no {name} sample with {labels}"
+    return how(values)
 
 
 def worker_id(worker: Any) -> str:
@@ -63,11 +78,11 @@ def worker_id(worker: Any) -> str:
 
 
 def index_blocks(stack: GatewayStack, worker: Any) -> int:
-    return int(router_metrics(stack)[f'prefix_router_index_blocks{{tier="gpu",worker="{worker_id(worker)}"}}'])
+    return int(metric(stack, "prefix_router_index_blocks", tier="gpu", worker=worker_id(worker)))
 
 
 def synced(stack: GatewayStack, worker: Any) -> bool:
-    return router_metrics(stack)[f'prefix_router_index_synced{{worker="{worker_id(worker)}"}}'] == 1.0
+    return metric(stack, "prefix_router_index_synced", min, worker=worker_id(worker)) == 1.0
 
 
 def implied_blocks(worker: Any) -> set[int]:
@@ -160,12 +175,12 @@ def test_the_routers_token_ids_equal_sglangs_prompt_tokens(stack: GatewayStack) 
         ("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}),
     ]
     for path, body in cases:
-        before = router_metrics(stack).get("prefix_router_prompt_tokens_sum", 0.0)
+        before = metric(stack, "prefix_router_prompt_tokens_sum", empty=0.0)
         reply = post(stack.url + path, {"model": MODEL, **body}, timeout=120)
         assert reply.status == 200, reply.body
         answer = reply.json()
         reported = answer["meta_info"]["prompt_tokens"] if path == "/generate" else answer["usage"]["prompt_tokens"]
-        counted = router_metrics(stack)["prefix_router_prompt_tokens_sum"] - before
+        counted = metric(stack, "prefix_router_prompt_tokens_sum") - before
         assert counted == reported, f"{path} {next(iter(body))}: router {counted} tokens, SGLang {reported}"
 
 
@@ -182,17 +197,15 @@ def test_after_evictions_the_index_equals_the_events_and_predicts_hits(
     removed = 0
     for worker in sglang_cpu_workers:
         wait_until(lambda w=worker: index_matches_events(stack, w), what=f"{worker_id(worker)} index = its events")
-        removed += int(
-            router_metrics(stack)[f'prefix_router_event_blocks_removed_total{{worker="{worker_id(worker)}"}}']
-        )
+        removed += int(metric(stack, "prefix_router_event_blocks_removed_total", worker=worker_id(worker)))
     assert removed > 0  # evictions happened and were applied
     # Every prompt again: where the router expects a hit, SGLang reports exactly that hit.
     for ids in prompts:
-        before = router_metrics(stack).get("prefix_router_matched_blocks_sum", 0.0)
+        before = metric(stack, "prefix_router_matched_blocks_sum", empty=0.0)
         reply = post(
             stack.url + "/generate", {"model": MODEL, "input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
         )
-        matched = int(router_metrics(stack)["prefix_router_matched_blocks_sum"] - before)
+        matched = int(metric(stack, "prefix_router_matched_blocks_sum") - before)
         cached = reply.json()["meta_info"]["cached_tokens"]
         assert cached == min(matched * PAGE, (len(ids) - 1) // PAGE * PAGE), (matched, cached)
 
@@ -283,19 +296,22 @@ def test_a_restarted_worker_is_reset_and_relearned(stack: GatewayStack, sglang_c
     ids = list(range(7000, 7000 + 10 * PAGE + 1))
     post(target.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
     wait_until(lambda: index_blocks(stack, target) >= 10, what="entries before the restart")
-    restarts = router_metrics(stack)[f'prefix_router_event_restarts_total{{worker="{worker_id(target)}"}}']
+    restarts = metric(stack, "prefix_router_event_restarts_total", worker=worker_id(target))
     target = restart_cpu_worker(sglang_cpu_workers, 1)  # SIGKILL, then a new process: its seq starts at 0
     wait_until(
         lambda: (
-            router_metrics(stack)[f'prefix_router_event_restarts_total{{worker="{worker_id(target)}"}}'] > restarts
+            metric(stack, "prefix_router_event_restarts_total", worker=worker_id(target)) > restarts
             or index_blocks(stack, target) < 10
         ),
         timeout=60,
         what="restart noticed",
     )
     wait_until(lambda: index_matches_events(stack, target), timeout=60, what="index rebuilt from the new stream")
-    healthy = f'prefix_router_worker_healthy{{worker="{worker_id(target)}"}}'
-    wait_until(lambda: router_metrics(stack)[healthy] == 1.0, timeout=60, what="a routing candidate again")
+    wait_until(
+        lambda: metric(stack, "prefix_router_worker_healthy", worker=worker_id(target)) == 1.0,
+        timeout=60,
+        what="a routing candidate again",
+    )
     assert index_blocks(stack, target) < 10  # the old entries are gone
     # Re-learned: a new prompt sent there is in the index again, and the gateway routes to it.
     post(target.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
