@@ -151,13 +151,21 @@ def test_a_shared_prefix_goes_where_it_is_cached_and_sglang_reports_the_hit(
         name: "You are the assistant of the " + name + " team. Answer briefly and politely. " * 20
         for name in ("billing", "travel")
     }
+
+    def stored() -> dict[str, float]:
+        return {
+            worker_id(w): metric(stack, "prefix_router_event_blocks_stored_total", worker=worker_id(w))
+            for w in sglang_cpu_workers
+        }
+
     for name, system in tenants.items():
-        before = {worker_id(w): index_blocks(stack, w) for w in sglang_cpu_workers}
-        first, body = chat(stack, fit_chat(system, f"First question from {name}"))
+        before = stored()
+        messages = fit_chat(system, f"First question from {name}")
+        first, body = chat(stack, messages)
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        holder = by_port(sglang_cpu_workers, first)
-        held = before[first]
-        wait_until(lambda h=holder, n=held: index_blocks(stack, h) > n, what="its KV events at the router")
+        pages = body["usage"]["prompt_tokens"] // PAGE
+        # Its pages reach the router as KV events (counted as stored: the pool is full, others are evicted).
+        wait_until(lambda f=first, b=before, n=pages: stored()[f] - b[f] >= n, what="its KV events at the router")
         for turn in range(3):
             host, body = chat(stack, fit_chat(system, f"Follow-up {turn} from {name}"))
             assert host == first, f"{name}: turn {turn} left the worker holding its prefix"
