@@ -32,10 +32,11 @@ from extproc.key_cache import KeyCache
 from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.request import ParsedRequest
-from extproc.sync.discovery import page_size
+from extproc.sync.discovery import page_size, storage_group
 from extproc.sync.hub import EventHub
 from extproc.sync.load import LoadTracker
 from extproc.sync.shared_state import SharedDecisions
+from extproc.sync.tier_stats import TierStatsTracker
 from extproc.sync.workers import Worker, WorkerRegistry
 from extproc.telemetry import Telemetry
 from extproc.tokenization import ModelTokenizer
@@ -83,6 +84,7 @@ class Router:
         self.index = BlockIndex(config.index)
         self.events = EventHub(config.events, registry, self.index)
         self.loads = LoadTracker(config.load, registry)
+        self.tier_stats = TierStatsTracker(config.load, registry)
         self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
         self.telemetry.watch_fleet(registry, self.index, self.events)
         self.shared: SharedDecisions | None = None
@@ -101,6 +103,7 @@ class Router:
         """Start background work (event subscriptions, load polling)."""
         await self.events.start()
         await self.loads.start()
+        await self.tier_stats.start()
         if self.shared is not None:
             await self.shared.start()
 
@@ -108,6 +111,7 @@ class Router:
         """Stop background work and flush spans."""
         if self.shared is not None:
             await self.shared.stop()
+        await self.tier_stats.stop()
         await self.loads.stop()
         await self.events.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -177,7 +181,8 @@ class Router:
             log.info("routing %s without tokens: %s", parsed.path, prompt.error)
             self.telemetry.tokenize_failed(model)
         tokens = prompt.tokens
-        loads, events = self.loads, self.events
+        loads, events, tiers = self.loads, self.events, self.tier_stats
+        shared = self.config.index.shared_tier
         candidates = [
             Candidate(
                 worker=w,
@@ -185,6 +190,8 @@ class Router:
                 load=loads.get(w),
                 index_state=events.state(w),
                 block_size=self.block_size_for(w),
+                storage_group=storage_group(w) if shared else None,
+                tier_report=tiers.get(w),
             )
             for w in workers
         ]
@@ -242,7 +249,7 @@ class Router:
             groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
         first: list[int] | None = None
         index = self.index
-        host = index.has_tier("host")
+        lower = index.has_tier("host") or index.has_tier("shared")
         for chain, members in groups.items():
             keys = chains.get(chain)
             if keys is None:  # a worker's page size became known while the pool hashed
@@ -250,11 +257,20 @@ class Router:
             if first is None:
                 first = keys
             ids = [c.worker.id for c in members]
+            if lower:  # GPU, then host memory, then the storage tier each shares
+                depths = index.match_tiers(keys, ids, {c.worker.id: c.storage_group for c in members})
+                for c in members:
+                    depth = depths[c.worker.id]
+                    c.matched_blocks, c.host_matched_blocks, c.shared_matched_blocks = (
+                        depth.gpu,
+                        depth.local,
+                        depth.shared,
+                    )
+                    keys_of[c.worker.id] = keys
+                continue
             gpu = index.match(keys, ids, "gpu")
-            lower = index.match(keys, ids, "host") if host else {}
             for c in members:
-                c.matched_blocks = gpu[c.worker.id]
-                c.host_matched_blocks = max(c.matched_blocks, lower.get(c.worker.id, 0))
+                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = gpu[c.worker.id]
                 keys_of[c.worker.id] = keys
         return first or []
 

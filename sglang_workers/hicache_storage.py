@@ -245,6 +245,10 @@ class StoragePrefetcher:
     ) -> tuple[bool, int]:
         if self.policy == "best_effort":
             return True, self._finish(key, op, landed, tokens, salt)
+        if op.hits is None:
+            # The existence checks run on a real thread; their simulated cost is charged from the
+            # issue time once they answer, so the wait budget starts only then.
+            return False, 0
         if self.policy == "timeout":
             if op.deadline is None:
                 pages = op.requested_tokens

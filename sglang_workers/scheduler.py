@@ -447,7 +447,7 @@ class Scheduler:
             if loaded:
                 self.stats.load_back_tokens += loaded
                 self.stats.load_back_bytes += self.profile.kv_bytes(loaded)
-                self.stats.load_back_seconds.observe(h2d)
+                self.stats.load_back_seconds.observe(h2d / self.config.speedup)  # reported in wall seconds
             self.stats.busy_prefill_s += duration
             self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch), duration))
             await self._sleep(duration)
@@ -503,7 +503,7 @@ class Scheduler:
 
     def _backed_up(self, op: Backup) -> None:
         self.stats.backup_bytes += self.profile.kv_bytes(op.tokens)
-        self.stats.backup_seconds.observe(op.seconds)
+        self.stats.backup_seconds.observe(op.seconds / self.config.speedup)
         if self.prefetcher is not None:
             self.prefetcher.write_nodes(op.nodes)
 
@@ -768,7 +768,7 @@ class Scheduler:
             ops, self.prefetcher.stats.prefetch_ops = self.prefetcher.stats.prefetch_ops, []
             for pages, gbps in ops:
                 self.stats.prefetch_pages.observe(pages)
-                self.stats.prefetch_gbps.observe(gbps)
+                self.stats.prefetch_gbps.observe(gbps * self.config.speedup)  # per wall second, as measured
         return self.stats.prefetch_pages, self.stats.prefetch_gbps
 
     def cache_hit_rate(self) -> float:

@@ -20,7 +20,7 @@ import zmq.asyncio
 from extproc.config import EventsConfig
 from extproc.index import BlockIndex
 from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
-from extproc.sync.discovery import discover, event_endpoints
+from extproc.sync.discovery import discover, event_endpoints, storage_group
 from extproc.sync.subscriber import EventSubscriber
 from extproc.sync.workers import Worker, WorkerRegistry
 
@@ -132,6 +132,9 @@ class EventHub:
         def model() -> str:  # read at use: the served model may be discovered after subscribing
             return worker.model or ""
 
+        def group() -> str | None:  # read at use too: /server_info may change on a rejoin
+            return storage_group(worker)
+
         for events_ep, replay_ep in endpoints:
             view = WorkerCacheView(
                 worker.id,
@@ -139,6 +142,7 @@ class EventHub:
                 model=model,
                 resync_after_s=self.config.resync_after_s,
                 max_hashes=self.index.config.max_blocks_per_worker * 3,
+                storage_group=group if self.index.config.shared_tier else None,
             )
             sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
             views.append(view)
