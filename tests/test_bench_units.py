@@ -293,19 +293,19 @@ def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
 def test_longctx_mixes_document_qa_and_growing_chat_sessions() -> None:
     from benchmarks.workloads import longctx_workload
 
-    kwargs = dict(
-        docs=3,
-        doc_len=64,
-        questions_per_doc=2,
-        question_len=8,
-        sessions=2,
-        turns=3,
-        system_prompt_len=32,
-        turn_len=8,
-        output_len=4,
-        duration_s=10.0,
-        seed=1,
-    )
+    kwargs = {
+        "docs": 3,
+        "doc_len": 64,
+        "questions_per_doc": 2,
+        "question_len": 8,
+        "sessions": 2,
+        "turns": 3,
+        "system_prompt_len": 32,
+        "turn_len": 8,
+        "output_len": 4,
+        "duration_s": 10.0,
+        "seed": 1,
+    }
     w = longctx_workload(**kwargs)  # type: ignore[arg-type]
     assert len(w.requests) == 3 * 2 + 2 * 3 and w.name == "longctx"
     assert [r.index for r in w.requests] == list(range(len(w.requests)))
