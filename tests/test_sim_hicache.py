@@ -261,7 +261,9 @@ def test_flush_clears_both_tiers_with_one_event() -> None:
 
 
 def test_host_pool_is_sized_like_sglang() -> None:
-    # ratio x device, plus one padding page
+    # ratio x device, plus one padding page; real 0.5.23 with --max-total-tokens 2048 logged
+    # "Allocating kv hierarchical KV host pool: 4112 tokens" before failing on this CPU (docs/sim-worker.md)
+    assert host_pool_tokens(2048, 16, 2.0, 0, 131_072) == 4112
     assert host_pool_tokens(1000, 16, 2.0, 0, 131_072) == (2000 // 16 + 1) * 16
     # --hicache-size GB (decimal) over the KV bytes per token overrides the ratio
     assert host_pool_tokens(1000, 16, 2.0, 4, 131_072) == (int(4e9 // 131_072) // 16 + 1) * 16
