@@ -48,10 +48,17 @@ class TimingProfile:
     d1: float  # per sequence in the decode batch
     d2: float  # per KV token read in a decode step
     kv_pool_tokens: int  # KV pool size SGLang allocates at its default --mem-fraction-static
+    # What /v1/loads reports about the hardware (per DP rank: one TP group): the accelerator's name as
+    # torch names it, how many there are, and the memory SGLang measured for weights, KV pool and graphs.
+    gpu_name: str | None = None
+    num_gpus: int = 1
+    weight_gb: float = 0.0  # per GPU, GiB, as SGLang's weight_load_mem_usage
+    kv_bytes_per_token: int = 0  # per GPU: layers x KV heads on this GPU x head dim x 2 (K, V) x 2 bytes (bf16)
+    graph_gb: float = 0.0  # CUDA-graph memory per GPU
+    # HiCache transfers (KV bytes per token above; 0 bytes or 0 GB/s: the copy is free).
     layers: int = 32  # transformer layers (a load-back overlaps the prefill one layer at a time)
-    kv_bytes_per_token: int = 0  # KV bytes of one token on one GPU (BF16, all layers, K and V); 0: free moves
-    h2d_gbps: float = 0.0  # host-to-device copy bandwidth per GPU (GB/s, 1e9); 0: instant
-    d2h_gbps: float = 0.0  # device-to-host copy bandwidth per GPU (GB/s, 1e9); 0: instant
+    h2d_gbps: float = 0.0  # host-to-device copy bandwidth per GPU (GB/s, 1e9)
+    d2h_gbps: float = 0.0  # device-to-host copy bandwidth per GPU (GB/s, 1e9)
 
     def prefill_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """One prefill batch; ``chunks`` holds (new tokens L, cached context P) per request."""
@@ -90,10 +97,9 @@ class TimingProfile:
 # KV bytes per token per GPU (BF16): 8B = 32 layers x 8 KV heads x (128 + 128) x 2 B = 131,072;
 # 70B = 80 x 8 x 256 x 2 = 327,680 in all, 2 KV heads per GPU under TP4 = 81,920. Host links: see the
 # module docstring (45 GB/s H2D, 50 GB/s D2H per GPU, PCIe Gen5).
-_LLAMA_8B_PCIE5: dict[str, Any] = {"layers": 32, "kv_bytes_per_token": 131_072, "h2d_gbps": 45.0, "d2h_gbps": 50.0}
+_LLAMA_8B_PCIE5: dict[str, Any] = {"layers": 32, "h2d_gbps": 45.0, "d2h_gbps": 50.0}
 _LLAMA_70B_TP4_PCIE5: dict[str, Any] = {
     "layers": 80,
-    "kv_bytes_per_token": 81_920,
     "h2d_gbps": 45.0,
     "d2h_gbps": 50.0,
 }
@@ -115,6 +121,10 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.06e-3,
             d2=49e-9,
             kv_pool_tokens=417_000,
+            gpu_name="NVIDIA H100 80GB HBM3",
+            weight_gb=14.96,
+            kv_bytes_per_token=131_072,
+            graph_gb=0.5,
             **_LLAMA_8B_PCIE5,
         ),
         TimingProfile(
@@ -127,6 +137,10 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.05e-3,
             d2=34e-9,
             kv_pool_tokens=915_000,
+            gpu_name="NVIDIA H200",
+            weight_gb=14.96,
+            kv_bytes_per_token=131_072,
+            graph_gb=0.5,
             **_LLAMA_8B_PCIE5,
         ),
         TimingProfile(
@@ -139,6 +153,11 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.11e-3,
             d2=31e-9,
             kv_pool_tokens=414_000,
+            gpu_name="NVIDIA H100 80GB HBM3",
+            num_gpus=4,
+            weight_gb=32.87,
+            kv_bytes_per_token=81_920,
+            graph_gb=0.6,
             **_LLAMA_70B_TP4_PCIE5,
         ),
         TimingProfile(
@@ -151,6 +170,11 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.09e-3,
             d2=22e-9,
             kv_pool_tokens=1_210_000,
+            gpu_name="NVIDIA H200",
+            num_gpus=4,
+            weight_gb=32.87,
+            kv_bytes_per_token=81_920,
+            graph_gb=0.6,
             **_LLAMA_70B_TP4_PCIE5,
         ),
         TimingProfile(
