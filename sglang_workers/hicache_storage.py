@@ -9,7 +9,9 @@ What SGLang 0.5.23 does (``mem_cache/hicache_storage.py`` ``HiCacheFile``, the p
   set, which seeds it with ``storage_namespace_seed``. The suffix is ``_{model with '/' -> '-'}_{tp
   rank}_{tp size}``. Workers find each other's pages by name alone: no index, no events.
 * **writes**: every node whose host copy is acknowledged is written, page by page, skipping pages
-  already there (pages that came from storage are not written back). They run on a background thread.
+  already there (pages that came from storage are not written back). They run on a background thread
+  of their own (SGLang's backup thread), apart from the prefetch thread that answers lookups, so a
+  burst of writes never delays a lookup.
   The simulator has no KV tensors: a file holds the page's token ids, not its KV bytes.
 * **prefetch** (on arrival, when the local match ends at the root or a backed-up node and the rest of
   the prompt, cut to pages, is at least ``prefetch_threshold`` tokens): existence checks in batches of
@@ -176,14 +178,19 @@ class StoragePrefetcher:
         self.threshold = max(settings.prefetch_threshold, cache.page_size)
         self.stats = StorageStats()
         self.ops: dict[Any, PrefetchOp] = {}
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="hicache-storage")
+        # SGLang runs prefetch lookups and backups on separate threads; so does this.
+        self._prefetch_io = ThreadPoolExecutor(1, thread_name_prefix="hicache-prefetch")
+        self._backup_io = ThreadPoolExecutor(1, thread_name_prefix="hicache-backup")
 
     def close(self) -> None:
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_io.shutdown(wait=False, cancel_futures=True)
+        self._backup_io.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self) -> None:
-        """Wait until the storage I/O queued so far is done (the one I/O thread runs it in order)."""
-        await asyncio.get_running_loop().run_in_executor(self._io, lambda: None)
+        """Wait until the storage I/O queued so far is done (each thread runs its queue in order)."""
+        loop = asyncio.get_running_loop()
+        for io in (self._prefetch_io, self._backup_io):
+            await loop.run_in_executor(io, lambda: None)
 
     # -- costs ---------------------------------------------------------------------------------
     def _op_seconds(self, pages: int, gbps: float) -> float:
@@ -203,7 +210,7 @@ class StoragePrefetcher:
         if self.cache.host_reserved >= PREFETCH_OCCUPANCY_LIMIT * self.cache.host_capacity:
             return False  # rate limited
         digests = storage_chain(tokens[:end], self.page_size, salt)[matched // self.page_size :]
-        query = self._io.submit(self.storage.count_prefix, digests)
+        query = self._prefetch_io.submit(self.storage.count_prefix, digests)
         query.add_done_callback(lambda _f: self.wake())
         self.ops[key] = PrefetchOp(matched, digests, self.clock(), query)
         return True
@@ -327,7 +334,7 @@ class StoragePrefetcher:
                 pages.append((digest, node.key[i * self.page_size : (i + 1) * self.page_size]))
         if not pages:
             return
-        future = self._io.submit(self.storage.write, pages)
+        future = self._backup_io.submit(self.storage.write, pages)
 
         def done(f: Future[int]) -> None:
             if not f.cancelled() and f.exception() is None:
