@@ -40,7 +40,7 @@ from .kv_events import KVEventPublisher
 from .radix_cache import RadixCache, TreeNode
 from .timing import TimingProfile
 
-__all__ = ["Request", "Scheduler", "SchedulerStats", "Step"]
+__all__ = ["HEALTH_CHECK_RID_PREFIX", "Request", "Scheduler", "SchedulerStats", "Step"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # rid prefix of health probes (SGLang's HEALTH_CHECK_RID_PREFIX)
 MAX_PACING_CREDIT = 0.05  # at most this much wall time is made up after a stall (s)
 
 TTFT_BUCKETS = (
@@ -271,7 +272,8 @@ class Scheduler:
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
         self.waiting.append(req)
-        self.stats.num_requests += 1
+        if not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):  # SGLang leaves its health probes out of the metrics
+            self.stats.num_requests += 1
         self._wakeup.set()
         return req
 

@@ -35,7 +35,7 @@ from .config import SimWorkerConfig
 from .kv_events import KVEventPublisher
 from .metrics import render_metrics
 from .radix_cache import RadixCache
-from .scheduler import Request, Scheduler
+from .scheduler import HEALTH_CHECK_RID_PREFIX, Request, Scheduler
 from .timing import get_profile
 
 __all__ = ["SGLANG_VERSION", "SimWorker"]
@@ -254,7 +254,8 @@ class SimWorker:
             raise ApiError(400, "'cache_salt' must be a string.", "cache_salt")
         return salt or None
 
-    def _submit(self, input_ids: list[int], max_new_tokens: int, salt: str | None, rid: str | None) -> Request:
+    def submit(self, input_ids: list[int], max_new_tokens: int, salt: str | None, rid: str | None) -> Request:
+        """Check and queue one tokenized request: the admission path of both front doors (HTTP and gRPC)."""
         scheduler = self._require_ready()
         self._check_length(input_ids, max_new_tokens)
         return scheduler.submit(input_ids, max_new_tokens, salt, rid)
@@ -416,7 +417,7 @@ class SimWorker:
             raise ApiError(400, "Missing required field 'prompt'.", "prompt")
         input_ids = self._completion_prompt(body["prompt"])
         max_new = self._max_tokens(body.get("max_tokens"), "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
-        req = self._submit(input_ids, max_new, self._cache_salt(body), None)
+        req = self.submit(input_ids, max_new, self._cache_salt(body), None)
         model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -508,7 +509,7 @@ class SimWorker:
             raise ApiError(400, f"Cannot apply the chat template: {exc}", "messages") from None
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         max_new = self._max_tokens(limit, "max_tokens", self.config.default_max_new_tokens)
-        req = self._submit(input_ids, max_new, self._cache_salt(body), None)
+        req = self.submit(input_ids, max_new, self._cache_salt(body), None)
         model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -596,7 +597,7 @@ class SimWorker:
         scheduler = self._require_ready()
         if request.path == "/health_generate":
             # Like SGLang: push a one-token request through the scheduler and wait for it.
-            req = scheduler.submit([0], 1, None, f"HEALTH_CHECK_{uuid.uuid4().hex}")
+            req = scheduler.submit([0], 1, None, f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}")
             try:
                 await asyncio.wait_for(self._wait(req), timeout=20)
             except asyncio.TimeoutError:
@@ -618,6 +619,10 @@ class SimWorker:
         }
 
     async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.server_info_report())
+
+    def server_info_report(self) -> dict[str, Any]:
+        """The body of ``/server_info`` (also the gRPC ``GetServerInfo.server_args``)."""
         cfg = self.config
         scheduler = self.scheduler
         kv_cfg = None
@@ -632,65 +637,68 @@ class SimWorker:
                 }
             )
         load = scheduler.load() if scheduler else {}
-        return web.json_response(
-            {
-                "model_path": cfg.model,
-                "tokenizer_path": self.tokenizer_path,
-                "served_model_name": cfg.model,
-                "host": cfg.host,
-                "port": self.bound_port or cfg.port,
-                "skip_tokenizer_init": False,
-                "context_length": cfg.context_length,
-                "page_size": cfg.page_size,
-                "chunked_prefill_size": cfg.chunked_prefill_size,
-                "max_prefill_tokens": cfg.max_prefill_tokens,
-                "max_running_requests": cfg.max_running_requests,
-                "schedule_policy": cfg.schedule_policy,
-                "max_total_num_tokens": scheduler.capacity if scheduler else None,
-                "tp_size": 1,
-                "dp_size": 1,
-                "enable_dp_attention": False,
-                "disable_radix_cache": False,
-                "enable_metrics": True,
-                "enable_cache_report": True,
-                "kv_events_config": kv_cfg,
-                "kv_events": self.kv_events_info(),
-                "internal_states": [
-                    {
-                        "last_gen_throughput": load.get("gen_throughput", 0.0),
-                        "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0},
-                    }
-                ],
-                "version": SGLANG_VERSION,
-                "simulator": {
-                    "profile": cfg.profile,
-                    "speedup": cfg.speedup,
-                    "seed": cfg.seed,
-                    "event_format": cfg.event_format,
-                    "replay_format": cfg.replay_format,
-                },
-            }
-        )
+        return {
+            "model_path": cfg.model,
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": cfg.model,
+            "host": cfg.host,
+            "port": self.bound_port or cfg.port,
+            "skip_tokenizer_init": False,
+            "context_length": cfg.context_length,
+            "page_size": cfg.page_size,
+            "chunked_prefill_size": cfg.chunked_prefill_size,
+            "max_prefill_tokens": cfg.max_prefill_tokens,
+            "max_running_requests": cfg.max_running_requests,
+            "schedule_policy": cfg.schedule_policy,
+            "max_total_num_tokens": scheduler.capacity if scheduler else None,
+            "tp_size": 1,
+            "dp_size": 1,
+            "enable_dp_attention": False,
+            "disable_radix_cache": False,
+            "enable_metrics": True,
+            "enable_cache_report": True,
+            "kv_events_config": kv_cfg,
+            "kv_events": self.kv_events_info(),
+            "internal_states": [
+                {
+                    "last_gen_throughput": load.get("gen_throughput", 0.0),
+                    "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0},
+                }
+            ],
+            "version": SGLANG_VERSION,
+            "simulator": {
+                "profile": cfg.profile,
+                "speedup": cfg.speedup,
+                "seed": cfg.seed,
+                "event_format": cfg.event_format,
+                "replay_format": cfg.replay_format,
+            },
+        }
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model_path": self.config.model,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-            }
-        )
+        return web.json_response(self.model_info_report())
+
+    def model_info_report(self) -> dict[str, Any]:
+        """The body of ``/model_info`` (the gRPC ``GetModelInfo`` carries the same fields)."""
+        return {
+            "model_path": self.config.model,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+        }
 
     async def loads(self, request: web.Request) -> web.Response:
+        return web.json_response(self.loads_report(request.query.get("include", "all")))
+
+    def loads_report(self, include: str = "all") -> dict[str, Any]:
+        """The body of ``/v1/loads``; the gRPC ``GetLoads`` is built from it, so the two always agree."""
         scheduler = self._require_ready()
         load = scheduler.load()
-        include = request.query.get("include", "all")
         if include == "core":
             load = {
                 k: load[k]
@@ -706,21 +714,19 @@ class SimWorker:
                     "gen_throughput",
                 )
             }
-        return web.json_response(
-            {
-                "timestamp": datetime.now(timezone.utc).isoformat(),
-                "version": SGLANG_VERSION,
-                "dp_rank_count": 1,
-                "loads": [load],
-                "aggregate": {
-                    "total_running_reqs": load["num_running_reqs"],
-                    "total_waiting_reqs": load["num_waiting_reqs"],
-                    "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                    "avg_token_usage": load["token_usage"],
-                    "avg_throughput": load["gen_throughput"],
-                },
-            }
-        )
+        return {
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": SGLANG_VERSION,
+            "dp_rank_count": 1,
+            "loads": [load],
+            "aggregate": {
+                "total_running_reqs": load["num_running_reqs"],
+                "total_waiting_reqs": load["num_waiting_reqs"],
+                "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                "avg_token_usage": load["token_usage"],
+                "avg_throughput": load["gen_throughput"],
+            },
+        }
 
     async def get_load(self, request: web.Request) -> web.Response:
         load = self._require_ready().load()

@@ -1,0 +1,398 @@
+"""The KV-event stream of SGLang's gRPC scheduler API (``SubscribeKvEvents``), relayed from the ZMQ publisher.
+
+SGLang's gRPC mode does not emit events of its own: its servicer subscribes to the scheduler's ZMQ
+publisher and re-sends every batch on the stream. This relay does the same in-process: it hears each
+batch the moment :class:`~sglang_workers.kv_events.KVEventPublisher` sends it (the very payload bytes ZMQ
+carries, decoded), so a gRPC subscriber and a ZMQ subscriber see the same events under the same
+sequence numbers.
+
+What the stream promises, and why (smg 1.13 is the consumer this is written for):
+
+* **Batches as SGLang's bridge shapes them.** Every ``BlockStored`` is cut into one ``KvBlock`` per page
+  carrying exactly that page's tokens (smg hashes each block's own tokens and uses the engine hash only
+  as an identity), the first linked to ``parent_block_hash``; the medium becomes a tier (``GPU`` ->
+  device); ``dp_rank`` on every batch; ``timestamp`` in epoch seconds (smg's lag metric).
+* **Resume.** ``start_sequence_number = N > 0`` is the last batch the subscriber applied: batches N+1...
+  are replayed from the relay's history (``--kv-buffer-steps`` batches, like the publisher's replay
+  buffer), then live ones follow with no gap and no duplicate. A cursor the history no longer reaches,
+  or one beyond the last batch (the worker restarted: sequence numbers start again at 0 in every
+  process), is ``OUT_OF_RANGE``; smg then clears the worker and subscribes again from 0. This is what
+  SGLang's bridge does with a ``replay_endpoint``.
+* **Subscribe from 0** ("start from the current state"): while the history reaches back to the
+  publisher's first batch, the whole history is replayed; once it does not, a snapshot of the live
+  blocks (``KvSnapshotChunk``: chunk 0 opens with a clear, parents before children, sequence numbers
+  ending at the batch the state was taken at) stands in for it, as the protocol defines.
+* **A subscriber that falls behind** by more than the history holds gets ``DATA_LOSS`` (smg clears and
+  resubscribes) instead of a silent gap.
+* **Load records.** Every batch carries an ``EngineLoad`` with the figures ``GetLoads`` answers; when no
+  event flows, a ``load_only`` batch (the last sequence repeated) goes out when the load moved (checked
+  every 0.1 s) and as a heartbeat after 1 s of silence (every 5 s once two heartbeats in a row were
+  unchanged), as SGLang's servicer paces them. smg then skips its ``GetLoads`` polls for the worker and
+  its liveness tracker keeps hearing from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+
+from .kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventPublisher,
+    decode_payload,
+)
+
+__all__ = [
+    "HEARTBEAT_BACKOFF_S",
+    "HEARTBEAT_INTERVAL_S",
+    "LOAD_TICK_S",
+    "KvEventRelay",
+    "LoadSource",
+    "StreamError",
+    "engine_load",
+]
+
+logger = logging.getLogger(__name__)
+
+LOAD_TICK_S = 0.1  # how often an idle stream looks at the load for a change
+HEARTBEAT_INTERVAL_S = 1.0  # silence after which a load_only heartbeat goes out
+HEARTBEAT_BACKOFF_S = 5.0  # the heartbeat interval once two heartbeats in a row carried the same load
+SNAPSHOT_CHUNK_BLOCKS = 1024  # stored blocks per snapshot chunk
+
+# SGLang's medium strings and the protocol's tiers (HiCache publishes the host and disk tiers).
+_TIERS = {
+    MEDIUM_GPU: common_pb2.KV_CACHE_TIER_DEVICE,
+    "CPU_PINNED": common_pb2.KV_CACHE_TIER_HOST,
+    "DISK": common_pb2.KV_CACHE_TIER_DISK,
+    "EXTERNAL": common_pb2.KV_CACHE_TIER_EXTERNAL,
+}
+# EngineLoad fields beyond the routing core: sent on a stream's first record and on heartbeats only.
+_TELEMETRY = ("cache_hit_rate", "num_used_tokens", "max_total_num_tokens", "memory", "queues")
+
+#: The worker's current load as the stream's record (``None`` while it is not known, e.g. still loading).
+LoadSource = Callable[[], "common_pb2.EngineLoad | None"]
+
+
+class StreamError(Exception):
+    """The stream cannot go on (or start) as asked: ends it with this gRPC status and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class _LiveBlock:
+    """One stored page as the stream announced it: what a snapshot re-announces."""
+
+    block_hash: int
+    parent: int | None
+    tokens: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    cache_salt: str | None
+
+
+def _stored_event(
+    blocks: list[common_pb2.KvBlock], parent: int | None, medium: str | None, salt: str | None
+) -> common_pb2.KvBlocksStored:
+    stored = common_pb2.KvBlocksStored(blocks=blocks)
+    if parent is not None:
+        stored.parent_block_hash = parent
+    if medium is not None:
+        stored.medium = medium
+        if medium in _TIERS:
+            stored.tier = _TIERS[medium]
+    if salt is not None:
+        stored.cache_salt = salt
+    return stored
+
+
+def _kv_block(block_hash: int, tokens: list[int] | tuple[int, ...], block_size: int, lora_id: int | None) -> Any:
+    block = common_pb2.KvBlock(block_hash=block_hash, token_ids=tokens, block_size=block_size)
+    if lora_id is not None:
+        block.lora_id = lora_id
+    return block
+
+
+class _LoadPacer:
+    """One stream's load records: numbered, telemetry on the first and on heartbeats, heartbeats paced."""
+
+    def __init__(self, source: LoadSource, last_seq: int, dp_rank: int | None) -> None:
+        self._source = source
+        self._sample = 0
+        self._last: common_pb2.EngineLoad | None = None
+        self._sent_at = time.monotonic()
+        self._same_beats = 0  # heartbeats in a row whose record did not change
+        self.last_seq = max(last_seq, 0)  # what a load_only batch repeats
+        self._dp_rank = dp_rank
+
+    def _record(self, current: common_pb2.EngineLoad, load_only: bool) -> common_pb2.EngineLoad:
+        record = common_pb2.EngineLoad()
+        record.CopyFrom(current)
+        self._sample += 1
+        record.sample = self._sample
+        record.load_only = load_only
+        if not load_only and self._sample > 1:  # event batches (one per scheduler step) carry the core only
+            for name in _TELEMETRY:
+                record.ClearField(name)
+        self._last = current
+        self._sent_at = time.monotonic()
+        return record
+
+    def stamp(self, batch: common_pb2.KvEventBatch) -> common_pb2.KvEventBatch:
+        """Attach the current record to a batch about to be sent (and remember what it names)."""
+        self.last_seq = batch.sequence_number
+        self._same_beats = 0
+        current = self._source()
+        if current is not None:
+            batch.load.CopyFrom(self._record(current, load_only=False))
+        else:
+            self._sent_at = time.monotonic()
+        return batch
+
+    def heartbeat(self) -> common_pb2.KvEventBatch | None:
+        """A ``load_only`` batch if one is due now (the load moved, or the stream was quiet long enough)."""
+        current = self._source()
+        if current is None:
+            return None
+        changed = self._last is None or _load_moved(self._last, current)
+        interval = HEARTBEAT_BACKOFF_S if self._same_beats >= 2 else HEARTBEAT_INTERVAL_S
+        if not changed and time.monotonic() - self._sent_at < interval:
+            return None
+        self._same_beats = 0 if changed else self._same_beats + 1
+        batch = common_pb2.KvEventBatch(sequence_number=self.last_seq, timestamp=time.time())
+        if self._dp_rank is not None:
+            batch.dp_rank = self._dp_rank
+        batch.load.CopyFrom(self._record(current, load_only=True))
+        return batch
+
+
+def _load_moved(last: common_pb2.EngineLoad, now: common_pb2.EngineLoad) -> bool:
+    """Worth a load_only batch: any count changed, KV usage moved half a percent, the rate 5 %."""
+    if (
+        last.running_requests,
+        last.waiting_requests,
+        last.max_running_requests,
+        last.waiting_uncached_tokens if last.HasField("waiting_uncached_tokens") else None,
+    ) != (
+        now.running_requests,
+        now.waiting_requests,
+        now.max_running_requests,
+        now.waiting_uncached_tokens if now.HasField("waiting_uncached_tokens") else None,
+    ):
+        return True
+    if abs(last.token_usage - now.token_usage) > 0.005:
+        return True
+    rate_moved: bool = abs(last.gen_throughput - now.gen_throughput) > 0.05 * max(
+        last.gen_throughput, now.gen_throughput, 1.0
+    )
+    return rate_moved
+
+
+class KvEventRelay:
+    """The publisher's batches as ``KvEventBatch`` messages: a bounded history, the live blocks, subscriptions.
+
+    Built after the worker started (it seeds itself from the publisher's replay buffer, which then still
+    holds everything from seq 0) and driven from the worker's event loop, like the publisher.
+    """
+
+    def __init__(self, publisher: KVEventPublisher, history: int) -> None:
+        self._history: deque[common_pb2.KvEventBatch] = deque(maxlen=max(history, 1))
+        self._live: dict[tuple[int, str | None], _LiveBlock] = {}
+        self._event_ids = 0
+        self._wake = asyncio.Event()
+        self.last_seq = -1
+        self.last_batch_at = 0.0  # epoch seconds of the last batch (GetServerInfo.last_receive_timestamp)
+        for seq, payload in publisher.buffered():
+            self._on_batch(seq, payload)
+        publisher.add_listener(self._on_batch)
+
+    # -- intake ------------------------------------------------------------------------------------
+    def _on_batch(self, seq: int, payload: bytes) -> None:
+        ts, events, dp_rank = decode_payload(payload)
+        batch = common_pb2.KvEventBatch(sequence_number=seq, timestamp=ts)
+        if dp_rank is not None:
+            batch.dp_rank = dp_rank
+        for event in events:
+            self._event_ids += 1
+            batch.events.append(self._event(event, self._event_ids))
+            self._apply(event)
+        self._history.append(batch)
+        self.last_seq = seq
+        self.last_batch_at = ts
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    @staticmethod
+    def _event(event: KVEvent, event_id: int) -> common_pb2.KvCacheEvent:
+        if isinstance(event, BlockStored):
+            size = event.block_size
+            blocks = [
+                _kv_block(h, event.token_ids[i * size : (i + 1) * size], size, event.lora_id)
+                for i, h in enumerate(event.block_hashes)
+            ]
+            stored = _stored_event(blocks, event.parent_block_hash, event.medium, event.cache_salt)
+            return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+        if isinstance(event, BlockRemoved):
+            removed = common_pb2.KvBlocksRemoved(block_hashes=event.block_hashes)
+            if event.medium is not None:
+                removed.medium = event.medium
+                if event.medium in _TIERS:
+                    removed.tier = _TIERS[event.medium]
+            return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
+        return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
+
+    def _apply(self, event: KVEvent) -> None:
+        """Keep the live blocks (per medium: a HiCache block can live in two tiers) for snapshots."""
+        if isinstance(event, BlockStored):
+            size, parent = event.block_size, event.parent_block_hash
+            for i, h in enumerate(event.block_hashes):
+                tokens = tuple(event.token_ids[i * size : (i + 1) * size])
+                self._live[(h, event.medium)] = _LiveBlock(
+                    h, parent, tokens, size, event.lora_id, event.medium, event.cache_salt
+                )
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                self._live.pop((h, event.medium), None)
+        elif isinstance(event, AllBlocksCleared):
+            self._live.clear()
+
+    # -- what a subscriber gets --------------------------------------------------------------------
+    @property
+    def oldest_seq(self) -> int:
+        return self._history[0].sequence_number if self._history else self.last_seq + 1
+
+    @property
+    def live_blocks(self) -> int:
+        return len(self._live)
+
+    def snapshot(self) -> list[common_pb2.KvEventBatch]:
+        """The live blocks as snapshot chunks whose sequence numbers end at the last batch."""
+        if self.last_seq < 0:
+            return []
+        blocks = list(self._live.values())  # insertion order: a parent is always stored before its children
+        count = min(max(-(-len(blocks) // SNAPSHOT_CHUNK_BLOCKS), 1), self.last_seq + 1)
+        per_chunk = -(-len(blocks) // count) if blocks else 0
+        dp_rank = self._history[-1].dp_rank if self._history and self._history[-1].HasField("dp_rank") else None
+        chunks = []
+        for index in range(count):
+            batch = common_pb2.KvEventBatch(sequence_number=self.last_seq - count + 1 + index, timestamp=time.time())
+            if dp_rank is not None:
+                batch.dp_rank = dp_rank
+            batch.snapshot.CopyFrom(
+                common_pb2.KvSnapshotChunk(index=index, count=count, blocks=len(blocks), unknown_before=0)
+            )
+            if index == 0:
+                batch.events.append(common_pb2.KvCacheEvent(event_id=0, cleared=common_pb2.KvCacheCleared()))
+            for b in blocks[index * per_chunk : (index + 1) * per_chunk]:
+                stored = _stored_event(
+                    [_kv_block(b.block_hash, b.tokens, b.block_size, b.lora_id)], b.parent, b.medium, b.cache_salt
+                )
+                batch.events.append(common_pb2.KvCacheEvent(event_id=0, stored=stored))
+            chunks.append(batch)
+        return chunks
+
+    def check_cursor(self, start: int) -> None:
+        """Refuse a resume cursor this relay cannot serve with ``OUT_OF_RANGE`` (``0`` is always served).
+
+        Called before the stream's headers go out: smg clears the worker and subscribes again from 0 only
+        when the subscription itself is refused this way (an error after the headers is a broken stream,
+        and it would retry the same cursor).
+        """
+        if start == 0:
+            return
+        if start > self.last_seq:
+            raise StreamError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"start_sequence_number {start} is beyond this worker's last batch {self.last_seq}: the worker "
+                "restarted (sequence numbers start again at 0); subscribe again from 0",
+            )
+        if start + 1 < self.oldest_seq:
+            raise StreamError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"batches after {start} are no longer kept (the history starts at {self.oldest_seq}); "
+                "subscribe again from 0",
+            )
+
+    def _batch(self, seq: int) -> common_pb2.KvEventBatch:
+        oldest = self.oldest_seq
+        if seq < oldest:
+            raise StreamError(
+                grpc.StatusCode.DATA_LOSS,
+                f"the subscriber fell behind: batch {seq} is no longer kept (the history starts at {oldest})",
+            )
+        copy = common_pb2.KvEventBatch()
+        copy.CopyFrom(self._history[seq - oldest])
+        return copy
+
+    async def stream(self, start: int, load: LoadSource) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """Batches for one subscription from cursor ``start`` (0: the current state), until cancelled.
+
+        Raises :class:`StreamError` when the cursor cannot be served or the subscriber fell behind.
+        """
+        dp_rank = self._history[-1].dp_rank if self._history and self._history[-1].HasField("dp_rank") else None
+        pacer = _LoadPacer(load, start, dp_rank)
+        if start == 0 and self.oldest_seq > 0:
+            for chunk in self.snapshot():
+                yield pacer.stamp(chunk)
+            next_seq = self.last_seq + 1
+        elif start == 0:
+            next_seq = 0
+        else:
+            self.check_cursor(start)
+            next_seq = start + 1
+        while True:
+            while next_seq <= self.last_seq:
+                yield pacer.stamp(self._batch(next_seq))
+                next_seq += 1
+            wake = self._wake
+            try:
+                await asyncio.wait_for(wake.wait(), LOAD_TICK_S)
+            except asyncio.TimeoutError:
+                beat = pacer.heartbeat()
+                if beat is not None:
+                    yield beat
+
+
+def engine_load(load: Any, queued_work_known: bool) -> common_pb2.EngineLoad:
+    """The stream's load record from a ``GetLoads`` ``SchedulerLoad``: the same figures, field for field.
+
+    ``waiting_uncached_tokens`` is set only when the worker reports it (``queued_work_known``): absent
+    and 0 mean different things to smg.
+    """
+    record = common_pb2.EngineLoad(
+        running_requests=max(load.num_running_reqs, 0),
+        waiting_requests=max(load.num_waiting_reqs, 0),
+        token_usage=load.token_usage,
+        gen_throughput=load.gen_throughput,
+        max_running_requests=max(load.max_running_requests, 0),
+        age_ms=0,  # read from the scheduler as the record is sent, not from an older sample
+        cache_hit_rate=load.cache_hit_rate,
+        num_used_tokens=load.num_used_tokens,
+        max_total_num_tokens=load.max_total_num_tokens,
+    )
+    if queued_work_known:
+        record.waiting_uncached_tokens = max(load.num_waiting_uncached_tokens, 0)
+    for section in ("memory", "queues"):
+        if load.HasField(section):
+            source, target = getattr(load, section), getattr(record, section)
+            for f in target.DESCRIPTOR.fields:
+                if f.name in source.DESCRIPTOR.fields_by_name:
+                    setattr(target, f.name, getattr(source, f.name))
+    return record
