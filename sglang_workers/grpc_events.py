@@ -11,7 +11,8 @@ What the stream promises, and why (smg 1.13 is the consumer this is written for)
 * **Batches as SGLang's bridge shapes them.** Every ``BlockStored`` is cut into one ``KvBlock`` per page
   carrying exactly that page's tokens (smg hashes each block's own tokens and uses the engine hash only
   as an identity), the first linked to ``parent_block_hash``; the medium becomes a tier (``GPU`` ->
-  device); ``dp_rank`` on every batch; ``timestamp`` in epoch seconds (smg's lag metric).
+  device), the blocks are ``LOCAL``; ``dp_rank`` on every batch; ``timestamp`` in epoch seconds (smg's
+  lag metric).
 * **Resume.** ``start_sequence_number = N > 0`` is the last batch the subscriber applied: batches N+1...
   are replayed from the relay's history (``--kv-buffer-steps`` batches, like the publisher's replay
   buffer), then live ones follow with no gap and no duplicate. A cursor the history no longer reaches,
@@ -110,7 +111,7 @@ class _LiveBlock:
 def _stored_event(
     blocks: list[common_pb2.KvBlock], parent: int | None, medium: str | None, salt: str | None
 ) -> common_pb2.KvBlocksStored:
-    stored = common_pb2.KvBlocksStored(blocks=blocks)
+    stored = common_pb2.KvBlocksStored(blocks=blocks, locality=common_pb2.KV_CACHE_LOCALITY_LOCAL)
     if parent is not None:
         stored.parent_block_hash = parent
     if medium is not None:
@@ -249,7 +250,9 @@ class KvEventRelay:
             stored = _stored_event(blocks, event.parent_block_hash, event.medium, event.cache_salt)
             return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
         if isinstance(event, BlockRemoved):
-            removed = common_pb2.KvBlocksRemoved(block_hashes=event.block_hashes)
+            removed = common_pb2.KvBlocksRemoved(
+                block_hashes=event.block_hashes, locality=common_pb2.KV_CACHE_LOCALITY_LOCAL
+            )
             if event.medium is not None:
                 removed.medium = event.medium
                 if event.medium in _TIERS:

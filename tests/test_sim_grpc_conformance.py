@@ -235,6 +235,7 @@ def test_kv_event_batches_and_load_records_alike(servers: dict[str, Any]) -> Non
                 "sizes": [b.block_size for b in event.stored.blocks],
                 "tier": event.stored.tier,
                 "medium": event.stored.medium,
+                "locality": event.stored.locality,
                 "parent": event.stored.HasField("parent_block_hash"),
                 "dp_rank": batch.dp_rank,
                 "window reported": batch.load.max_running_requests > 0,
