@@ -27,7 +27,7 @@ class SimWorkerConfig(BaseModel):
         ge=0,
         le=65535,
         description=(
-            "Also serve SGLang's gRPC scheduler API (SglangScheduler, as --grpc-mode does) on this port, on the "
+            "Also serve SGLang's gRPC scheduler API (SglangScheduler, as --smg-grpc-mode does) on this port, on the "
             "same scheduler and radix cache as the HTTP API; None = HTTP only."
         ),
     )

@@ -1,8 +1,9 @@
 """The simulated worker's second front door: SGLang's gRPC scheduler API (``SglangScheduler``).
 
-SGLang serves this API with ``--grpc-mode`` (the ``smg-grpc-servicer`` package); smg's ``grpc://``
-workers speak it, and only over it does smg's ``cache_aware`` run its event-driven block index. The
-service definition comes from PyPI ``smg-grpc-proto`` (``sglang_scheduler.proto``, ``common.proto``).
+SGLang serves this API with ``--smg-grpc-mode`` (formerly ``--grpc-mode``; the ``smg-grpc-servicer``
+package); smg's ``grpc://`` workers speak it, and only over it does smg's ``cache_aware`` run its
+event-driven block index. The service definition comes from PyPI ``smg-grpc-proto``
+(``sglang_scheduler.proto``, ``common.proto``).
 
 Both doors lead to the same :class:`~sglang_workers.server.SimWorker`: one scheduler, one radix cache,
 one KV-event publisher, so a request sent over gRPC warms the cache for one sent over HTTP and both

@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Also serve SGLang's gRPC scheduler API (SglangScheduler from smg-grpc-proto, what SGLang's "
-        "--grpc-mode serves and smg's grpc:// workers speak) on this port: the same worker behind both ports. "
+        "--smg-grpc-mode serves and smg's grpc:// workers speak) on this port: the same worker behind both ports. "
         "Default: HTTP only.",
     )
     net.add_argument(

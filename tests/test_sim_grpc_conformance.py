@@ -1,6 +1,7 @@
-"""The sim-worker's gRPC scheduler API next to real SGLang 0.5.23's (``--grpc-mode``) on this CPU.
+"""The sim-worker's gRPC scheduler API next to real SGLang 0.5.23's (``--smg-grpc-mode``) on this CPU.
 
-Real SGLang in gRPC mode runs the ``smg-grpc-servicer`` 0.14.1 servicer (installed with SGLang). Both
+Real SGLang in this mode (``--grpc-mode`` is its deprecated alias) runs the ``smg-grpc-servicer`` 0.14.1
+servicer (installed with SGLang). Both
 servers get the same token ids and the same page size; the test compares what smg depends on: the shape
 of a ``Generate`` stream and of its ``complete``, ``cached_tokens`` for a repeated prefix, the KV-event
 batches (one block per page, SGLang's block hashes, tier, medium), the load records and heartbeats, the
@@ -30,7 +31,7 @@ import pytest
 from sim_fixtures import sha256_chain
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
-from extproc.addresses import free_ports
+from extproc.addresses import free_port, free_ports
 from sglang_workers.process import SimWorkerProcess, start_sim_worker
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]  # a real worker starts in ~1 min
@@ -50,22 +51,24 @@ def _missing() -> str | None:
         if not path.exists():
             return f"real SGLang for CPU is not installed ({what} is missing at {path}; run `make sglang-cpu`)"
     if not list(INSTALL.glob("lib/python3*/site-packages/smg_grpc_servicer")):
-        return f"smg-grpc-servicer (what --grpc-mode runs) is not installed in {INSTALL}"
+        return f"smg-grpc-servicer (what --smg-grpc-mode runs) is not installed in {INSTALL}"
     return None
 
 
 class RealGrpcWorker:
-    """``python -m sglang.launch_server --grpc-mode`` on the CPU, in its own process group."""
+    """``python -m sglang.launch_server --smg-grpc-mode`` on the CPU, in its own process group."""
 
     def __init__(self) -> None:
-        self.port, kv_port, replay_port = free_ports(3)
+        # SGLang derives (and range-checks) a port of --port + 10000 in this mode, though it serves on --port.
+        self.port = next(p for p in (free_port() for _ in range(100)) if p <= 65535 - 10000)
+        kv_port, replay_port = free_ports(2)
         self.log = Path(tempfile.mkstemp(prefix="sglang-grpc-", suffix=".log")[1])
         kv_config = (
             f'{{"publisher":"zmq","endpoint":"tcp://*:{kv_port}","replay_endpoint":"tcp://*:{replay_port}","topic":""}}'
         )
         argv = [
             str(PYTHON), "-m", "sglang.launch_server", "--model-path", str(MODEL),
-            "--host", "127.0.0.1", "--port", str(self.port), "--grpc-mode",
+            "--host", "127.0.0.1", "--port", str(self.port), "--smg-grpc-mode",
             "--page-size", str(PAGE), "--max-total-tokens", str(CAPACITY), "--kv-events-config", kv_config,
             "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
