@@ -311,8 +311,8 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         scheduler_info.update(
             {"max_total_num_tokens": capacity, "max_req_input_len": self._max_req_input_len, "is_generation": True}
         )
-        scheduler = worker.scheduler
-        active = len(scheduler.waiting) + scheduler.load()["num_running_reqs"] if scheduler else 0
+        load = worker.scheduler.load() if worker.scheduler else {}
+        active = load.get("num_running_reqs", 0) + load.get("num_waiting_reqs", 0)
         response = sglang_scheduler_pb2.GetServerInfoResponse(
             server_args=args,
             scheduler_info=scheduler_info,
