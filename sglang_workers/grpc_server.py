@@ -38,16 +38,16 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 
 from .grpc_events import KvEventRelay, StreamError, engine_load
 from .scheduler import HEALTH_CHECK_RID_PREFIX, Request
-from .server import SGLANG_VERSION, ApiError, SimWorker
+from .server import HEALTH_CHECK_TIMEOUT_S, LOAD_SECTIONS, SGLANG_VERSION, ApiError, SimWorker
 
-__all__ = ["HEALTH_CHECK_TIMEOUT_S", "LOAD_SECTIONS", "SchedulerGrpcServer", "SchedulerServicer"]
+__all__ = ["INCLUDE_SECTIONS", "SchedulerGrpcServer", "SchedulerServicer", "scheduler_load"]
 
 logger = logging.getLogger(__name__)
 
-HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # long prompts as token ids; the HTTP door takes 64 MiB bodies too
-LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})  # GetLoads include
+HEALTH_POLL_S = 0.01  # the gRPC probe answers on the scheduler's first output after it (no 1 s sleep as HTTP)
+INCLUDE_SECTIONS = frozenset({"core", "all", *LOAD_SECTIONS})  # what GetLoads' include may name
 # Files of a tokenizer directory that make up a tokenizer bundle (never model weights).
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -104,6 +104,10 @@ def scheduler_load(load: Mapping[str, Any], max_running_requests: int) -> Any:
     """One DP rank of ``/v1/loads`` as a ``SchedulerLoad`` (SGLang fills the total and the running cap too)."""
     message = sglang_scheduler_pb2.SchedulerLoad()
     _set_fields(message, load)
+    disaggregation = load.get("disaggregation")
+    if isinstance(disaggregation, Mapping) and "prefill_bootstrap_queue_reqs" in disaggregation:
+        # SGLang renamed this queue; the proto kept the old name (SGLang's servicer maps it the same way).
+        message.disaggregation.prefill_prealloc_queue_reqs = int(disaggregation["prefill_bootstrap_queue_reqs"])
     if "num_total_reqs" not in load:
         message.num_total_reqs = message.num_running_reqs + message.num_waiting_reqs
     if "max_running_requests" not in load:
@@ -259,29 +263,23 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
 
     # -- health, model and server info ---------------------------------------------------------------
     async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """As SGLang's servicer: healthy on the scheduler's first output after the probe started.
+
+        The probe is the HTTP ``/health`` one (``Scheduler.probe_health``): an idle scheduler runs a
+        one-token generation, a busy one signals after its current batch.
+        """
         worker = self.worker
         if not worker.ready or worker.scheduler is None:
             return sglang_scheduler_pb2.HealthCheckResponse(healthy=False, message="The server is not ready yet.")
         scheduler = worker.scheduler
-        if not scheduler.idle:  # as SGLang: a busy scheduler's own progress is the health signal
-            return sglang_scheduler_pb2.HealthCheckResponse(healthy=True, message="Health check passed")
-        probe = scheduler.submit([0], 1, None, f"{HEALTH_CHECK_RID_PREFIX}_{time.time()}")
-        try:
-            await asyncio.wait_for(self._drain(probe), HEALTH_CHECK_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            message = f"Health check timeout after {HEALTH_CHECK_TIMEOUT_S:.0f}s"
-            return sglang_scheduler_pb2.HealthCheckResponse(healthy=False, message=message)
-        finally:
-            if not probe.finished:
-                scheduler.abort(probe)
-        if probe.error is not None:
-            return sglang_scheduler_pb2.HealthCheckResponse(healthy=False, message=probe.error)
-        return sglang_scheduler_pb2.HealthCheckResponse(healthy=True, message="Health check passed")
-
-    @staticmethod
-    async def _drain(req: Request) -> None:
-        while await req.updates.get() is not None:
-            pass
+        tic = time.monotonic()
+        scheduler.probe_health()
+        while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
+            if scheduler.last_output_at > tic:
+                return sglang_scheduler_pb2.HealthCheckResponse(healthy=True, message="Health check passed")
+            await asyncio.sleep(HEALTH_POLL_S)
+        message = f"Health check timeout after {HEALTH_CHECK_TIMEOUT_S:.0f}s"
+        return sglang_scheduler_pb2.HealthCheckResponse(healthy=False, message=message)
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         info = self.worker.model_info_report()
@@ -328,39 +326,36 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         return response
 
     async def GetLoads(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        sections = list(request.include) or ["all"]
-        unknown = sorted(set(sections) - LOAD_SECTIONS)
+        sections = set(request.include) or None
+        unknown = sorted((sections or set()) - INCLUDE_SECTIONS)
         if unknown:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown include section(s) {', '.join(unknown)}; choose from {', '.join(sorted(LOAD_SECTIONS))}",
+                f"Invalid include sections: {unknown}. Valid options: {sorted(INCLUDE_SECTIONS)}",
             )
+        dp_rank = request.dp_rank if request.HasField("dp_rank") else None
         try:
-            report = self.worker.loads_report(",".join(sections))
+            report = self.worker.loads_report(sections, dp_rank)
         except ApiError as exc:
             await self._fail(context, exc)
-        loads = report["loads"]
-        if request.HasField("dp_rank"):
-            loads = [load for load in loads if load.get("dp_rank") == request.dp_rank]
-            if not loads:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {request.dp_rank} does not exist")
+            return None
+        if not report["loads"]:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dp_rank {dp_rank} does not exist")
         cap = self.worker.config.max_running_requests
-        messages = [scheduler_load(load, cap) for load in loads]
+        messages = [scheduler_load(load, cap) for load in report["loads"]]
         response = sglang_scheduler_pb2.GetLoadsResponse(
-            timestamp=str(report.get("timestamp", "")),
-            version=str(report.get("version", SGLANG_VERSION)),
+            timestamp=str(report["timestamp"]),
+            version=str(report["version"]),
             dp_rank_count=len(messages),
             loads=messages,
         )
-        if len(loads) == len(report["loads"]) and isinstance(report.get("aggregate"), Mapping):
-            _set_fields(response.aggregate, report["aggregate"])
-        else:  # one rank asked for: the aggregate of what is answered
-            response.aggregate.total_running_reqs = sum(m.num_running_reqs for m in messages)
-            response.aggregate.total_waiting_reqs = sum(m.num_waiting_reqs for m in messages)
-            response.aggregate.total_reqs = sum(m.num_total_reqs for m in messages)
-            response.aggregate.avg_token_usage = sum(m.token_usage for m in messages) / len(messages)
-            response.aggregate.avg_throughput = sum(m.gen_throughput for m in messages) / len(messages)
-            response.aggregate.avg_utilization = sum(m.utilization for m in messages) / len(messages)
+        # The aggregate over the ranks answered, as SGLang's servicer computes it.
+        response.aggregate.total_running_reqs = sum(m.num_running_reqs for m in messages)
+        response.aggregate.total_waiting_reqs = sum(m.num_waiting_reqs for m in messages)
+        response.aggregate.total_reqs = sum(m.num_total_reqs for m in messages)
+        response.aggregate.avg_token_usage = sum(m.token_usage for m in messages) / len(messages)
+        response.aggregate.avg_throughput = sum(m.gen_throughput for m in messages) / len(messages)
+        response.aggregate.avg_utilization = sum(m.utilization for m in messages) / len(messages)
         return response
 
     # -- cache and events --------------------------------------------------------------------------

@@ -247,15 +247,27 @@ async def test_get_loads_equals_v1_loads() -> None:
         assert reply.dp_rank_count == len(http["loads"]) == 1
         assert reply.version == http["version"]
         (load,) = reply.loads
+        (figures,) = http["loads"]
         compared = 0
         for field in pb.SchedulerLoad.DESCRIPTOR.fields:
-            if field.name in http["loads"][0] and field.message_type is None:
-                assert getattr(load, field.name) == pytest.approx(http["loads"][0][field.name]), field.name
+            value = figures.get(field.name)
+            if field.message_type is None and value is not None:
+                assert getattr(load, field.name) == pytest.approx(value), field.name
                 compared += 1
-        assert compared >= 8
+            elif isinstance(value, dict):  # memory, queues, disaggregation: field by field
+                section = getattr(load, field.name)
+                for sub in section.DESCRIPTOR.fields:
+                    if sub.name in value:
+                        assert getattr(section, sub.name) == pytest.approx(value[sub.name]), f"{field.name}.{sub.name}"
+                        compared += 1
+        assert compared >= 20
+        assert (
+            load.disaggregation.prefill_prealloc_queue_reqs == figures["disaggregation"]["prefill_bootstrap_queue_reqs"]
+        )
         assert (load.num_running_reqs, load.num_waiting_reqs) == (1, 1)
         assert load.num_total_reqs == 2 and load.max_running_requests == 1
-        assert reply.aggregate.total_reqs == http["aggregate"]["total_reqs"] == 2
+        assert load.num_waiting_uncached_tokens == figures["num_waiting_uncached_tokens"] > 0
+        assert (reply.aggregate.total_running_reqs, reply.aggregate.total_reqs) == (1, 2)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -313,6 +325,7 @@ async def test_events_match_the_zmq_publisher_and_resume_after_a_cursor() -> Non
         first = await next_batch(stream)
         assert first.sequence_number == 0 and first.events[0].WhichOneof("data") == "cleared"
         assert first.load.HasField("cache_hit_rate")  # the first record carries the telemetry
+        assert first.load.HasField("waiting_uncached_tokens")  # the worker reports its queued prefill work
 
         prompt = list(range(200, 213))  # 13 tokens: 3 pages go into the tree after prefill
         await door.generate(prompt, max_new=1)
