@@ -38,8 +38,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -95,39 +94,39 @@ class StreamError(Exception):
         self.message = message
 
 
-@dataclass(frozen=True, slots=True)
-class _LiveBlock:
-    """One stored page as the stream announced it: what a snapshot re-announces."""
-
-    block_hash: int
-    parent: int | None
-    tokens: tuple[int, ...]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    cache_salt: str | None
+# One stored page as the stream announced it (what a snapshot re-announces): its parent, its tokens, and
+# the attributes of the event that stored it (block size, LoRA id, medium, cache salt), shared by its pages.
+_LiveBlock = tuple[int | None, tuple[int, ...], tuple[int, int | None, str | None, str | None]]
 
 
-def _stored_event(
-    blocks: list[common_pb2.KvBlock], parent: int | None, medium: str | None, salt: str | None
-) -> common_pb2.KvBlocksStored:
-    stored = common_pb2.KvBlocksStored(blocks=blocks, locality=common_pb2.KV_CACHE_LOCALITY_LOCAL)
-    if parent is not None:
-        stored.parent_block_hash = parent
-    if medium is not None:
-        stored.medium = medium
-        if medium in _TIERS:
-            stored.tier = _TIERS[medium]
-    if salt is not None:
-        stored.cache_salt = salt
-    return stored
-
-
-def _kv_block(block_hash: int, tokens: list[int] | tuple[int, ...], block_size: int, lora_id: int | None) -> Any:
-    block = common_pb2.KvBlock(block_hash=block_hash, token_ids=tokens, block_size=block_size)
-    if lora_id is not None:
-        block.lora_id = lora_id
-    return block
+def _add_event(batch: common_pb2.KvEventBatch, event: KVEvent, event_id: int) -> None:
+    """Append ``event`` to ``batch`` as SGLang's bridge converts it (one ``KvBlock`` per page)."""
+    if isinstance(event, BlockStored):
+        stored = batch.events.add(event_id=event_id).stored
+        stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        if event.medium is not None:
+            stored.medium = event.medium
+            if event.medium in _TIERS:
+                stored.tier = _TIERS[event.medium]
+        if event.cache_salt is not None:
+            stored.cache_salt = event.cache_salt
+        add, size, tokens = stored.blocks.add, event.block_size, event.token_ids
+        for i, h in enumerate(event.block_hashes):
+            block = add(block_hash=h, token_ids=tokens[i * size : (i + 1) * size], block_size=size)
+            if event.lora_id is not None:
+                block.lora_id = event.lora_id
+    elif isinstance(event, BlockRemoved):
+        removed = batch.events.add(event_id=event_id).removed
+        removed.block_hashes.extend(event.block_hashes)
+        removed.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+        if event.medium is not None:
+            removed.medium = event.medium
+            if event.medium in _TIERS:
+                removed.tier = _TIERS[event.medium]
+    else:
+        batch.events.add(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
 
 class _LoadPacer:
@@ -206,69 +205,45 @@ def _load_moved(last: common_pb2.EngineLoad, now: common_pb2.EngineLoad) -> bool
 
 
 class KvEventRelay:
-    """The publisher's batches as ``KvEventBatch`` messages: a bounded history, the live blocks, subscriptions.
+    """The publisher's batches for ``SubscribeKvEvents``: a bounded history, the live blocks, subscriptions.
 
     Built after the worker started (it seeds itself from the publisher's replay buffer, which then still
-    holds everything from seq 0) and driven from the worker's event loop, like the publisher.
+    holds everything from seq 0) and driven from the worker's event loop, like the publisher. A batch is
+    kept as the payload bytes ZMQ sent and turned into a ``KvEventBatch`` only when a subscriber reads
+    it, so a worker nobody subscribes to pays only for the live-block record.
     """
 
     def __init__(self, publisher: KVEventPublisher, history: int) -> None:
-        self._history: deque[common_pb2.KvEventBatch] = deque(maxlen=max(history, 1))
+        self._history: deque[tuple[int, bytes, int]] = deque(maxlen=max(history, 1))  # seq, payload, 1st event id
         self._live: dict[tuple[int, str | None], _LiveBlock] = {}
         self._event_ids = 0
+        self._dp_rank: int | None = publisher.dp_rank
         self._wake = asyncio.Event()
         self.last_seq = -1
         self.last_batch_at = 0.0  # epoch seconds of the last batch (GetServerInfo.last_receive_timestamp)
         for seq, payload in publisher.buffered():
-            self._on_batch(seq, payload)
+            self._on_batch(seq, payload, decode_payload(payload)[1])
         publisher.add_listener(self._on_batch)
 
     # -- intake ------------------------------------------------------------------------------------
-    def _on_batch(self, seq: int, payload: bytes) -> None:
-        ts, events, dp_rank = decode_payload(payload)
-        batch = common_pb2.KvEventBatch(sequence_number=seq, timestamp=ts)
-        if dp_rank is not None:
-            batch.dp_rank = dp_rank
+    def _on_batch(self, seq: int, payload: bytes, events: Sequence[KVEvent]) -> None:
+        self._history.append((seq, payload, self._event_ids + 1))
+        self._event_ids += len(events)
         for event in events:
-            self._event_ids += 1
-            batch.events.append(self._event(event, self._event_ids))
             self._apply(event)
-        self._history.append(batch)
         self.last_seq = seq
-        self.last_batch_at = ts
+        self.last_batch_at = time.time()
         self._wake.set()
         self._wake = asyncio.Event()
-
-    @staticmethod
-    def _event(event: KVEvent, event_id: int) -> common_pb2.KvCacheEvent:
-        if isinstance(event, BlockStored):
-            size = event.block_size
-            blocks = [
-                _kv_block(h, event.token_ids[i * size : (i + 1) * size], size, event.lora_id)
-                for i, h in enumerate(event.block_hashes)
-            ]
-            stored = _stored_event(blocks, event.parent_block_hash, event.medium, event.cache_salt)
-            return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
-        if isinstance(event, BlockRemoved):
-            removed = common_pb2.KvBlocksRemoved(
-                block_hashes=event.block_hashes, locality=common_pb2.KV_CACHE_LOCALITY_LOCAL
-            )
-            if event.medium is not None:
-                removed.medium = event.medium
-                if event.medium in _TIERS:
-                    removed.tier = _TIERS[event.medium]
-            return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
-        return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
     def _apply(self, event: KVEvent) -> None:
         """Keep the live blocks (per medium: a HiCache block can live in two tiers) for snapshots."""
         if isinstance(event, BlockStored):
-            size, parent = event.block_size, event.parent_block_hash
+            size, parent, tokens, medium = event.block_size, event.parent_block_hash, event.token_ids, event.medium
+            attrs = (size, event.lora_id, medium, event.cache_salt)
+            live = self._live
             for i, h in enumerate(event.block_hashes):
-                tokens = tuple(event.token_ids[i * size : (i + 1) * size])
-                self._live[(h, event.medium)] = _LiveBlock(
-                    h, parent, tokens, size, event.lora_id, event.medium, event.cache_salt
-                )
+                live[(h, medium)] = (parent, tuple(tokens[i * size : (i + 1) * size]), attrs)
                 parent = h
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
@@ -279,37 +254,53 @@ class KvEventRelay:
     # -- what a subscriber gets --------------------------------------------------------------------
     @property
     def oldest_seq(self) -> int:
-        return self._history[0].sequence_number if self._history else self.last_seq + 1
+        return self._history[0][0] if self._history else self.last_seq + 1
 
     @property
     def live_blocks(self) -> int:
         return len(self._live)
 
-    def snapshot(self) -> list[common_pb2.KvEventBatch]:
-        """The live blocks as snapshot chunks whose sequence numbers end at the last batch."""
-        if self.last_seq < 0:
-            return []
-        blocks = list(self._live.values())  # insertion order: a parent is always stored before its children
-        count = min(max(-(-len(blocks) // SNAPSHOT_CHUNK_BLOCKS), 1), self.last_seq + 1)
+    def _batch_message(self, seq: int, payload: bytes, first_event_id: int) -> common_pb2.KvEventBatch:
+        ts, events, dp_rank = decode_payload(payload)
+        batch = common_pb2.KvEventBatch(sequence_number=seq, timestamp=ts)
+        if dp_rank is not None:
+            batch.dp_rank = dp_rank
+        for event_id, event in enumerate(events, first_event_id):
+            _add_event(batch, event, event_id)
+        return batch
+
+    def snapshot(self) -> tuple[int, Iterator[common_pb2.KvEventBatch]]:
+        """The live blocks now, as snapshot chunks whose sequence numbers end at the last batch.
+
+        Returns that sequence number and the chunks. The state is captured at the call; the chunks are
+        built as they are read, so a stream that yields between them never stalls the worker's loop for
+        a large cache.
+        """
+        through = self.last_seq
+        blocks = list(self._live.items())  # insertion order: a parent is always stored before its children
+        if through < 0:
+            return through, iter(())
+        count = min(max(-(-len(blocks) // SNAPSHOT_CHUNK_BLOCKS), 1), through + 1)
         per_chunk = -(-len(blocks) // count) if blocks else 0
-        dp_rank = self._history[-1].dp_rank if self._history and self._history[-1].HasField("dp_rank") else None
-        chunks = []
-        for index in range(count):
-            batch = common_pb2.KvEventBatch(sequence_number=self.last_seq - count + 1 + index, timestamp=time.time())
-            if dp_rank is not None:
-                batch.dp_rank = dp_rank
-            batch.snapshot.CopyFrom(
-                common_pb2.KvSnapshotChunk(index=index, count=count, blocks=len(blocks), unknown_before=0)
-            )
-            if index == 0:
-                batch.events.append(common_pb2.KvCacheEvent(event_id=0, cleared=common_pb2.KvCacheCleared()))
-            for b in blocks[index * per_chunk : (index + 1) * per_chunk]:
-                stored = _stored_event(
-                    [_kv_block(b.block_hash, b.tokens, b.block_size, b.lora_id)], b.parent, b.medium, b.cache_salt
+
+        def chunks() -> Iterator[common_pb2.KvEventBatch]:
+            for index in range(count):
+                batch = common_pb2.KvEventBatch(sequence_number=through - count + 1 + index, timestamp=time.time())
+                if self._dp_rank is not None:
+                    batch.dp_rank = self._dp_rank
+                batch.snapshot.CopyFrom(
+                    common_pb2.KvSnapshotChunk(index=index, count=count, blocks=len(blocks), unknown_before=0)
                 )
-                batch.events.append(common_pb2.KvCacheEvent(event_id=0, stored=stored))
-            chunks.append(batch)
-        return chunks
+                if index == 0:
+                    batch.events.add(event_id=0, cleared=common_pb2.KvCacheCleared())
+                for (block_hash, _), (parent, tokens, (size, lora_id, medium, salt)) in blocks[
+                    index * per_chunk : (index + 1) * per_chunk
+                ]:
+                    event = BlockStored([block_hash], parent, list(tokens), size, lora_id, medium, salt)
+                    _add_event(batch, event, 0)  # synthesized events carry id 0
+                yield batch
+
+        return through, chunks()
 
     def check_cursor(self, start: int) -> None:
         """Refuse a resume cursor this relay cannot serve with ``OUT_OF_RANGE`` (``0`` is always served).
@@ -340,21 +331,19 @@ class KvEventRelay:
                 grpc.StatusCode.DATA_LOSS,
                 f"the subscriber fell behind: batch {seq} is no longer kept (the history starts at {oldest})",
             )
-        copy = common_pb2.KvEventBatch()
-        copy.CopyFrom(self._history[seq - oldest])
-        return copy
+        return self._batch_message(*self._history[seq - oldest])
 
     async def stream(self, start: int, load: LoadSource) -> AsyncIterator[common_pb2.KvEventBatch]:
         """Batches for one subscription from cursor ``start`` (0: the current state), until cancelled.
 
         Raises :class:`StreamError` when the cursor cannot be served or the subscriber fell behind.
         """
-        dp_rank = self._history[-1].dp_rank if self._history and self._history[-1].HasField("dp_rank") else None
-        pacer = _LoadPacer(load, start, dp_rank)
+        pacer = _LoadPacer(load, start, self._dp_rank)
         if start == 0 and self.oldest_seq > 0:
-            for chunk in self.snapshot():
+            through, chunks = self.snapshot()
+            for chunk in chunks:
                 yield pacer.stamp(chunk)
-            next_seq = self.last_seq + 1
+            next_seq = through + 1
         elif start == 0:
             next_seq = 0
         else:

@@ -258,7 +258,7 @@ class KVEventPublisher:
     _buffer: deque[tuple[int, bytes]] = field(default_factory=deque, init=False)
     _seq: int = field(default=0, init=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False)
-    _listeners: list[Callable[[int, bytes], None]] = field(default_factory=list, init=False)
+    _listeners: list[Callable[[int, bytes, list[KVEvent]], None]] = field(default_factory=list, init=False)
 
     def start(self) -> None:
         """Bind the sockets (raises ``zmq.ZMQError`` if a port is taken)."""
@@ -283,10 +283,11 @@ class KVEventPublisher:
         """The batches kept for replay, oldest first, as ``(seq, payload)``."""
         return list(self._buffer)
 
-    def add_listener(self, listener: Callable[[int, bytes], None]) -> None:
-        """Call ``listener(seq, payload)`` with every batch published from now on, right after it is sent.
+    def add_listener(self, listener: Callable[[int, bytes, list[KVEvent]], None]) -> None:
+        """Call ``listener(seq, payload, events)`` with every batch published from now on, right after it is sent.
 
-        Other front doors (the gRPC ``SubscribeKvEvents`` stream) relay exactly the bytes ZMQ carries.
+        ``payload`` is the frame ZMQ carried and ``events`` what it encodes (merged), so another front door
+        (the gRPC ``SubscribeKvEvents`` stream) relays exactly what ZMQ subscribers get.
         """
         self._listeners.append(listener)
 
@@ -294,9 +295,8 @@ class KVEventPublisher:
         """Send one batch (merged like SGLang); returns its seq, or None when there was nothing to send."""
         if not events:
             return None
-        payload = encode_payload(
-            merge_events(events), time.time() if ts is None else ts, self.dp_rank, self.event_format
-        )
+        merged = merge_events(events)
+        payload = encode_payload(merged, time.time() if ts is None else ts, self.dp_rank, self.event_format)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
@@ -306,7 +306,7 @@ class KVEventPublisher:
             except zmq.Again:  # past the high-water mark: dropped, as SGLang's PUB does
                 logger.warning("kv event batch %d dropped (high-water mark)", seq)
         for listener in self._listeners:
-            listener(seq, payload)
+            listener(seq, payload, merged)
         return seq
 
     async def _serve_replay(self) -> None:
