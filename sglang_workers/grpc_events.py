@@ -35,7 +35,6 @@ What the stream promises, and why (smg 1.13 is the consumer this is written for)
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -63,8 +62,6 @@ __all__ = [
     "StreamError",
     "engine_load",
 ]
-
-logger = logging.getLogger(__name__)
 
 LOAD_TICK_S = 0.1  # how often an idle stream looks at the load for a change
 HEARTBEAT_INTERVAL_S = 1.0  # silence after which a load_only heartbeat goes out

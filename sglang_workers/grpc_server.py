@@ -380,16 +380,22 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                 "KV cache events are off on this worker (started with --no-kv-events)",
             )
         assert self.relay is not None
+        start = request.start_sequence_number
         try:
-            self.relay.check_cursor(request.start_sequence_number)
+            self.relay.check_cursor(start)
         except StreamError as exc:  # refused before the headers, as SGLang's servicer refuses a cursor
+            logger.info("SubscribeKvEvents from %s refused: %s", context.peer(), exc.message)
             await context.abort(exc.code, exc.message)
         # Headers now: smg treats a subscription that has not answered within 2 s as failed.
         await context.send_initial_metadata(())
+        logger.info(
+            "SubscribeKvEvents from %s after batch %d (last published %d)", context.peer(), start, self.relay.last_seq
+        )
         try:
-            async for batch in self.relay.stream(request.start_sequence_number, self._load_record):
+            async for batch in self.relay.stream(start, self._load_record):
                 yield batch
         except StreamError as exc:
+            logger.warning("SubscribeKvEvents from %s ended: %s", context.peer(), exc.message)
             await context.abort(exc.code, exc.message)
 
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
