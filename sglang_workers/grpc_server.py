@@ -388,9 +388,8 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             await context.abort(exc.code, exc.message)
         # Headers now: smg treats a subscription that has not answered within 2 s as failed.
         await context.send_initial_metadata(())
-        logger.info(
-            "SubscribeKvEvents from %s after batch %d (last published %d)", context.peer(), start, self.relay.last_seq
-        )
+        cursor = "the current state" if start == 0 else f"after batch {start}"
+        logger.info("SubscribeKvEvents from %s: %s (last batch %d)", context.peer(), cursor, self.relay.last_seq)
         try:
             async for batch in self.relay.stream(start, self._load_record):
                 yield batch
