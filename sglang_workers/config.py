@@ -22,6 +22,15 @@ class SimWorkerConfig(BaseModel):
     # -- network -------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(30001, ge=0, le=65535, description="HTTP port (SGLang's --port).")
+    grpc_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description=(
+            "Also serve SGLang's gRPC scheduler API (SglangScheduler, as --smg-grpc-mode does) on this port, on the "
+            "same scheduler and radix cache as the HTTP API; None = HTTP only."
+        ),
+    )
     kv_events: bool = Field(True, description="Publish KV events over ZMQ (SGLang --kv-events-config publisher=zmq).")
     kv_events_host: str = Field(
         "*", description="Bind host of the ZMQ sockets ('*' = all interfaces, as SGLang's tcp://*:PORT)."
@@ -89,6 +98,8 @@ class SimWorkerConfig(BaseModel):
             )
         if self.kv_events and max(events | replay) > 65535:
             raise ValueError("kv_events_port / kv_replay_port + dp_size go past port 65535")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError("grpc_port must differ from port")
         return self
 
     @property

@@ -283,9 +283,10 @@ class SimWorker:
             raise ApiError(400, "'cache_salt' must be a string.", "cache_salt")
         return salt or None
 
-    def _submit(
+    def submit(
         self, input_ids: list[int], max_new_tokens: int, salt: str | None, rid: str | None, rank: int | None = None
     ) -> Request:
+        """Check and queue one tokenized request: the admission path of both front doors (HTTP and gRPC)."""
         self._require_ready()
         self._check_length(input_ids, max_new_tokens)
         return self._rank_scheduler(rank).submit(input_ids, max_new_tokens, salt, rid)
@@ -490,7 +491,7 @@ class SimWorker:
         input_ids = self._completion_prompt(body["prompt"])
         max_new = self._max_tokens(body.get("max_tokens"), "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
         rank = self._routed_rank(request, body, "completions")
-        req = self._submit(input_ids, max_new, self._cache_salt(body), None, rank)
+        req = self.submit(input_ids, max_new, self._cache_salt(body), None, rank)
         model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -583,7 +584,7 @@ class SimWorker:
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         max_new = self._max_tokens(limit, "max_tokens", self.config.default_max_new_tokens)
         rank = self._routed_rank(request, body, "chat")
-        req = self._submit(input_ids, max_new, self._cache_salt(body), None, rank)
+        req = self.submit(input_ids, max_new, self._cache_salt(body), None, rank)
         model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -708,6 +709,10 @@ class SimWorker:
         }
 
     async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.server_info_report())
+
+    def server_info_report(self) -> dict[str, Any]:
+        """The body of ``/server_info`` (also the gRPC ``GetServerInfo.server_args``)."""
         cfg = self.config
         scheduler = self.scheduler
         kv_cfg = None
@@ -722,63 +727,64 @@ class SimWorker:
                 }
             )
         load = scheduler.load() if scheduler else {}
-        return web.json_response(
-            {
-                "model_path": cfg.model,
-                "tokenizer_path": self.tokenizer_path,
-                "served_model_name": cfg.model,
-                "host": cfg.host,
-                "port": self.bound_port or cfg.port,
-                "skip_tokenizer_init": False,
-                "context_length": cfg.context_length,
-                "page_size": cfg.page_size,
-                "chunked_prefill_size": cfg.chunked_prefill_size,
-                "max_prefill_tokens": cfg.max_prefill_tokens,
-                "max_running_requests": cfg.max_running_requests,
-                "schedule_policy": cfg.schedule_policy,
-                "max_total_num_tokens": scheduler.capacity if scheduler else None,
-                "tp_size": 1,
-                "dp_size": cfg.dp_size,
-                "enable_dp_attention": False,
-                "disable_radix_cache": False,
-                "enable_metrics": True,
-                "enable_cache_report": True,
-                "kv_events_config": kv_cfg,
-                "kv_events": self.kv_events_info(),
-                "internal_states": [
-                    {
-                        "last_gen_throughput": load.get("gen_throughput", 0.0),
-                        "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0},
-                    }
-                ],
-                "version": SGLANG_VERSION,
-                "simulator": {
-                    "profile": cfg.profile,
-                    "speedup": cfg.speedup,
-                    "seed": cfg.seed,
-                    "event_format": cfg.event_format,
-                    "replay_format": cfg.replay_format,
-                },
-            }
-        )
+        return {
+            "model_path": cfg.model,
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": cfg.model,
+            "host": cfg.host,
+            "port": self.bound_port or cfg.port,
+            "skip_tokenizer_init": False,
+            "context_length": cfg.context_length,
+            "page_size": cfg.page_size,
+            "chunked_prefill_size": cfg.chunked_prefill_size,
+            "max_prefill_tokens": cfg.max_prefill_tokens,
+            "max_running_requests": cfg.max_running_requests,
+            "schedule_policy": cfg.schedule_policy,
+            "max_total_num_tokens": scheduler.capacity if scheduler else None,
+            "tp_size": 1,
+            "dp_size": cfg.dp_size,
+            "enable_dp_attention": False,
+            "disable_radix_cache": False,
+            "enable_metrics": True,
+            "enable_cache_report": True,
+            "kv_events_config": kv_cfg,
+            "kv_events": self.kv_events_info(),
+            "internal_states": [
+                {
+                    "last_gen_throughput": load.get("gen_throughput", 0.0),
+                    "memory_usage": {"token_capacity": scheduler.capacity if scheduler else 0},
+                }
+            ],
+            "version": SGLANG_VERSION,
+            "simulator": {
+                "profile": cfg.profile,
+                "speedup": cfg.speedup,
+                "seed": cfg.seed,
+                "event_format": cfg.event_format,
+                "replay_format": cfg.replay_format,
+            },
+        }
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model_path": self.config.model,
-                "tokenizer_path": self.tokenizer_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-            }
-        )
+        return web.json_response(self.model_info_report())
+
+    def model_info_report(self) -> dict[str, Any]:
+        """The body of ``/model_info`` (the gRPC ``GetModelInfo`` carries the same fields)."""
+        return {
+            "model_path": self.config.model,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+        }
 
     async def loads(self, request: web.Request) -> web.Response:
-        """``/v1/loads`` as 0.5.23 serves it: one entry per DP rank, ``include`` sections, ``dp_rank`` filter."""
+        """``/v1/loads`` as 0.5.23 serves it: one entry per DP rank, ``include`` sections, ``dp_rank`` filter,
+        JSON or Prometheus."""
         self._require_ready()
         raw_rank = request.query.get("dp_rank")
         try:
@@ -792,19 +798,24 @@ class SimWorker:
         if sections is not None and not sections <= {"core", "all", *LOAD_SECTIONS}:
             # SGLang validates ``include`` outside its error handling: an unknown section is a bare 500.
             return web.Response(status=500, text="Internal Server Error")
-        loads = [load for load in (s.load() for s in self.schedulers) if dp_rank is None or load["dp_rank"] == dp_rank]
-        loads = [self._load_sections(load, sections) for load in loads]
+        report = self.loads_report(sections, dp_rank)
         if request.query.get("format") == "prometheus":
-            return web.Response(text=self._loads_prometheus(loads), content_type="text/plain", charset="utf-8")
-        return web.json_response(
-            {
-                "timestamp": datetime.now(timezone.utc).isoformat(),
-                "version": SGLANG_VERSION,
-                "accelerator": self.profile.gpu_name,
-                "num_accelerators": self.profile.num_gpus,
-                "loads": loads,
-            }
-        )
+            return web.Response(
+                text=self._loads_prometheus(report["loads"]), content_type="text/plain", charset="utf-8"
+            )
+        return web.json_response(report)
+
+    def loads_report(self, sections: set[str] | None = None, dp_rank: int | None = None) -> dict[str, Any]:
+        """The body of ``/v1/loads``; the gRPC ``GetLoads`` is built from it, so the two always agree."""
+        self._require_ready()
+        loads = [load for load in (s.load() for s in self.schedulers) if dp_rank is None or load["dp_rank"] == dp_rank]
+        return {
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": SGLANG_VERSION,
+            "accelerator": self.profile.gpu_name,
+            "num_accelerators": self.profile.num_gpus,
+            "loads": [self._load_sections(load, sections) for load in loads],
+        }
 
     @staticmethod
     def _load_sections(load: dict[str, Any], sections: set[str] | None) -> dict[str, Any]:
