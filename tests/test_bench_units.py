@@ -353,3 +353,21 @@ def test_tiered_report_goodput_gpu_seconds_and_targets() -> None:
     data = report.to_json()
     assert data["rows"][1]["hit_rate_by_tier"] == {"device": 0.4, "host": 0.3, "storage": 0.0}
     assert data["targets"][0]["met"] is True
+
+
+def test_smg_contenders_talk_to_their_own_door_with_their_own_ports() -> None:
+    from benchmarks.contenders import Smg, create_contender
+
+    http, grpc_ = create_contender("smg"), create_contender("smg-grpc", page_size=64)
+    assert (http.name, http.worker_transport) == ("smg", "http")
+    assert (grpc_.name, grpc_.worker_transport) == ("smg-grpc", "grpc")
+    assert isinstance(http, Smg) and isinstance(grpc_, Smg)
+    urls = ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]
+    argv = grpc_.argv(30000, 29001, urls)
+    # `python -m smg`: sglang-router installs a console script named smg as well.
+    assert argv[1:4] == ["-m", "smg", "launch"]
+    assert argv[argv.index("--worker-urls") + 1 : argv.index("--worker-urls") + 3] == urls
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--block-size") + 1] == "64"  # = the workers' page size
+    assert argv[argv.index("--prometheus-port") + 1] == "29001"
+    assert "--block-size" not in http.argv(30000, 29002, ["http://127.0.0.1:1"])

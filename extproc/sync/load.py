@@ -4,7 +4,8 @@ Polled on an interval (never on the request path): ``GET /v1/loads?include=core&
 first, ``/get_load`` for older SGLang releases, then ``/metrics`` (Prometheus text, needs
 ``--enable-metrics``). Whichever answers first is remembered per worker. The router's own in-flight
 count lives on ``Worker.in_flight``; this module only adds what the worker itself knows (requests
-from other routers, the real queue, KV pressure).
+from other routers, the real queue, KV pressure). A poll whose connection is refused is also the
+router's fastest sign that a worker died: it leaves the candidate set at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -38,6 +39,8 @@ class WorkerLoad:
     max_total_num_tokens: int | None = None
     token_usage: float = 0.0
     age_s: float = 0.0  # seconds since it was polled
+    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
+    rank_requests: dict[int, int] = field(default_factory=dict)
 
 
 def _num(value: Any) -> float:
@@ -60,7 +63,14 @@ def parse_loads(body: Any) -> WorkerLoad | None:
     total_tokens = sum(_num(r.get("max_total_num_tokens") or r.get("num_total_tokens")) for r in ranks)
     used = sum(_num(r.get("num_used_tokens")) for r in ranks)
     usage = used / total_tokens if total_tokens else max((_num(r.get("token_usage")) for r in ranks), default=0.0)
+    rank_requests = {
+        r["dp_rank"] if isinstance(r.get("dp_rank"), int) else i: int(
+            _num(r.get("num_running_reqs")) + _num(r.get("num_waiting_reqs"))
+        )
+        for i, r in enumerate(ranks)
+    }
     return WorkerLoad(
+        rank_requests=rank_requests,
         num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
         num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
         num_used_tokens=int(used),
@@ -96,6 +106,11 @@ def parse_metrics(text: str) -> WorkerLoad | None:
         max_total_num_tokens=int(max_tokens) if max_tokens else None,
         token_usage=usage,
     )
+
+
+def _refused(exc: BaseException) -> bool:
+    """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
 
 
 class LoadTracker:
@@ -156,7 +171,12 @@ class LoadTracker:
                         load = parse_metrics(await resp.text())
                     else:
                         load = parse_loads(await resp.json(content_type=None))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                if _refused(exc):
+                    # Nothing listens there any more: stop choosing it now rather than at the next
+                    # failed /health (the health checker brings it back once it answers again).
+                    self.registry.mark_unreachable(worker, "connection refused")
+                    return
                 if known:
                     return  # worker down: health checks handle that; keep the path
                 continue
