@@ -4,7 +4,14 @@ Every contender gets its own cluster built from the same ``ClusterSpec``: same n
 timing profile, speed-up, KV capacity, page size and seed. Caches therefore start cold and
 identical, and nothing one contender did (cached prefixes, queued work) leaks into the next one's
 numbers. All workers share one seed: a worker's output depends only on the prompt and the seed, so
-a request produces the same tokens whichever worker a contender sends it to.
+a request produces the same tokens whichever worker a contender sends it to. Every worker serves
+both front doors, the HTTP API (``urls``) and SGLang's gRPC scheduler API (``grpc_urls``), so the
+clusters stay identical whichever one a contender talks to.
+
+``hicache`` gives the workers SGLang's tiered KV cache: ``host`` a host-memory tier each
+(``--enable-hierarchical-cache``, SGLang's defaults: twice the GPU pool, write-through), ``host+shared``
+also the ``file`` storage tier in one fresh directory all of the cluster's workers share (removed
+with the cluster).
 
 Real SGLang CPU workers (``engine="sglang-cpu"``) take a minute to start, so one set serves every
 contender (``CpuWorkerPool``): before each contender their caches are flushed (cold and identical
@@ -15,14 +22,26 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import aiohttp
 
-__all__ = ["Cluster", "ClusterError", "ClusterSpec", "CpuWorkerPool"]
+from benchmarks.metrics import FleetFigures
+
+__all__ = ["HICACHE_SETTINGS", "Cluster", "ClusterError", "ClusterSpec", "CpuWorkerPool"]
 
 _REQUESTS_TOTAL = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+_PROMPT_TOTAL = re.compile(r"^sglang:prompt_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+_CACHED_BY_SOURCE = re.compile(
+    r'^sglang:cached_tokens_total\{[^}]*cache_source="(\w+)"[^}]*\}\s+([0-9.eE+-]+)\s*$', re.MULTILINE
+)
+
+HicacheSetting = Literal["none", "host", "host+shared"]
+HICACHE_SETTINGS: tuple[HicacheSetting, ...] = ("none", "host", "host+shared")
 
 
 class ClusterError(RuntimeError):
@@ -39,6 +58,7 @@ class ClusterSpec:
     capacity_tokens: int
     page_size: int
     seed: int
+    hicache: HicacheSetting = "none"
     engine: str = "sim"  # or "sglang-cpu": real SGLang 0.5.23 on this CPU (after `make sglang-cpu`)
 
 
@@ -78,10 +98,25 @@ class Cluster:
         self.pool = pool
         self._workers: list[Any] = []
         self._baseline: dict[str, int] = {}
+        self._storage: Path | None = None
+
+    def _tier_options(self) -> dict[str, Any]:
+        if self.spec.hicache == "none":
+            return {}
+        options: dict[str, Any] = {"enable_hierarchical_cache": True}
+        if self.spec.hicache == "host+shared":
+            self._storage = Path(tempfile.mkdtemp(prefix="bench-hicache-"))
+            options |= {"hicache_storage_backend": "file", "file_storage_path": str(self._storage)}
+        return options
 
     @property
     def urls(self) -> list[str]:
         return [str(w.url) for w in self._workers]
+
+    @property
+    def grpc_urls(self) -> list[str]:
+        """``grpc://`` addresses of the workers' gRPC scheduler API."""
+        return [str(w.grpc_url) for w in self._workers]
 
     async def start(self) -> None:
         if self.pool is not None:
@@ -101,6 +136,8 @@ class Cluster:
                 page_size=self.spec.page_size,
                 seed=self.spec.seed,
                 log_level="warning",
+                grpc=True,
+                **self._tier_options(),
             )
         except (SimWorkerError, OSError) as exc:  # reported in the contender's row
             raise ClusterError(str(exc)[-1000:]) from None
@@ -161,9 +198,35 @@ class Cluster:
                 counts[str(worker.url)] = int(sum(float(m) for m in matches))
         return counts
 
+    async def fleet_figures(self) -> FleetFigures | None:
+        """Prompt and cached tokens by tier (``/metrics``) and simulated GPU seconds (``/server_info``)."""
+        figures = FleetFigures()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            for worker in self._workers:
+                try:
+                    async with session.get(f"{worker.url}/metrics") as resp:
+                        text = await resp.text()
+                    async with session.get(f"{worker.url}/server_info") as resp:
+                        info = await resp.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    return None
+                prompt = _PROMPT_TOTAL.findall(text)  # one line per is_streaming value
+                busy = (info.get("simulator") or {}).get("busy_seconds") if isinstance(info, dict) else None
+                if not prompt or not isinstance(busy, dict):
+                    return None
+                figures.prompt_tokens += int(sum(float(p) for p in prompt))
+                for source, value in _CACHED_BY_SOURCE.findall(text):
+                    figures.cached_tokens[source] = figures.cached_tokens.get(source, 0) + int(float(value))
+                figures.busy_prefill_s += float(busy.get("prefill", 0.0))
+                figures.busy_decode_s += float(busy.get("decode", 0.0))
+        return figures
+
     async def stop(self) -> None:
         workers, self._workers = self._workers, []
         if self.pool is not None:
             return  # the pool's workers serve the next contender; CpuWorkerPool stops them
         for worker in workers:
             await asyncio.to_thread(worker.stop)
+        if self._storage is not None:
+            shutil.rmtree(self._storage, ignore_errors=True)
+            self._storage = None

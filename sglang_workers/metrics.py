@@ -160,9 +160,16 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         )
         for flag, finished in streams:
             page.sample(name, by_stream(flag), getattr(finished, field))
-    if stats.cached_tokens:
+    if stats.cached_tokens:  # a labelled counter appears with its first hit, as in SGLang
         page.family("cached_tokens_total", "counter", "Number of cached prompt tokens by source (device/host/storage).")
-        page.sample("cached_tokens_total", (*tok, ("cache_source", "device")), stats.cached_tokens)
+        by_source = (
+            ("device", stats.cached_device_tokens),
+            ("host", stats.cached_host_tokens),
+            ("storage", stats.cached_storage_tokens),
+        )
+        for source, value in by_source:
+            if value or source == "device":
+                page.sample("cached_tokens_total", (*tok, ("cache_source", source)), value)
 
     # -- scheduler histograms -------------------------------------------------------------------------
     page.histogram(
@@ -184,7 +191,8 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         ],
     )
     page.histogram("queue_time_seconds", "Histogram of queueing time in seconds.", [(sched, stats.queue_time)])
-    if stats.evicted_tokens:
+    evicted = scheduler.hicache.stats.evicted_tokens if scheduler.hicache is not None else stats.evicted_tokens
+    if evicted:
         cache_labels = (
             ("cache_type", "UnifiedRadixCache"),
             ("dp_rank", str(config.dp_rank)),
@@ -197,7 +205,7 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
             [(cache_labels, stats.evictions)],
         )
         page.family("evicted_tokens_total", "counter", "The number of device KV token slots freed by eviction.")
-        page.sample("evicted_tokens_total", cache_labels, stats.evicted_tokens)
+        page.sample("evicted_tokens_total", cache_labels, evicted)
 
     # -- start-up, process, HTTP ------------------------------------------------------------------------
     page.family("startup_time_seconds", "gauge", "Engine startup duration by phase in seconds.")
@@ -310,10 +318,10 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         "Effective prefill tokens with retracted-request re-counts excluded.",
     )
     for mode, value in (
-        ("input", stats.prefill_compute_tokens),
-        ("device_hit", stats.prefill_cache_tokens),
-        ("host_hit", 0),
-        ("storage_hit", 0),
+        ("input", stats.input_tokens),
+        ("device_hit", stats.cached_device_tokens),
+        ("host_hit", stats.cached_host_tokens),
+        ("storage_hit", stats.cached_storage_tokens),
     ):
         page.sample("prefill_effective_tokens_total", (*sched, ("mode", mode)), value)
     page.family(
@@ -324,16 +332,16 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
     page.sample("scheduler_process_cpu_seconds_total", sched, cpu)
     page.family("scheduler_stage_seconds_total", "counter", "Total scheduler-loop wall time attributed to each stage.")
     for category in STAGE_CATEGORIES:
-        value = stats.busy_s if category == "run_batch" else stats.idle_s if category == "idle" else 0.0
+        seconds = stats.busy_s if category == "run_batch" else stats.idle_s if category == "idle" else 0.0
         page.sample(
-            "scheduler_stage_seconds_total", (("category", category), *sched, ("forward_overlap", "none")), value
+            "scheduler_stage_seconds_total", (("category", category), *sched, ("forward_overlap", "none")), seconds
         )
     for name, key, values_ in (("dp_attention_tokens_total", "kind", ("scheduled", "imbalance")),
                                ("dp_attention_steps_total", "rank_state", ("active", "idle")),
                                ("dp_attention_pairs_total", "kind", ("scheduled", "imbalance"))):  # fmt: skip
         page.family(name, "counter", "MLP-sync steps of DP attention on this rank (no DP attention here).")
-        for value in values_:
-            page.sample(name, (*sched, (key, value)), 0.0)
+        for label in values_:
+            page.sample(name, (*sched, (key, label)), 0.0)
     page.family("cuda_graph_passes_total", "counter", "Total number of forward passes categorized by CUDA graph.")
     page.sample("cuda_graph_passes_total", (*sched, ("mode", "prefill_none")), stats.prefill_batches)
     page.sample("cuda_graph_passes_total", (*sched, ("mode", "decode_none")), stats.decode_steps)
@@ -348,4 +356,155 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         ("prefill_cache", stats.prefill_cache_tokens),
     ):
         page.sample("realtime_tokens_total", (*sched, ("mode", mode)), value)
+    if scheduler.hicache is not None:
+        _hicache(page.lines, scheduler, model)
     return "\n".join(page.lines) + "\n"
+
+
+def _scheduler_label_text(model: str, extra: str = "") -> str:
+    """The scheduler's label set as text (the HiCache families below are rendered from text)."""
+    escaped = _escape(model)
+    return f'{{engine_type="unified",model_name="{escaped}",moe_ep_rank="0",pp_rank="0",tp_rank="0"{extra}}}'
+
+
+def _histogram(
+    lines: list[str], name: str, help_text: str, hist: Histogram, model: str, labels: str | None = None
+) -> None:
+    """A histogram; ``labels`` (the inside of ``{...}``) replaces the scheduler's label set when given."""
+
+    def with_labels(extra: str = "") -> str:
+        return _scheduler_label_text(model, extra) if labels is None else "{" + labels + extra + "}"
+
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} histogram")
+    cumulative = 0
+    for bound, count in zip(hist.buckets, hist.counts):
+        cumulative += count
+        le = f',le="{bound}"'
+        lines.append(f"{name}_bucket{with_labels(le)} {cumulative}")
+    inf = ',le="+Inf"'
+    lines.append(f"{name}_bucket{with_labels(inf)} {hist.count}")
+    lines.append(f"{name}_sum{with_labels()} {hist.sum}")
+    lines.append(f"{name}_count{with_labels()} {hist.count}")
+
+
+# SGLang's RadixCacheMetricsCollector and StorageMetricsCollector label their series by rank, not model.
+RADIX_LABELS = 'cache_type="UnifiedRadixCache",tp_rank="0",pp_rank="0",dp_rank="0"'
+STORAGE_LABELS = (
+    'storage_backend="{backend}",tp_rank="0",dp_rank="0",pp_rank="0",pp_size="1",attn_cp_rank="0",attn_cp_size="1"'
+)
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    lines += [f"{name}{{{labels}}} {float(value)}" for labels, value in samples]
+
+
+def _hicache(lines: list[str], scheduler: Scheduler, model: str) -> None:
+    """The host tier's figures, under SGLang 0.5.23's names (present only with HiCache on)."""
+    cache = scheduler.hicache
+    assert cache is not None
+    stats = scheduler.stats
+    base = _scheduler_label_text(model)[1:-1]
+    _family(lines, "sglang:hicache_host_used_tokens", "gauge", "Host KV tokens in use.", [(base, cache.host_used)])
+    _family(
+        lines,
+        "sglang:hicache_host_total_tokens",
+        "gauge",
+        "Host KV pool size in tokens.",
+        [(base, cache.host_capacity)],
+    )
+    r = RADIX_LABELS
+    kv = r + ',pool="kv"'
+    _family(
+        lines,
+        "sglang:load_back_tokens_total",
+        "counter",
+        "The number of tokens loaded back from local host DRAM (L2) to GPU, by host pool.",
+        [(kv, stats.load_back_tokens)],
+    )
+    _family(
+        lines,
+        "sglang:load_back_bytes_total",
+        "counter",
+        "Bytes loaded back from local host DRAM (L2) to GPU.",
+        [(r, stats.load_back_bytes)],
+    )
+    _histogram(
+        lines,
+        "sglang:load_back_duration_seconds",
+        "GPU-stream span of a merged host-to-device load-back copy.",
+        stats.load_back_seconds,
+        model,
+        labels=r,
+    )
+    _family(
+        lines,
+        "sglang:hicache_backup_tokens_total",
+        "counter",
+        "The number of tokens backed up from GPU to local host DRAM (L2), by host pool.",
+        [(kv, cache.stats.backup_tokens)],
+    )
+    _family(
+        lines,
+        "sglang:hicache_backup_bytes_total",
+        "counter",
+        "Bytes backed up from GPU to local host DRAM (L2).",
+        [(r, stats.backup_bytes)],
+    )
+    _histogram(
+        lines,
+        "sglang:hicache_backup_duration_seconds",
+        "Time taken to back up KV cache from GPU to local host DRAM (L2) in seconds, per merged write op.",
+        stats.backup_seconds,
+        model,
+        labels=r,
+    )
+    _family(
+        lines,
+        "sglang:hicache_dropped_tokens_total",
+        "counter",
+        "The number of logical device KV tokens destroyed without a host backup.",
+        [
+            (r + ',reason="host_pressure",pool="kv"', cache.stats.dropped_host_pressure),
+            (r + ',reason="write_through_unbacked_eviction",pool="kv"', cache.stats.dropped_write_through_unbacked),
+        ],
+    )
+    prefetcher = scheduler.prefetcher
+    if prefetcher is None:
+        return
+    backend = scheduler.config.hicache_storage_backend or ""
+    st = STORAGE_LABELS.format(backend=backend)
+    ps = prefetcher.stats
+    _family(
+        lines,
+        "sglang:prefetched_tokens_total",
+        "counter",
+        "Prompt tokens successfully transferred from L3 storage into host memory.",
+        [(st, ps.prefetched_tokens)],
+    )
+    _family(lines, "sglang:backuped_tokens_total", "counter", "Number of backuped tokens.", [(st, ps.backuped_tokens)])
+    _family(
+        lines,
+        "sglang:storage_prefetch_hit_tokens_total",
+        "counter",
+        "Storage-hit tokens returned by an L3 query before host allocation, transfer, or cache insertion.",
+        [(st, ps.prefetch_hit_tokens)],
+    )
+    _family(
+        lines,
+        "sglang:storage_prefetch_unfulfilled_tokens_total",
+        "counter",
+        "Attempt-level storage-hit tokens that did not become a usable prefetch result, by diagnostic reason.",
+        [(st + f',reason="{reason}"', n) for reason, n in ps.unfulfilled.items()],
+    )
+    pages, bandwidth = scheduler.storage_histograms()
+    _histogram(lines, "sglang:prefetch_pgs", "Histogram of prefetch pages of batches.", pages, model, labels=st)
+    _histogram(
+        lines,
+        "sglang:prefetch_bandwidth",
+        "Histogram of per-op L3 prefetch wire bandwidth in GB/s.",
+        bandwidth,
+        model,
+        labels=st,
+    )

@@ -58,12 +58,15 @@ def _cached_details(cached: int) -> dict[str, int] | None:
     return {"device": cached, "host": 0} if cached > 0 else None
 
 
-def meta_info(req: Request, finished: bool, first_chunk: bool = False) -> dict[str, Any]:
+def meta_info(
+    req: Request, finished: bool, first_chunk: bool = False, details: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``meta_info`` of a native ``/generate`` answer (or one streamed chunk of it), keys in 0.5.23's order.
 
     Streaming: the first chunk carries ``response_sent_to_client_ts`` (the time it was sent), later
     chunks do not, the last carries the finished request's figures. Non-streaming: the finished figures,
-    then ``response_sent_to_client_ts``.
+    then ``response_sent_to_client_ts``. ``details`` is ``cached_tokens_details`` by tier (the server knows
+    the tiers; without it: all on the device).
     """
     now = time.monotonic()
     cached = max(req.cached_tokens, 0)
@@ -86,7 +89,7 @@ def meta_info(req: Request, finished: bool, first_chunk: bool = False) -> dict[s
     }
     if finished:
         out["weight_versions"] = weight_versions(completion)
-    out["cached_tokens_details"] = _cached_details(cached)
+    out["cached_tokens_details"] = details if details is not None else _cached_details(cached)
     out["dp_rank"] = None
     if finished:
         end = req.finished_at or now

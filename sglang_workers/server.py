@@ -32,11 +32,12 @@ from extproc.tokenization import (
 )
 
 from .config import SimWorkerConfig
+from .hiradix_cache import HiRadixCache, host_pool_tokens
 from .kv_events import KVEventPublisher
 from .metrics import GRAPH_PHASES, HttpStats, render_metrics
 from .radix_cache import RadixCache
 from .responses import ErrorKind, error_body, meta_info, model_info, usage, weight_versions
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, device_pool_tokens
 from .timing import get_profile
 
 __all__ = ["SGLANG_VERSION", "SimWorker"]
@@ -44,6 +45,7 @@ __all__ = ["SGLANG_VERSION", "SimWorker"]
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose wire behaviour this simulator reproduces
+STORAGE_BACKEND_CLASS = {"file": "HiCacheFile"}  # what cached_tokens_details.storage_backend names
 HEALTH_POLL_S = 1.0  # SGLang's health_generate sleeps this long before it first looks for an answer
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT default: no answer by then -> 503, unhealthy
 LOAD_SECTIONS = {
@@ -106,6 +108,24 @@ class SimWorker:
             self.tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         except TokenizerLoadError as exc:
             raise ValueError(str(exc)) from exc
+        self.host_tokens = 0  # HiCache host pool (0: no host tier)
+        if config.enable_hierarchical_cache:
+            device = device_pool_tokens(config, self.profile)
+            self.host_tokens = host_pool_tokens(
+                device, config.page_size, config.hicache_ratio, config.hicache_size, self.profile.kv_bytes_per_token
+            )
+            if self.host_tokens <= device:  # SGLang warns too; the host tier then adds little
+                logger.warning(
+                    "host pool (%d tokens) is smaller than the device pool (%d tokens): "
+                    "L2 cache effectiveness is reduced",
+                    self.host_tokens,
+                    device,
+                )
+            if config.hicache_storage_backend == "file":
+                try:
+                    config.storage_dir().mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ValueError(f"cannot create the HiCache file storage directory: {exc}") from None
         self.ready = False  # weights "loaded" and warmed up (SGLang's ServerStatus leaves Starting)
         self.healthy = True  # False after a /health found no answer in time (SGLang's ServerStatus.UnHealthy)
         self.publishers: list[KVEventPublisher] = []  # one per data-parallel rank
@@ -152,7 +172,16 @@ class SimWorker:
                 )
                 publisher.start()
                 self.publishers.append(publisher)
-            cache = RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+            cache = (
+                HiRadixCache(
+                    cfg.page_size,
+                    enable_events=cfg.kv_events,
+                    host_capacity=self.host_tokens,
+                    write_policy=cfg.hicache_write_policy,
+                )
+                if cfg.enable_hierarchical_cache
+                else RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+            )
             scheduler = Scheduler(rank_cfg, self.profile, cache, publisher, vocab)
             scheduler.start()
             self.schedulers.append(scheduler)
@@ -304,18 +333,20 @@ class SimWorker:
             raise validation_error("cache_salt", "Input should be a valid string")
         return salt or None
 
-    def _submit(
+    def submit(
         self,
         input_ids: list[int],
         max_new_tokens: int,
         salt: str | None,
-        stream: bool,
-        kind: ErrorKind,
+        rid: str | None,
         rank: int | None = None,
+        stream: bool = False,
+        kind: ErrorKind = "openai",
     ) -> Request:
+        """Check and queue one tokenized request: the admission path of both front doors (HTTP and gRPC)."""
         self._require_ready()
         self._check_length(input_ids, kind)
-        return self._rank_scheduler(rank).submit(input_ids, max_new_tokens, salt, None, stream)
+        return self._rank_scheduler(rank).submit(input_ids, max_new_tokens, salt, rid, stream)
 
     def _rank_scheduler(self, rank: int | None) -> Scheduler:
         """The scheduler of ``rank``, or the next one round robin (SGLang's default for unpinned requests)."""
@@ -382,6 +413,31 @@ class SimWorker:
         await self._send(resp, "[DONE]")
         await resp.write_eof()
         return True
+
+    def _cached_details(self, req: Request) -> dict[str, Any] | None:
+        """SGLang's ``get_cached_tokens_details``: cached tokens by tier (None when nothing was cached)."""
+        backend = self.config.hicache_storage_backend
+        if req.cached_device > 0 or req.cached_host > 0 or req.cached_storage > 0:
+            details: dict[str, Any] = {"device": req.cached_device, "host": req.cached_host}
+            if req.cached_storage > 0 or backend is not None:
+                details["storage"] = req.cached_storage
+            if backend is not None:
+                details["storage_backend"] = STORAGE_BACKEND_CLASS[backend]
+            return details
+        if req.cached_tokens > 0:
+            return {"device": req.cached_tokens, "host": 0}
+        return None
+
+    def _sglext_field(self, body: dict[str, Any], req: Request) -> dict[str, Any]:
+        sglext = self._sglext(body, req)
+        return {"sglext": sglext} if sglext is not None else {}
+
+    def _sglext(self, body: dict[str, Any], req: Request) -> dict[str, Any] | None:
+        """The response-level ``sglext`` block: cached-token details when the request asks for them."""
+        if body.get("return_cached_tokens_details") is not True:
+            return None
+        details = self._cached_details(req)
+        return {"cached_tokens_details": details} if details is not None else None
 
     @staticmethod
     def _usage(reqs: list[Request], details: bool = True) -> dict[str, Any]:
@@ -461,7 +517,7 @@ class SimWorker:
                 {
                     "text": self.tokenizer.decode(r.output_ids),
                     "output_ids": list(r.output_ids),
-                    "meta_info": meta_info(r, True),
+                    "meta_info": meta_info(r, True, details=self._cached_details(r)),
                 }
                 for r in reqs
             ]
@@ -476,7 +532,7 @@ class SimWorker:
                 {
                     "text": self.tokenizer.decode(req.output_ids),
                     "output_ids": list(req.output_ids),
-                    "meta_info": meta_info(req, req.finished, first_chunk=first),
+                    "meta_info": meta_info(req, req.finished, first, self._cached_details(req)),
                 },
             )
             first = False
@@ -488,7 +544,7 @@ class SimWorker:
                 {
                     "text": self.tokenizer.decode(req.output_ids),
                     "output_ids": list(req.output_ids),
-                    "meta_info": meta_info(req, True),
+                    "meta_info": meta_info(req, True, details=self._cached_details(req)),
                 },
             )
         await self._send(resp, "[DONE]")
@@ -546,7 +602,7 @@ class SimWorker:
             self._check_length(ids, "openai")
         stream = bool(body.get("stream"))
         rank = self._routed_rank(request, body, "completions")
-        reqs = [self._submit(ids, max_new, salt, stream, "openai", rank) for ids in prompts for _ in range(n)]
+        reqs = [self.submit(ids, max_new, salt, None, rank, stream) for ids in prompts for _ in range(n)]
         model = self._model(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 
@@ -568,6 +624,7 @@ class SimWorker:
                         "weight_versions": weight_versions(len(reqs[0].output_ids)),
                     },
                 }
+                | self._sglext_field(body, reqs[0])
             )
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -587,6 +644,13 @@ class SimWorker:
             if await self._stream_failed(resp, req):
                 return resp
             await self._send(resp, chunk([choice(index, "", "length")]))
+        sglext = self._sglext(body, reqs[0])
+        if sglext is not None:  # a chunk of its own, before the usage chunk
+            await self._send(
+                resp,
+                {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": []}
+                | {"sglext": sglext},
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(
                 resp,
@@ -625,7 +689,7 @@ class SimWorker:
         salt = self._cache_salt(body)
         self._check_length(input_ids, "openai")
         rank = self._routed_rank(request, body, "chat")
-        reqs = [self._submit(input_ids, max_new, salt, bool(body.get("stream")), "openai", rank) for _ in range(n)]
+        reqs = [self.submit(input_ids, max_new, salt, None, rank, bool(body.get("stream"))) for _ in range(n)]
         model = self._model(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 
@@ -657,6 +721,7 @@ class SimWorker:
                         "weight_versions": weight_versions(len(reqs[0].output_ids)),
                     },
                 }
+                | self._sglext_field(body, reqs[0])
             )
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
@@ -684,6 +749,13 @@ class SimWorker:
             if await self._stream_failed(resp, req):
                 return resp
             await self._send(resp, chunk(index, {"reasoning_content": None}, "length"))
+        sglext = self._sglext(body, reqs[0])
+        if sglext is not None:  # SGLang sends it in a chunk of its own, before the usage chunk
+            await self._send(
+                resp,
+                {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": []}
+                | {"sglext": sglext},
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(
                 resp,
@@ -760,6 +832,14 @@ class SimWorker:
         }
 
     async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.server_info_report())
+
+    def server_info_report(self) -> dict[str, Any]:
+        """The body of ``/server_info`` (also the gRPC ``GetServerInfo.server_args``).
+
+        The server arguments a router, sgl-router, smg or a dashboard reads, under SGLang's names and types
+        (the differential conformance test compares them with a real worker's), plus a ``simulator`` block.
+        """
         cfg = self.config
         scheduler = self.scheduler
         kv_cfg = None
@@ -777,69 +857,108 @@ class SimWorker:
         capacity = scheduler.capacity if scheduler else 0
         profile = self.profile
         graphs = dict.fromkeys(GRAPH_PHASES, 0.0)
-        return web.json_response(
-            {
-                # The server arguments a router, sgl-router, smg or a dashboard reads, under SGLang's names.
-                "model_path": cfg.model,
-                "tokenizer_path": self.tokenizer_path,
-                "served_model_name": cfg.model,
-                "host": cfg.host,
-                "port": self.bound_port or cfg.port,
-                "skip_tokenizer_init": False,
-                "is_embedding": False,
-                "dtype": "bfloat16",
-                "kv_cache_dtype": "auto",
-                "device": "cuda",
-                "context_length": cfg.context_length,
-                "page_size": cfg.page_size,
-                "chunked_prefill_size": cfg.chunked_prefill_size,
-                "max_prefill_tokens": cfg.max_prefill_tokens,
-                "max_running_requests": cfg.max_running_requests,
-                "max_total_tokens": cfg.capacity_tokens,
-                "schedule_policy": cfg.schedule_policy,
-                "random_seed": cfg.seed,
-                "tp_size": profile.num_gpus,
-                "pp_size": 1,
-                "dp_size": cfg.dp_size,
-                "load_balance_method": "round_robin",
-                "enable_dp_attention": False,
-                "disable_radix_cache": False,
-                "enable_hierarchical_cache": False,
-                "speculative_algorithm": None,
-                "disaggregation_mode": "null",
-                "enable_metrics": True,
-                "enable_cache_report": True,
-                "kv_events_config": kv_cfg,
-                "max_total_num_tokens": capacity,
-                "status": "ready" if self.ready else "starting",
-                "internal_states": [
-                    {
-                        "effective_max_running_requests_per_dp": cfg.max_running_requests,
-                        "last_gen_throughput": load.get("gen_throughput", 0.0),
-                        "memory_usage": {
-                            "weight": profile.weight_gb,
-                            "kvcache": load.get("memory", {}).get("kv_cache_gb", 0.0),
-                            "startup_available": 0.0,
-                            "token_capacity": capacity,
-                            "token_capacity_swa": None,
-                            "graph": {**graphs, "decode": profile.graph_gb},
-                        },
-                    }
-                ],
-                "version": SGLANG_VERSION,
-                "kv_events": self.kv_events_info(),
-                "simulator": {
-                    "profile": cfg.profile,
-                    "speedup": cfg.speedup,
-                    "seed": cfg.seed,
-                    "event_format": cfg.event_format,
-                    "replay_format": cfg.replay_format,
+        return {
+            "model_path": cfg.model,
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": cfg.model,
+            "host": cfg.host,
+            "port": self.bound_port or cfg.port,
+            "skip_tokenizer_init": False,
+            "is_embedding": False,
+            "dtype": "bfloat16",
+            "kv_cache_dtype": "auto",
+            "device": "cuda",
+            "context_length": cfg.context_length,
+            "page_size": cfg.page_size,
+            "chunked_prefill_size": cfg.chunked_prefill_size,
+            "max_prefill_tokens": cfg.max_prefill_tokens,
+            "max_running_requests": cfg.max_running_requests,
+            "max_total_tokens": cfg.capacity_tokens,
+            "schedule_policy": cfg.schedule_policy,
+            "random_seed": cfg.seed,
+            "tp_size": profile.num_gpus,
+            "pp_size": 1,
+            "dp_size": cfg.dp_size,
+            "load_balance_method": "round_robin",
+            "enable_dp_attention": False,
+            "disable_radix_cache": False,
+            "speculative_algorithm": None,
+            "disaggregation_mode": "null",
+            "enable_metrics": True,
+            "enable_cache_report": True,
+            "kv_events_config": kv_cfg,
+            "max_total_num_tokens": capacity,
+            "status": "ready" if self.ready else "starting",
+            **self.hicache_info(),
+            "internal_states": [
+                {
+                    "effective_max_running_requests_per_dp": cfg.max_running_requests,
+                    "last_gen_throughput": load.get("gen_throughput", 0.0),
+                    "memory_usage": {
+                        "weight": profile.weight_gb,
+                        "kvcache": load.get("memory", {}).get("kv_cache_gb", 0.0),
+                        "startup_available": 0.0,
+                        "token_capacity": capacity,
+                        "token_capacity_swa": None,
+                        "graph": {**graphs, "decode": profile.graph_gb},
+                    },
+                }
+            ],
+            "version": SGLANG_VERSION,
+            "kv_events": self.kv_events_info(),
+            "simulator": {
+                "profile": cfg.profile,
+                "speedup": cfg.speedup,
+                "seed": cfg.seed,
+                "event_format": cfg.event_format,
+                "replay_format": cfg.replay_format,
+                # Simulated GPU seconds spent so far, all ranks (what a fleet's compute costs; no SGLang field).
+                "busy_seconds": {
+                    "prefill": sum(s.stats.busy_prefill_s for s in self.schedulers),
+                    "decode": sum(s.stats.busy_decode_s for s in self.schedulers),
                 },
-            }
+                "host_pool_tokens": self.host_tokens,
+            },
+        }
+
+    def hicache_info(self) -> dict[str, Any]:
+        """The HiCache server args as SGLang 0.5.23 reports them, and its L3 layout block."""
+        cfg = self.config
+        reason = (
+            "Hierarchical cache is disabled"
+            if not cfg.enable_hierarchical_cache
+            else "Mooncake storage is not attached"
         )
+        return {
+            "enable_hierarchical_cache": cfg.enable_hierarchical_cache,
+            "hicache_host_memory_mode": "cache",
+            "hicache_ratio": cfg.hicache_ratio,
+            "hicache_size": cfg.hicache_size,
+            "hicache_write_policy": cfg.hicache_write_policy,
+            "hicache_io_backend": cfg.hicache_io_backend,
+            "hicache_mem_layout": cfg.hicache_mem_layout,
+            "hicache_storage_backend": cfg.hicache_storage_backend,
+            "hicache_storage_prefetch_policy": cfg.hicache_storage_prefetch_policy,
+            "hicache_storage_backend_extra_config": cfg.hicache_storage_backend_extra_config,
+            "hicache_storage_prefetch_retry_poll_interval": 8,
+            "hicache_storage_prefetch_retry_max_attempts": 8,
+            "hicache_host_memory_fraction": 0.8 if cfg.hicache_size == 0 else None,
+            "file_storage_path": cfg.file_storage_path,
+            "hicache_object_layout": {
+                "enabled": False,
+                "backend": cfg.hicache_storage_backend if cfg.enable_hierarchical_cache else None,
+                "page_size": cfg.page_size,
+                "hicache_object_layout": {"pools": []},
+                "reason": reason,
+            },
+        }
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(model_info(self.config.model, self.tokenizer_path))
+        return web.json_response(self.model_info_report())
+
+    def model_info_report(self) -> dict[str, Any]:
+        """The body of ``/model_info`` (the gRPC ``GetModelInfo`` carries the same fields)."""
+        return model_info(self.config.model, self.tokenizer_path)
 
     async def loads(self, request: web.Request) -> web.Response:
         """``/v1/loads`` as 0.5.23 serves it: one entry per DP rank, ``include`` sections, ``dp_rank`` filter."""
@@ -865,19 +984,24 @@ class SimWorker:
         if sections is not None and not sections <= {"core", "all", *LOAD_SECTIONS}:
             # SGLang validates ``include`` outside its error handling: an unknown section is a bare 500.
             return web.Response(status=500, text="Internal Server Error")
-        loads = [load for load in (s.load() for s in self.schedulers) if dp_rank is None or load["dp_rank"] == dp_rank]
-        loads = [self._load_sections(load, sections) for load in loads]
+        report = self.loads_report(sections, dp_rank)
         if request.query.get("format") == "prometheus":
-            return web.Response(text=self._loads_prometheus(loads), content_type="text/plain", charset="utf-8")
-        return web.json_response(
-            {
-                "timestamp": datetime.now(timezone.utc).isoformat(),
-                "version": SGLANG_VERSION,
-                "accelerator": self.profile.gpu_name,
-                "num_accelerators": self.profile.num_gpus,
-                "loads": loads,
-            }
-        )
+            return web.Response(
+                text=self._loads_prometheus(report["loads"]), content_type="text/plain", charset="utf-8"
+            )
+        return web.json_response(report)
+
+    def loads_report(self, sections: set[str] | None = None, dp_rank: int | None = None) -> dict[str, Any]:
+        """The body of ``/v1/loads``; the gRPC ``GetLoads`` is built from it, so the two always agree."""
+        self._require_ready()
+        loads = [load for load in (s.load() for s in self.schedulers) if dp_rank is None or load["dp_rank"] == dp_rank]
+        return {
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": SGLANG_VERSION,
+            "accelerator": self.profile.gpu_name,
+            "num_accelerators": self.profile.num_gpus,
+            "loads": [self._load_sections(load, sections) for load in loads],
+        }
 
     @staticmethod
     def _load_sections(load: dict[str, Any], sections: set[str] | None) -> dict[str, Any]:

@@ -36,9 +36,31 @@ CPU_POOL_TOKENS = 2048  # the workers' KV pool (--max-total-tokens): small, so a
 CPU_EXTRA_FLAGS = ("--context-length", "4096", "--max-running-requests", "1024")  # as the simulator states them
 
 
+_CPU_WORKERS: list[Any] = []  # the running session workers (stopped after the last test that uses them)
+_LAST_CPU_TEST: list[str] = []  # node id of that test
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    users = [item.nodeid for item in items if "sglang_cpu_workers" in getattr(item, "fixturenames", ())]
+    _LAST_CPU_TEST[:] = users[-1:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Stop the session's CPU workers right after the last test that uses them: later tests that start a real
+    worker of their own (the gRPC conformance test) then never run three at once (~4 GB each)."""
+    if _LAST_CPU_TEST and item.nodeid == _LAST_CPU_TEST[0]:
+        _stop_cpu_workers()
+
+
+def _stop_cpu_workers() -> None:
+    while _CPU_WORKERS:
+        _CPU_WORKERS.pop().stop()
+
+
 @pytest.fixture(scope="session")
 def sglang_cpu_workers() -> Iterator[list[Any]]:
-    """Two real SGLang CPU workers for the whole session (each takes ~40-100 s to start and ~4 GB).
+    """Two real SGLang CPU workers shared by the tests that use them (each takes ~40-100 s to start, ~4 GB).
 
     Skips, naming ``make sglang-cpu``, when the install is not there. Tests may restart a worker in
     place (``restart_cpu_worker``); the list always holds the running ones.
@@ -48,12 +70,11 @@ def sglang_cpu_workers() -> Iterator[list[Any]]:
     reason = missing_install_reason()
     if reason is not None:
         pytest.skip(reason)
-    workers = start_cpu_workers(2, max_total_tokens=CPU_POOL_TOKENS, extra=CPU_EXTRA_FLAGS, startup_timeout=400)
+    _CPU_WORKERS[:] = start_cpu_workers(2, max_total_tokens=CPU_POOL_TOKENS, extra=CPU_EXTRA_FLAGS, startup_timeout=400)
     try:
-        yield workers
+        yield _CPU_WORKERS
     finally:
-        for worker in workers:
-            worker.stop()
+        _stop_cpu_workers()
 
 
 def restart_cpu_worker(workers: list[Any], index: int, crash: bool = True) -> Any:

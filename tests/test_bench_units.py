@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.metrics import RequestResult, distribution, failed, max_over_mean, percentile, summarize
+from benchmarks.metrics import RequestResult, Summary, distribution, failed, max_over_mean, percentile, summarize
 from benchmarks.oracle import PooledCache, oracle_hit_rate
 from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
 from benchmarks.workloads import (
@@ -319,3 +319,87 @@ def test_sglang_cpu_engine_fills_only_the_defaults_not_given(tmp_path: Path) -> 
 def test_cpu_reports_say_they_are_cpu_figures() -> None:
     report = BenchReport("gsp", {}, {2.0: 0.5}, [failed("envoy-rr", 2.0, "x")], {}, {"engine": "sglang-cpu"})
     assert "CPU figures" in markdown_table(report)
+
+
+# -- the tiered suite ---------------------------------------------------------------------------------
+def test_longctx_mixes_document_qa_and_growing_chat_sessions() -> None:
+    from benchmarks.workloads import longctx_workload
+
+    kwargs = {
+        "docs": 3,
+        "doc_len": 64,
+        "questions_per_doc": 2,
+        "question_len": 8,
+        "sessions": 2,
+        "turns": 3,
+        "system_prompt_len": 32,
+        "turn_len": 8,
+        "output_len": 4,
+        "duration_s": 10.0,
+        "seed": 1,
+    }
+    w = longctx_workload(**kwargs)  # type: ignore[arg-type]
+    assert len(w.requests) == 3 * 2 + 2 * 3 and w.name == "longctx"
+    assert [r.index for r in w.requests] == list(range(len(w.requests)))
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(w.requests))
+    qa = [r for r in w.requests if r.session is None]
+    docs = {r.messages[0]["content"] for r in qa}
+    assert len(docs) == 3 and all(sum(r.messages[0]["content"] == d for r in qa) == 2 for d in docs)
+    turns = sorted((r for r in w.requests if r.session == "s0"), key=lambda r: r.arrival_s)
+    assert [len(r.messages) for r in turns] == [2, 4, 6]  # system + the history, growing each turn
+    assert max(r.arrival_s for r in w.requests) <= 10.0 * 1.5
+    assert longctx_workload(**kwargs).requests == w.requests  # type: ignore[arg-type]  # deterministic
+
+
+def test_tiered_report_goodput_gpu_seconds_and_targets() -> None:
+    from benchmarks.metrics import FleetFigures
+    from benchmarks.report import TieredReport, gpu_seconds_per_request, tiered_table
+
+    def run(name: str, ttft: float, busy: float, cached: dict[str, int]) -> tuple[Summary, list[float]]:
+        results = [
+            RequestResult(index=i, sent_s=float(i), ttft_s=ttft * (1 + i / 10), e2e_s=ttft * 2, prompt_tokens=100)
+            for i in range(10)
+        ]
+        s = summarize(name, None, results, {}, 2)
+        s.fleet = FleetFigures(prompt_tokens=1000, cached_tokens=cached, busy_prefill_s=busy, busy_decode_s=busy)
+        return s, sorted(r.ttft_s or 0.0 for r in results)
+
+    rows = []
+    for tier, rr_ttft, ours_ttft in (("none", 1.0, 0.9), ("host", 0.9, 0.5)):
+        rr, rr_t = run("envoy-rr", rr_ttft, 1.0, {"device": 100})
+        ours, ours_t = run("ours:prefix-aware", ours_ttft, 0.7, {"device": 400, "host": 300})
+        rows += [(tier, rr, rr_t), (tier, ours, ours_t)]
+    report = TieredReport("longctx", {}, 0.3, rows, slo_s=1.0, setup={"missing_contenders": ["smg"]})
+    ours_host = report.find("host", "ours:prefix-aware")
+    assert ours_host is not None and gpu_seconds_per_request(ours_host) == pytest.approx(0.14)
+    rate, share = report.goodput(*rows[3][1:])
+    assert share == pytest.approx(1.0) and rate > 0  # 0.5 s .. 0.95 s: all within the 1 s SLO
+    assert report.goodput(*rows[0][1:])[1] == pytest.approx(0.1)  # envoy-rr, none: only the first one
+    targets = {t: m for t, m, _f in report.targets()}
+    assert targets["ours (host tier) TTFT p50 >= 40% below round robin without HiCache"] is True
+    assert targets["ours (host tier) >= 25% fewer GPU-seconds per request than round robin without HiCache"] is True
+    assert all(m for t, m in targets.items() if "every peer" in t)
+    table = tiered_table(report)
+    assert "| ours:prefix-aware | 10 | 0 |" in table and "0.400 | 0.300 | 0.000" in table
+    assert "not in this build, not run: smg" in table
+    data = report.to_json()
+    assert data["rows"][1]["hit_rate_by_tier"] == {"device": 0.4, "host": 0.3, "storage": 0.0}
+    assert data["targets"][0]["met"] is True
+
+
+def test_smg_contenders_talk_to_their_own_door_with_their_own_ports() -> None:
+    from benchmarks.contenders import Smg, create_contender
+
+    http, grpc_ = create_contender("smg"), create_contender("smg-grpc", page_size=64)
+    assert (http.name, http.worker_transport) == ("smg", "http")
+    assert (grpc_.name, grpc_.worker_transport) == ("smg-grpc", "grpc")
+    assert isinstance(http, Smg) and isinstance(grpc_, Smg)
+    urls = ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]
+    argv = grpc_.argv(30000, 29001, urls)
+    # `python -m smg`: sglang-router installs a console script named smg as well.
+    assert argv[1:4] == ["-m", "smg", "launch"]
+    assert argv[argv.index("--worker-urls") + 1 : argv.index("--worker-urls") + 3] == urls
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--block-size") + 1] == "64"  # = the workers' page size
+    assert argv[argv.index("--prometheus-port") + 1] == "29001"
+    assert "--block-size" not in http.argv(30000, 29002, ["http://127.0.0.1:1"])

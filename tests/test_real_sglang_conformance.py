@@ -28,7 +28,7 @@ from sglang_session import Observation, Runner, Session, shape
 
 from sglang_workers.process import SimWorkerProcess, start_sim_worker
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 
 MODEL = "tiny-llama"
 

@@ -23,7 +23,7 @@ from sglang_session import fit_chat
 
 from extproc.gateway.stack import GatewayStack
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 
 MODEL = "tiny-llama"
 PAGE = 16

@@ -35,6 +35,7 @@ import xxhash
 from pydantic import Field
 
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.policies.tier_cost import costs_from_report, tier_extra
 from extproc.sync.workers import Worker
 
 __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy", "prefill_seconds"]
@@ -60,9 +61,6 @@ class PrefixAwareOptions(PolicyOptions):
         0.05,
         ge=0,
         description="Assumed prefill time of each request the worker reports waiting that the router did not send.",
-    )
-    host_load_ratio: float = Field(
-        0.1, ge=0, le=1, description="Cost of loading a block from host memory relative to recomputing it."
     )
     kv_pressure_threshold: float = Field(
         0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more."
@@ -129,11 +127,12 @@ class PrefixAwarePolicy(Policy):
         limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
         gpu = min(c.matched_blocks * c.block_size, limit)
         host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
-        new = total - gpu - host
-        prefill = (
-            prefill_seconds(opts, new, gpu + host)
-            + opts.host_load_ratio * opts.prefill_per_token_s * host / opts.speedup
-        ) * scale
+        shared = max(min(c.shared_matched_blocks * c.block_size, limit) - gpu - host, 0)
+        # Host hits load back overlapping the prefill; shared-storage hits are read first (policies/tier_cost.py).
+        compute = prefill_seconds(opts, total - gpu - host - shared, gpu + host + shared) * scale
+        tiers = tier_extra(host, shared, costs_from_report(c.tier_report, scale / opts.speedup), compute, c.block_size)
+        new = total - gpu - tiers.host_tokens - tiers.shared_tokens
+        prefill = prefill_seconds(opts, new, total - new) * scale + tiers.load_back_s
         backlog = max(0.0, self._busy_until.get(c.worker.id, 0.0) - now)
         load = c.load
         waiting = load.num_waiting_reqs if load else 0
@@ -149,10 +148,13 @@ class PrefixAwarePolicy(Policy):
                 / opts.speedup
                 * scale
             )
-        ttft = queue + prefill + penalty
+        ttft = queue + prefill + penalty + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
-            "cached_tokens": gpu + host,
+            "cached_tokens": total - new,
+            "host_tokens": tiers.host_tokens,
+            "shared_tokens": tiers.shared_tokens,
+            "tier_s": tiers.seconds,
             "queue_s": queue,
             "prefill_s": prefill,
             "in_flight": c.in_flight,
