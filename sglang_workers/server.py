@@ -284,27 +284,38 @@ class SimWorker:
         return body
 
     def _check_input_ids(self, ids: list[Any], field: str, kind: ErrorKind) -> list[int]:
-        """Integer ids (else a validation error). Ids a real worker would crash on are refused (see docs)."""
+        """Integer ids (else a validation error), none negative.
+
+        A negative id kills a real SGLang 0.5.23 worker (its embedding lookup raises in the scheduler); the
+        simulator refuses it instead. Ids beyond a vocabulary are served: the simulator has no embedding
+        table, and synthetic workloads use any ids (the router refuses them where ``models[].vocab_size``
+        says so).
+        """
         if not all(type(t) is int for t in ids):
             raise validation_error(field, "Input should be a valid integer")
-        vocab = self.vocab_size
-        if ids and (min(ids) < 0 or max(ids) >= vocab):
-            # SGLang 0.5.23 indexes its embedding with the id and its scheduler dies; the simulator refuses.
-            bad = min(ids) if min(ids) < 0 else max(ids)
-            raise ApiError(400, f"token id {bad} is outside the vocabulary (size {vocab}).", kind)
+        if ids and min(ids) < 0:
+            raise ApiError(400, f"token id {min(ids)} is negative.", kind)
         return ids
 
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def _check_length(self, input_ids: list[int], kind: ErrorKind) -> None:
-        """SGLang's two length checks: the context length (tokenizer side), then what the pool can hold."""
-        if len(input_ids) >= self.config.context_length:
+    def _check_length(self, input_ids: list[int], kind: ErrorKind, max_new_tokens: int | None = None) -> None:
+        """SGLang's length checks, in its order: the prompt against the context length, prompt plus the
+        requested ``max_new_tokens`` against it (only when the client asked for a number: SGLang's
+        validate_total_tokens), then the prompt against what the KV pool can hold (scheduler side)."""
+        context = self.config.context_length
+        if len(input_ids) >= context:
             raise ApiError(
                 400,
-                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"({self.config.context_length} tokens).",
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length ({context} tokens).",
+                kind,
+            )
+        if max_new_tokens is not None and len(input_ids) + max_new_tokens > context:
+            total = len(input_ids) + max_new_tokens
+            raise ApiError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                f"requested a total of {total} tokens: {len(input_ids)} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit.",
                 kind,
             )
         limit = min(self.config.context_length - 1, self._require_ready().capacity - 1) - 5  # max_req_input_len
@@ -342,10 +353,14 @@ class SimWorker:
         rank: int | None = None,
         stream: bool = False,
         kind: ErrorKind = "openai",
+        requested: bool = True,
     ) -> Request:
-        """Check and queue one tokenized request: the admission path of both front doors (HTTP and gRPC)."""
+        """Check and queue one tokenized request: the admission path of both front doors (HTTP and gRPC).
+
+        ``requested``: the client named ``max_new_tokens`` (else SGLang does not check prompt + output
+        against the context length)."""
         self._require_ready()
-        self._check_length(input_ids, kind)
+        self._check_length(input_ids, kind, max_new_tokens if requested else None)
         return self._rank_scheduler(rank).submit(input_ids, max_new_tokens, salt, rid, stream)
 
     def _rank_scheduler(self, rank: int | None) -> Scheduler:
@@ -491,6 +506,7 @@ class SimWorker:
         if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
             raise validation_error("sampling_params", "Input should be a valid dictionary")
         max_new = []
+        requested = [p.get("max_new_tokens") is not None for p in params_list]
         for p in params_list:
             value = p.get("max_new_tokens")
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -502,8 +518,8 @@ class SimWorker:
         stream = bool(body.get("stream", False))
         if stream and batch:
             raise ApiError(400, "Streaming is not supported for batched /generate requests.", "generate")
-        for p in prompts:  # check all before queueing any
-            self._check_length(p, "generate")
+        for p, n, asked in zip(prompts, max_new, requested):  # check all before queueing any
+            self._check_length(p, "generate", n if asked else None)
         self._require_ready()
         rank = self._routed_rank(request, body, "generate")
         reqs = [
@@ -598,8 +614,8 @@ class SimWorker:
         max_new = self._max_tokens(limit, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, "openai")
         n = self._choices(body)
         salt = self._cache_salt(body)
-        for ids in prompts:
-            self._check_length(ids, "openai")
+        for ids in prompts:  # max_tokens has a default here (16): always checked
+            self._check_length(ids, "openai", max_new)
         stream = bool(body.get("stream"))
         rank = self._routed_rank(request, body, "completions")
         reqs = [self.submit(ids, max_new, salt, None, rank, stream) for ids in prompts for _ in range(n)]
@@ -687,9 +703,11 @@ class SimWorker:
         max_new = self._max_tokens(limit, "max_tokens", self.config.default_max_new_tokens, "openai")
         n = self._choices(body)
         salt = self._cache_salt(body)
-        self._check_length(input_ids, "openai")
+        asked = limit is not None
+        self._check_length(input_ids, "openai", max_new if asked else None)
         rank = self._routed_rank(request, body, "chat")
-        reqs = [self.submit(input_ids, max_new, salt, None, rank, bool(body.get("stream"))) for _ in range(n)]
+        stream = bool(body.get("stream"))
+        reqs = [self.submit(input_ids, max_new, salt, None, rank, stream, requested=asked) for _ in range(n)]
         model = self._model(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 

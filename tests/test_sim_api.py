@@ -261,7 +261,7 @@ SHAPES = {
         ("POST", "/generate", b"{not json", 400, "validation", "JSON"),
         ("POST", "/generate", b"{}", 400, "generate", "text, input_ids"),
         ("POST", "/generate", b'{"input_ids": []}', 400, "generate", "input_ids cannot be empty"),
-        ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "generate", "vocabulary"),
+        ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "generate", "negative"),
         (
             "POST",
             "/generate",
