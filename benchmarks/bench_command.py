@@ -65,6 +65,15 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _profiles(text: str) -> str:
+    from sglang_workers.timing import profile_list
+
+    try:
+        return ",".join(profile_list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Side-by-side benchmark. Every contender gets its own fresh, identical cluster of simulated "
@@ -183,8 +192,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--workers", type=_positive(int), default=4, help="Simulated workers per cluster.")
     c.add_argument(
         "--profile",
+        type=_profiles,
         default="llama-3.1-8b-h100",
-        help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`).",
+        help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`), or a "
+        "comma-separated list cycled over the workers, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100 (a mixed fleet).",
     )
     c.add_argument(
         "--speedup",

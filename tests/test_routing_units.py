@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -11,7 +12,8 @@ from extproc.blocks import block_keys
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.policies import Candidate, PolicyError, RoutingRequest, WorkerLoad, create_policy
-from extproc.policies.prefix_aware import PrefixAwareOptions, prefill_seconds
+from extproc.policies.cost_model import PrefillModel
+from extproc.policies.prefix_aware import PrefixAwareOptions
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
@@ -110,14 +112,14 @@ def test_memory_is_bounded_per_worker() -> None:
 
 
 # -- prefix-aware -----------------------------------------------------------------------------------
-def test_prefill_cost_model_defaults_match_the_8b_h100_figures() -> None:
+def test_prefill_cost_model_shape() -> None:
     opts = PrefixAwareOptions()
-    # ~24 ms at 1k and ~1.3 s at 32k tokens of compute (docs/routing.md), plus the 15 ms floor.
-    assert prefill_seconds(opts, 1024, 0) == pytest.approx(0.015 + 0.0236 + 0.00055, rel=0.01)
-    assert 1.2 < prefill_seconds(opts, 32768, 0) < 1.4
+    prior = PrefillModel(opts.prefill_floor_s, opts.prefill_per_token_s, opts.attention_per_token2_s)
+    assert prior.seconds(0, 4096) == 0.0
+    assert prior.seconds(1024, 0) == pytest.approx(0.02 + 1024 * 4e-5 + 1024**2 * 1e-9)
     # cached context makes new tokens dearer (attention over it), but far cheaper than recomputing
-    assert prefill_seconds(opts, 100, 8000) > prefill_seconds(opts, 100, 0)
-    assert prefill_seconds(opts, 100, 8000) < prefill_seconds(opts, 8100, 0) / 10
+    assert prior.seconds(100, 8000) > prior.seconds(100, 0)
+    assert prior.seconds(100, 8000) < prior.seconds(8100, 0) / 10
 
 
 def _candidates(
@@ -140,7 +142,7 @@ def test_longest_cached_prefix_wins_when_idle() -> None:
 def test_busy_holder_spills_to_an_idle_worker() -> None:
     policy = create_policy("prefix-aware")
     workers = _workers(2)
-    busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5)
+    busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5, polled_at=time.monotonic())
     decision = policy.select(_request(4096), _candidates(workers, [200, 0], [busy, None]))
     assert decision.ranked[0] is workers[1] and decision.reason == "prefix-spill"
     # own decisions queue up too: a long cold prompt routed to w0 delays the next one there
@@ -389,11 +391,66 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     assert outcome.upstream_headers["traceparent"].split("-")[1] == trace_id
 
 
-def test_simulated_workers_time_scale_is_applied() -> None:
+def test_decisions_ignore_the_simulator_block_of_server_info() -> None:
+    """Nothing a simulated worker says about its own timing (``simulator`` in /server_info) is read."""
+    load = WorkerLoad(num_running_reqs=2, num_waiting_reqs=1, num_waiting_uncached_tokens=900, polled_at=1.0)
+    ranked = []
+    for info in ({"simulator": {"speedup": 0.25, "profile": "llama-3.1-8b-h100"}}, {}):
+        policy = create_policy("prefix-aware")
+        workers = _workers(3)
+        for w in workers:
+            w.info = dict(info)
+        decisions = [
+            policy.select(_request(2048, keys=[k]), _candidates(workers, m, [load, None, None]))
+            for k, m in ((1, [0, 0, 0]), (2, [100, 10, 0]), (3, [0, 40, 120]))
+        ]
+        ranked.append([([w.id for w in d.ranked], d.reason, d.scores) for d in decisions])
+    assert ranked[0] == ranked[1]
+
+
+def test_each_worker_is_judged_by_its_own_learned_speed() -> None:
+    """Two idle workers, neither holding the prompt: the one measured faster wins (no prior decides)."""
     policy = create_policy("prefix-aware")
     slow, fast = _workers(2)
-    slow.info = {"simulator": {"speedup": 0.25}}  # four times slower than its profile
-    fast.info = {"simulator": {"speedup": 4.0}}
-    decision = policy.select(_request(4096), _candidates([slow, fast], [0, 0]))
-    assert decision.scores["w0"]["prefill_s"] == pytest.approx(16 * decision.scores["w1"]["prefill_s"])
+    truth = {"w0": PrefillModel(0.06, 92e-6, 2.1e-9), "w1": PrefillModel(0.015, 23e-6, 0.52e-9)}
+    busy = dict.fromkeys(truth, 0.0)
+    tokens = dict.fromkeys(truth, 0)
+    now = 0.0
+    for step in range(40):  # 20 s of traffic, 1k-token prompts, both workers idle between them
+        now = step * 0.5
+        for worker in (slow, fast):
+            model = policy.cost_model(worker)
+            model.sent(1024 + 64 * (step % 5), 512 * (step % 3), now)
+            busy[worker.id] += truth[worker.id].seconds(1024 + 64 * (step % 5), 512 * (step % 3))
+            tokens[worker.id] += 1024 + 64 * (step % 5)
+            model.observe(
+                WorkerLoad(
+                    num_waiting_uncached_tokens=0,
+                    total_prefill_busy_us=int(busy[worker.id] * 1e6),
+                    total_prefill_uncached_tokens=tokens[worker.id],
+                    polled_at=now + 0.4,
+                )
+            )
+    for worker in (slow, fast):
+        assert policy.cost_model(worker).prefill.seconds(2048, 0) == pytest.approx(
+            truth[worker.id].seconds(2048, 0), rel=0.1
+        )
+    decision = policy.select(_request(4096, keys=[9]), _candidates([slow, fast], [0, 0]))
     assert decision.ranked[0] is fast
+    assert decision.scores["w0"]["prefill_s"] > 3 * decision.scores["w1"]["prefill_s"]
+
+
+def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
+    """The same queue imbalance spills a hot prefix on an idle fleet but not on a saturated one."""
+    workers = _workers(2)
+    for utilization, expected in ((0.1, "prefix-spill"), (0.97, "prefix-hit")):
+        policy = create_policy("prefix-aware")
+        for w in workers:
+            policy.cost_model(w).utilization = utilization
+        # w0 holds 3k of a 3.2k-token prompt but has ~0.65 s of work queued; w1 holds nothing and has ~0.1 s.
+        loads = [
+            WorkerLoad(num_waiting_reqs=8, num_waiting_uncached_tokens=12000, polled_at=time.monotonic()),
+            WorkerLoad(num_waiting_reqs=2, num_waiting_uncached_tokens=2000, polled_at=time.monotonic()),
+        ]
+        decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
+        assert decision.reason == expected, (utilization, decision.scores)

@@ -1,10 +1,13 @@
-"""Worker load as the workers report it: queue, running requests, KV usage.
+"""Worker load as the workers report it: queue, running requests, KV usage, measured speed.
 
 Polled on an interval (never on the request path): ``GET /v1/loads?include=core&format=json``
 first, ``/get_load`` for older SGLang releases, then ``/metrics`` (Prometheus text, needs
 ``--enable-metrics``). Whichever answers first is remembered per worker. The router's own in-flight
 count lives on ``Worker.in_flight``; this module only adds what the worker itself knows (requests
-from other routers, the real queue, KV pressure).
+from other routers, the real queue, KV pressure) and, from SGLang 0.5.23's ``/v1/loads``, the
+cumulative counters from which a worker's own prefill and decode speed can be learned
+(``total_prefill_uncached_tokens``, ``total_prefill_busy_us``, ``decode_moments``; see
+``extproc.policies.cost_model``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ _LOAD_PATHS = ("/v1/loads?include=core&format=json", "/get_load", "/metrics")
 
 @dataclass
 class WorkerLoad:
-    """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported."""
+    """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported.
+
+    Counts are summed over the worker's DP ranks (``ranks`` says how many reported).
+    """
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -38,6 +44,15 @@ class WorkerLoad:
     max_total_num_tokens: int | None = None
     token_usage: float = 0.0
     age_s: float = 0.0  # seconds since it was polled
+    # SGLang 0.5.23 and later: prefill work queued, in uncached prompt tokens.
+    num_waiting_uncached_tokens: int | None = None
+    # Cumulative since the worker started: uncached tokens prefilled, and time spent in prefill steps.
+    total_prefill_uncached_tokens: int | None = None
+    total_prefill_busy_us: int | None = None
+    # Cumulative decode-step moments: (steps, sum batch, sum step_us, sum batch^2, sum batch*step_us).
+    decode_moments: tuple[float, ...] | None = None
+    ranks: int = 1
+    polled_at: float = 0.0  # time.monotonic() when the report arrived
 
 
 def _num(value: Any) -> float:
@@ -66,7 +81,30 @@ def parse_loads(body: Any) -> WorkerLoad | None:
         num_used_tokens=int(used),
         max_total_num_tokens=int(total_tokens) if total_tokens else None,
         token_usage=usage,
+        num_waiting_uncached_tokens=_sum_int(ranks, "num_waiting_uncached_tokens"),
+        total_prefill_uncached_tokens=_sum_int(ranks, "total_prefill_uncached_tokens"),
+        total_prefill_busy_us=_sum_int(ranks, "total_prefill_busy_us"),
+        decode_moments=_sum_moments(ranks),
+        ranks=len(ranks),
     )
+
+
+def _sum_int(ranks: list[dict[str, Any]], key: str) -> int | None:
+    """The sum over ranks of a counter every rank reports; None when one of them does not."""
+    values = [r.get(key) for r in ranks]
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    return int(sum(values))  # type: ignore[arg-type]
+
+
+def _sum_moments(ranks: list[dict[str, Any]]) -> tuple[float, ...] | None:
+    moments: list[list[Any]] = []
+    for rank in ranks:
+        value = rank.get("decode_moments")
+        if not isinstance(value, list) or len(value) < 5:
+            return None  # absent, or null before the rank's first decode step
+        moments.append(value)
+    return tuple(sum(_num(m[i]) for m in moments) for i in range(5)) if moments else None
 
 
 def parse_metrics(text: str) -> WorkerLoad | None:
@@ -119,7 +157,8 @@ class LoadTracker:
         return load
 
     def set(self, worker: Worker, load: WorkerLoad) -> None:
-        self._loads[worker.id] = (time.monotonic(), load)
+        load.polled_at = time.monotonic()
+        self._loads[worker.id] = (load.polled_at, load)
 
     async def start(self) -> None:
         if self._task is None:
