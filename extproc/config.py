@@ -112,6 +112,14 @@ class ModelConfig(Section):
     )
     chat_template: str | None = Field(None, description="Chat template file overriding the tokenizer's.")
     block_size: int | None = Field(None, description="Worker page size; read from /server_info when omitted.")
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Size of the model's vocabulary: a request carrying a token id at or above it is refused with 400 "
+            "(SGLang's scheduler dies on an out-of-range id). Null: not checked (negative ids always are)."
+        ),
+    )
 
 
 class PolicyConfig(Section):
@@ -204,10 +212,31 @@ class LoadConfig(Section):
 
 
 class HealthConfig(Section):
-    """Worker health checks."""
+    """Worker health checks: a cheap readiness probe at start-up, then liveness probes (see docs/real-sglang.md)."""
 
-    interval_s: float = Field(1.0, description="How often /health is polled per worker.")
-    timeout_s: float = Field(1.0, description="HTTP timeout of one health check.")
+    interval_s: float = Field(
+        1.0, gt=0, description="Pause between the end of one liveness probe of a worker and the start of the next."
+    )
+    timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "HTTP timeout of one probe. SGLang's /health runs a one-token generation and answers after 1 s at "
+            "the earliest (after the current batch when busy), so this must stay well above 1 s."
+        ),
+    )
+    path: str = Field(
+        "/health",
+        description="Liveness probe: SGLang's /health proves the scheduler still produces output.",
+    )
+    ready_path: str | None = Field(
+        "/ready",
+        description=(
+            "Readiness probe used when the router starts (SGLang: a flag, answered at once, 200 once warm-up "
+            "is over). A worker answering it with 404 (older releases) is probed on `path` instead; null: "
+            "always `path`."
+        ),
+    )
     unhealthy_after: int = Field(2, description="Consecutive failures before a worker leaves the candidate set.")
     healthy_after: int = Field(1, description="Consecutive successes before it comes back.")
 

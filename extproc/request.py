@@ -54,6 +54,7 @@ class ParsedRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # chat
     prompt_text: str | None = None  # completion / generate text
     input_ids: list[int] | None = None  # token ids given by the client
+    max_token_id: int | None = None  # the largest id of every prompt in the body (all batch items)
     stream: bool = False
     lora: str | None = None
     cache_salt: str | None = None
@@ -69,7 +70,16 @@ def generation_kind(method: str, path: str) -> RequestKind | None:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+    # Negative ids are refused here: SGLang 0.5.23 indexes its embedding with them and its scheduler dies.
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _token_batch(value: Any, param: str) -> list[list[int]]:
+    """Every prompt of a token-id body (one list or a batch of lists), each checked; 400 otherwise."""
+    batch = value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
+    if not all(_is_token_ids(ids) for ids in batch):
+        raise RequestError(400, f"'{param}' must be a non-empty array of non-negative token ids", param=param)
+    return batch
 
 
 def _optional_str(body: dict[str, Any], key: str) -> str | None:
@@ -104,14 +114,17 @@ def _parse_completion(body: dict[str, Any], parsed: ParsedRequest) -> None:
         raise RequestError(400, "'prompt' is a required property", param="prompt")
     # OpenAI also allows a batch (list of strings / list of id lists); route on the first item,
     # since every item of a batch goes to the same worker.
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    if (isinstance(prompt, list) and prompt and isinstance(prompt[0], list)) or _is_token_ids(prompt):
+        batch = _token_batch(prompt, "prompt")
+        parsed.input_ids = batch[0]
+        parsed.max_token_id = max(max(ids) for ids in batch)
+        return
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         parsed.prompt_text = prompt
-    elif _is_token_ids(prompt):
-        parsed.input_ids = prompt
     else:
-        raise RequestError(400, "'prompt' must be a string or an array of token ids", param="prompt")
+        raise RequestError(400, "'prompt' must be a string or an array of non-negative token ids", param="prompt")
 
 
 def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
@@ -120,12 +133,10 @@ def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
         raise RequestError(400, "one of 'text' or 'input_ids' is required", param="text")
     if isinstance(text, list) and text:  # SGLang batch form: route on the first prompt
         text = text[0]
-    if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        input_ids = input_ids[0]
     if input_ids is not None:
-        if not _is_token_ids(input_ids):
-            raise RequestError(400, "'input_ids' must be a non-empty array of token ids", param="input_ids")
-        parsed.input_ids = input_ids
+        batch = _token_batch(input_ids, "input_ids")
+        parsed.input_ids = batch[0]
+        parsed.max_token_id = max(max(ids) for ids in batch)
     elif isinstance(text, str):
         parsed.prompt_text = text
     else:

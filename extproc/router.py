@@ -31,7 +31,7 @@ from extproc.index import BlockIndex
 from extproc.key_cache import KeyCache
 from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
-from extproc.request import ParsedRequest
+from extproc.request import ParsedRequest, RequestError
 from extproc.sync.discovery import page_size
 from extproc.sync.hub import EventHub
 from extproc.sync.load import LoadTracker
@@ -158,11 +158,25 @@ class Router:
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
 
     def _workers(self, parsed: ParsedRequest) -> list[Worker]:
+        self._check_vocabulary(parsed)
         workers = self.registry.candidates(parsed.model)
         if not workers:
             model = parsed.model or ""
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
         return workers
+
+    def _check_vocabulary(self, parsed: ParsedRequest) -> None:
+        """Refuse token ids outside the model's vocabulary (400): a worker must never see them."""
+        cfg = self.prompts.model_config(parsed.model)
+        if cfg is None or cfg.vocab_size is None or parsed.max_token_id is None:
+            return
+        if parsed.max_token_id >= cfg.vocab_size:
+            raise RequestError(
+                400,
+                f"token id {parsed.max_token_id} is outside the vocabulary of model {cfg.name!r} "
+                f"(size {cfg.vocab_size})",
+                param="input_ids" if parsed.kind == "generate" else "prompt",
+            )
 
     def _chains(self, workers: list[Worker]) -> set[Chain]:
         """The (block size, model) key chains the candidates need (workers sharing both share one)."""

@@ -57,7 +57,7 @@ def render_metrics(scheduler: Scheduler, model: str) -> str:
     gauge("cache_hit_rate", "The prefix cache hit rate.", load["cache_hit_rate"])
     gauge("gen_throughput", "The generation throughput (token/s).", load["gen_throughput"])
     gauge("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", scheduler.capacity)
-    gauge("evictable_tokens", "Tokens held by the radix cache that can be evicted.", load["evictable_tokens"])
+    gauge("evictable_tokens", "Tokens held by the radix cache that can be evicted.", scheduler.cache.evictable_size)
     counter("prompt_tokens_total", "Number of prefill tokens processed.", stats.prompt_tokens)
     counter("cached_tokens_total", "Number of cached prompt tokens.", stats.cached_tokens)
     counter("generation_tokens_total", "Number of generation tokens processed.", stats.generation_tokens)

@@ -68,13 +68,18 @@ class SimWorkerProcess:
         return self.process.poll() is None
 
     def wait_healthy(self, timeout: float = 30.0, ready: bool = True) -> None:
-        """Wait until ``/health`` answers 200 (or, with ``ready=False``, answers at all)."""
+        """Wait until ``/ready`` answers 200 (or, with ``ready=False``, answers at all).
+
+        ``/ready`` rather than ``/health``: like SGLang's, the simulator's ``/health`` runs a generation and
+        answers after a second at the earliest, while ``/ready`` is a flag that turns 200 when start-up is
+        over, which is what a caller waits for.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise SimWorkerError(f"sim-worker exited with {self.process.returncode}:\n{self.log()[-2000:]}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                with urllib.request.urlopen(self.url + "/ready", timeout=1) as resp:
                     if resp.status == 200:
                         return
             except urllib.error.HTTPError:
@@ -151,7 +156,7 @@ def start_sim_workers(
     wait_ready: bool = True,
     **opts: Any,
 ) -> list[SimWorkerProcess]:
-    """Start ``count`` workers in parallel and wait until all answer ``/health`` with 200
+    """Start ``count`` workers in parallel and wait until all answer ``/ready`` with 200
     (``wait_ready=False``: until their HTTP port answers at all, e.g. with ``load_time``).
 
     A worker that loses a port race (another process took a port between the check and the bind)

@@ -29,6 +29,7 @@ import itertools
 import logging
 import random
 import time
+import uuid
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -37,10 +38,11 @@ from typing import Any
 
 from .config import SimWorkerConfig
 from .kv_events import KVEventPublisher
+from .load_report import LoadCounters
 from .radix_cache import RadixCache, TreeNode
 from .timing import TimingProfile
 
-__all__ = ["Request", "Scheduler", "SchedulerStats", "Step"]
+__all__ = ["HEALTH_CHECK_RID_PREFIX", "Request", "Scheduler", "SchedulerStats", "Step"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's rid prefix of /health generations (not counted in stats)
 MAX_PACING_CREDIT = 0.05  # at most this much wall time is made up after a stall (s)
 
 TTFT_BUCKETS = (
@@ -153,6 +156,7 @@ class Request:
     last_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None  # set when the request failed instead of finishing
+    retracted: bool = False  # was retracted once: its next prefill recomputes work (not a cache statistic)
     updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
     rng: random.Random | None = None
 
@@ -163,6 +167,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finished_at is not None
+
+    @property
+    def health_check(self) -> bool:
+        """A ``/health`` generation: served like any request, counted in no statistic (SGLang's log_metrics=False)."""
+        return self.rid.startswith(HEALTH_CHECK_RID_PREFIX)
 
 
 class Histogram:
@@ -205,8 +214,6 @@ class SchedulerStats:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    recent_hits: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=64))
-    recent_tokens: deque[list[int]] = field(default_factory=lambda: deque(maxlen=16))  # [second, tokens]
 
 
 class Scheduler:
@@ -235,6 +242,9 @@ class Scheduler:
         self.prefilling: list[Request] = []  # the prefill batch in flight
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
+        self.counters = LoadCounters(speedup=config.speedup)
+        self.last_output_at = 0.0  # monotonic time of the last output (a token or a health signal), as SGLang's
+        self._health_waiters = 0  # /health probes answered by the next step's output instead of a generation
         self.sim_time = 0.0  # simulated GPU seconds elapsed (sum of step durations)
         self.steps: deque[Step] = deque(maxlen=1024)
         self._wakeup = asyncio.Event()
@@ -271,9 +281,22 @@ class Scheduler:
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
         self.waiting.append(req)
-        self.stats.num_requests += 1
+        if not req.health_check:
+            self.stats.num_requests += 1
         self._wakeup.set()
         return req
+
+    def probe_health(self) -> None:
+        """What SGLang's scheduler does with a ``/health`` generation request.
+
+        Idle, it runs the request (one token of ``[0]``, one new token) so that an answer proves the model
+        runs; busy, it skips it ("ongoing requests already carry health info") and signals after the next
+        batch instead. Either way ``last_output_at`` moves, which is what the HTTP handler waits for.
+        """
+        if self.idle:
+            self.submit([0], 1, None, f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}")
+        else:
+            self._health_waiters += 1
 
     def abort(self, req: Request) -> None:
         """Drop a request whose client went away (SGLang aborts it the same way)."""
@@ -354,27 +377,39 @@ class Scheduler:
     async def _step(self) -> None:
         """One iteration of SGLang's event loop: a prefill batch if one forms, else a decode step."""
         if self.idle:
-            self._wakeup.clear()
-            await self._wakeup.wait()
-            self._paced_until = None
+            await self._idle_wait()
         batch = self._next_prefill_batch()
         if batch:
             duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
             self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch), duration))
+            launch = self.sim_time
             await self._sleep(duration)
-            self._finish_prefill(batch)
+            self._finish_prefill(batch, launch, duration)
         elif self.running:
             context = sum(r.kv_len for r in self.running) + len(self.running)
             duration = self.profile.decode_time(len(self.running), context)
             self.steps.append(Step("decode", tuple(r.rid for r in self.running), len(self.running), duration))
+            launch = self.sim_time
             await self._sleep(duration)
+            self.counters.on_decode(launch, len(self.running), all(r.health_check for r in self.running))
             self._decode_step()
         else:
             # Nothing fits right now (e.g. KV budget); wait for a request or a change.
-            self._wakeup.clear()
-            await self._wakeup.wait()
-            self._paced_until = None
+            await self._idle_wait()
+        if self._health_waiters:  # SGLang's maybe_send_health_check_signal after each batch
+            self._health_waiters = 0
+            self.last_output_at = time.monotonic()
         self._publish()
+
+    async def _idle_wait(self) -> None:
+        """No batch to run: SGLang's on_idle (the next batch starts after an idle gap), then wait for work."""
+        self.counters.on_idle()
+        if self._health_waiters:  # nothing ran, but the loop is alive: answer waiting probes
+            self._health_waiters = 0
+            self.last_output_at = time.monotonic()
+        self._wakeup.clear()
+        await self._wakeup.wait()
+        self._paced_until = None
 
     async def _sleep(self, simulated: float) -> None:
         """Let a step take ``simulated / speedup`` seconds of wall time, without drift.
@@ -463,9 +498,10 @@ class Scheduler:
             req.chunk_prefix, req.chunk_len = prefix_len, take
             if req.cached_tokens < 0:
                 req.cached_tokens = prefix_len
-                self.stats.prompt_tokens += len(req.input_ids)
-                self.stats.cached_tokens += prefix_len
-                self.stats.queue_time.observe(time.monotonic() - req.arrival)
+                if not req.health_check:
+                    self.stats.prompt_tokens += len(req.input_ids)
+                    self.stats.cached_tokens += prefix_len
+                    self.stats.queue_time.observe(time.monotonic() - req.arrival)
             batch.append(req)
             rem_chunk -= take
             rem_input -= take
@@ -475,12 +511,19 @@ class Scheduler:
             offset += take + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
         return batch
 
-    def _finish_prefill(self, batch: list[Request]) -> None:
+    def _finish_prefill(self, batch: list[Request], launch: float, duration: float) -> None:
         self.prefilling = []
         self.stats.prefill_batches += 1
-        computed = sum(r.chunk_len for r in batch)
-        cached = sum(r.chunk_prefix for r in batch)
-        self.stats.recent_hits.append((cached, computed + cached))
+        # SGLang's effective prefill tokens: health checks and re-prefilled retractions are not cache statistics.
+        counted = [r for r in batch if not r.health_check and not r.retracted]
+        self.counters.on_prefill(
+            launch,
+            duration,
+            new_tokens=sum(r.chunk_len for r in batch),
+            effective_new=sum(r.chunk_len for r in counted),
+            effective_hit=sum(r.chunk_prefix for r in counted),
+            health_only=all(r.health_check for r in batch),
+        )
         now = time.monotonic()
         for req in batch:
             if req is self.chunked:  # chunk done, more to come: cache what exists so far
@@ -521,8 +564,10 @@ class Scheduler:
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
             req.last_node, req.kv_len, req.tree_len = None, 0, 0
+            req.retracted = True
             self.waiting.insert(0, req)
             self.stats.num_retractions += 1
+            self.counters.on_retract(1)
         total_max_new = sum(r.max_new_tokens for r in self.running) or 1
         decoded = sum(len(r.output_ids) for r in self.running)
         self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / total_max_new)
@@ -547,7 +592,8 @@ class Scheduler:
         req.last_node, req.kv_len, req.tree_len = None, 0, 0
         req.finished_at = now
         req.sim_finished = self.sim_time
-        self.stats.e2e.observe(now - req.arrival)
+        if not req.health_check:
+            self.stats.e2e.observe(now - req.arrival)
         req.updates.put_nowait(None)
         self._wakeup.set()
 
@@ -556,6 +602,12 @@ class Scheduler:
         assert req.rng is not None
         token = self.vocab[req.rng.randrange(len(self.vocab))]
         req.output_ids.append(token)
+        self.last_output_at = now
+        if req.health_check:
+            req.first_token_at = req.first_token_at or now
+            req.last_token_at = now
+            req.updates.put_nowait([token])
+            return
         if req.first_token_at is None:
             req.first_token_at = now
             req.sim_first_token = self.sim_time
@@ -564,40 +616,80 @@ class Scheduler:
             self.stats.itl.observe(now - req.last_token_at)
         req.last_token_at = now
         self.stats.generation_tokens += 1
-        second = int(now)
-        recent = self.stats.recent_tokens
-        if recent and recent[-1][0] == second:
-            recent[-1][1] += 1
-        else:
-            recent.append([second, 1])
         req.updates.put_nowait([token])
 
     # -- load reports ------------------------------------------------------------------------------
-    def cache_hit_rate(self) -> float:
-        cached = sum(c for c, _ in self.stats.recent_hits)
-        total = sum(t for _, t in self.stats.recent_hits)
-        return cached / total if total else 0.0
+    def num_running_reqs(self) -> int:
+        """Requests in the running batch: decoding, or in the prefill batch in flight (not the chunked one)."""
+        return len(self.running) + sum(1 for r in self.prefilling if r is not self.chunked)
 
-    def gen_throughput(self, window: int = 5) -> float:
-        """Generated tokens per second over the last ``window`` whole seconds."""
-        now = int(time.monotonic())
-        tokens = sum(n for second, n in self.stats.recent_tokens if now - window <= second < now)
-        return tokens / window
+    def num_waiting_uncached_tokens(self) -> int:
+        """SGLang's estimate of the prefill work queued, in tokens (``get_num_waiting_uncached_tokens``).
+
+        With ``lpm`` (a policy that matches every waiting request's prefix, up to 128 of them) each request
+        counts its unmatched tokens; otherwise its length times the recent miss rate. The chunked request
+        adds what it has left to prefill.
+        """
+        matched = self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE
+        miss_rate = 1.0 - self.counters.recent_cache_hit_rate()
+        total = 0
+        for req in self.waiting:
+            seqlen = len(req.input_ids) + len(req.output_ids)
+            if matched:
+                prefix, _ = self.cache.match_prefix(req.fill_ids[:-1], req.cache_salt)
+                total += max(0, seqlen - prefix)
+            else:
+                total += int(seqlen * miss_rate)
+        if self.chunked is not None:
+            total += max(0, len(self.chunked.fill_ids) - self.chunked.kv_len)
+        return total
 
     def load(self) -> dict[str, Any]:
-        """One DP rank's load, with SGLang's field names."""
+        """One DP rank's ``LoadSnapshot`` as SGLang 0.5.23 reports it: every key, in its order."""
         used = self.used_tokens
+        waiting_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in self.waiting)
+        counters = self.counters
+        profile = self.profile
         return {
+            "timestamp": time.time(),
             "dp_rank": self.config.dp_rank,
-            "num_running_reqs": len(self.running)
-            + len(self.prefilling)
-            + (1 if self.chunked is not None and self.chunked not in self.prefilling else 0),
+            "num_running_reqs": self.num_running_reqs(),
             "num_waiting_reqs": len(self.waiting),
+            "num_waiting_uncached_tokens": self.num_waiting_uncached_tokens(),
             "num_used_tokens": used,
-            "num_total_tokens": self.capacity,
+            "num_total_tokens": used + waiting_tokens,
+            "num_active_tokens": used + waiting_tokens,  # = num_total_tokens outside disaggregated decode
+            "num_prealloc_ready_tokens": 0,
             "max_total_num_tokens": self.capacity,
+            "max_running_requests": self.config.max_running_requests,
             "token_usage": round(used / self.capacity, 4),
-            "cache_hit_rate": round(self.cache_hit_rate(), 4),
-            "gen_throughput": round(self.gen_throughput(), 2),
-            "evictable_tokens": self.cache.evictable_size,
+            "gen_throughput": round(counters.gen_throughput, 2),
+            "cache_hit_rate": round(counters.cache_hit_rate, 4),
+            "utilization": 0.0,  # see sglang_workers.load_report: 0.5.23 never sets its input
+            "total_prefill_uncached_tokens": counters.total_prefill_uncached_tokens,
+            "total_prefill_busy_us": counters.total_prefill_busy_us,
+            "decode_moments": counters.moments(),
+            "memory": {
+                "weight_gb": profile.weight_gb,
+                "kv_cache_gb": round(self.capacity * profile.kv_bytes_per_token / 2**30, 3),
+                "graph_gb": profile.graph_gb,
+                "token_capacity": self.capacity,
+            },
+            "disaggregation": {
+                "mode": "null",
+                "prefill_bootstrap_queue_reqs": 0,
+                "prefill_inflight_queue_reqs": 0,
+                "decode_prealloc_queue_reqs": 0,
+                "decode_transfer_queue_reqs": 0,
+                "decode_retracted_queue_reqs": 0,
+                "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            },
+            "queues": {
+                "waiting": len(self.waiting),
+                "grammar": 0,
+                "paused": 0,
+                "retracted": counters.num_retracted_reqs,
+                "prealloc_ready": 0,
+            },
         }

@@ -43,6 +43,15 @@ __all__ = ["SGLANG_VERSION", "SimWorker"]
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose wire behaviour this simulator reproduces
+HEALTH_POLL_S = 1.0  # SGLang's health_generate sleeps this long before it first looks for an answer
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT default: no answer by then -> 503, unhealthy
+LOAD_SECTIONS = {
+    "memory": "memory",
+    "spec": "speculative",
+    "lora": "lora",
+    "disagg": "disaggregation",
+    "queues": "queues",
+}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions
 
 _ERROR_TYPES = {
@@ -99,7 +108,8 @@ class SimWorker:
             self.tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         except TokenizerLoadError as exc:
             raise ValueError(str(exc)) from exc
-        self.ready = False
+        self.ready = False  # weights "loaded" and warmed up (SGLang's ServerStatus leaves Starting)
+        self.healthy = True  # False after a /health found no answer in time (SGLang's ServerStatus.UnHealthy)
         self.publisher: KVEventPublisher | None = None
         self.scheduler: Scheduler | None = None
         self.started_at = time.time()
@@ -162,14 +172,14 @@ class SimWorker:
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_get("/v1/models", self.models)
-        for path in ("/health", "/health_generate", "/ready"):
+        for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
+        r.add_get("/ready", self.ready_check)
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
         r.add_get("/v1/loads", self.loads)
-        r.add_get("/get_load", self.get_load)
         r.add_get("/metrics", self.metrics)
         r.add_route("*", "/flush_cache", self.flush_cache)
         return app
@@ -593,15 +603,30 @@ class SimWorker:
 
     # -- health and info ---------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        scheduler = self._require_ready()
-        if request.path == "/health_generate":
-            # Like SGLang: push a one-token request through the scheduler and wait for it.
-            req = scheduler.submit([0], 1, None, f"HEALTH_CHECK_{uuid.uuid4().hex}")
-            try:
-                await asyncio.wait_for(self._wait(req), timeout=20)
-            except asyncio.TimeoutError:
-                raise ApiError(503, "health_generate timed out") from None
-        return web.Response(status=200)
+        """``/health`` and ``/health_generate`` as SGLang 0.5.23 answers them: after 1 s at the earliest.
+
+        SGLang pushes a one-token generation to the scheduler (or, when it is busy, asks for a signal after
+        its next batch), then sleeps 1 s before it first checks whether the scheduler answered since, and
+        keeps checking every second for up to 20 s. So a healthy worker answers 200 after about 1 s, a busy
+        one after its current batch, a hung one 503 after 20 s (and turns unhealthy: ``/ready`` says 503
+        until a later check succeeds). While starting it answers 503 at once.
+        """
+        if not self.ready or self.scheduler is None:
+            return web.Response(status=503)
+        scheduler = self.scheduler
+        tic = time.monotonic()
+        scheduler.probe_health()
+        while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
+            await asyncio.sleep(HEALTH_POLL_S)
+            if scheduler.last_output_at > tic:
+                self.healthy = True
+                return web.Response(status=200)
+        self.healthy = False
+        return web.Response(status=503)
+
+    async def ready_check(self, request: web.Request) -> web.Response:
+        """``/ready``: a flag, no work for the scheduler (200 once started, unless a /health check failed)."""
+        return web.Response(status=200 if self.ready and self.healthy else 503)
 
     def kv_events_info(self) -> dict[str, Any] | None:
         cfg = self.config
@@ -688,52 +713,63 @@ class SimWorker:
         )
 
     async def loads(self, request: web.Request) -> web.Response:
+        """``/v1/loads`` as 0.5.23 serves it: ``include`` sections, ``dp_rank`` filter, JSON or Prometheus."""
         scheduler = self._require_ready()
-        load = scheduler.load()
-        include = request.query.get("include", "all")
-        if include == "core":
-            load = {
-                k: load[k]
-                for k in (
-                    "dp_rank",
-                    "num_running_reqs",
-                    "num_waiting_reqs",
-                    "num_used_tokens",
-                    "num_total_tokens",
-                    "max_total_num_tokens",
-                    "token_usage",
-                    "cache_hit_rate",
-                    "gen_throughput",
-                )
-            }
+        raw_rank = request.query.get("dp_rank")
+        try:
+            dp_rank = int(raw_rank) if raw_rank is not None else None
+        except ValueError:
+            raise ApiError(
+                400, f"dp_rank: Input should be a valid integer, unable to parse string as an integer: {raw_rank!r}"
+            ) from None
+        include = request.query.get("include")
+        sections = {s.strip() for s in include.split(",")} if include else None
+        if sections is not None and not sections <= {"core", "all", *LOAD_SECTIONS}:
+            # SGLang validates ``include`` outside its error handling: an unknown section is a bare 500.
+            return web.Response(status=500, text="Internal Server Error")
+        loads = [load for load in [scheduler.load()] if dp_rank is None or load["dp_rank"] == dp_rank]
+        loads = [self._load_sections(load, sections) for load in loads]
+        if request.query.get("format") == "prometheus":
+            return web.Response(text=self._loads_prometheus(loads), content_type="text/plain", charset="utf-8")
         return web.json_response(
             {
                 "timestamp": datetime.now(timezone.utc).isoformat(),
                 "version": SGLANG_VERSION,
-                "dp_rank_count": 1,
-                "loads": [load],
-                "aggregate": {
-                    "total_running_reqs": load["num_running_reqs"],
-                    "total_waiting_reqs": load["num_waiting_reqs"],
-                    "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                    "avg_token_usage": load["token_usage"],
-                    "avg_throughput": load["gen_throughput"],
-                },
+                "accelerator": self.profile.gpu_name,
+                "num_accelerators": self.profile.num_gpus,
+                "loads": loads,
             }
         )
 
-    async def get_load(self, request: web.Request) -> web.Response:
-        load = self._require_ready().load()
-        return web.json_response(
-            [
-                {
-                    "dp_rank": load["dp_rank"],
-                    "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                    "num_waiting_reqs": load["num_waiting_reqs"],
-                    "num_tokens": load["num_used_tokens"],
-                }
-            ]
-        )
+    @staticmethod
+    def _load_sections(load: dict[str, Any], sections: set[str] | None) -> dict[str, Any]:
+        """``LoadSnapshot.to_dict``: the flat keys always, the sections asked for (all by default)."""
+        if sections is None or "all" in sections:
+            return load
+        keep = {LOAD_SECTIONS[s] for s in sections if s in LOAD_SECTIONS}
+        return {k: v for k, v in load.items() if not isinstance(v, dict) or k in keep}
+
+    @staticmethod
+    def _loads_prometheus(loads: list[dict[str, Any]]) -> str:
+        """``format=prometheus``: one gauge per number, ``sglang_<key>`` or ``sglang_<section>_<key>``."""
+        prefixes = {"speculative": "spec", "disaggregation": "disagg"}
+        samples: dict[str, list[tuple[int, float]]] = {}
+        for load in loads:
+            rank = load["dp_rank"]
+            for key, value in load.items():
+                if key == "dp_rank":
+                    continue
+                if isinstance(value, dict):
+                    for sub, sub_value in value.items():
+                        if isinstance(sub_value, (int, float)) and not isinstance(sub_value, bool):
+                            samples.setdefault(f"sglang_{prefixes.get(key, key)}_{sub}", []).append((rank, sub_value))
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    samples.setdefault(f"sglang_{key}", []).append((rank, value))
+        lines = []
+        for name, values in samples.items():
+            lines.append(f"# TYPE {name} gauge")
+            lines.extend(f'{name}{{dp_rank="{rank}"}} {value}' for rank, value in values)
+        return "\n".join(lines) + "\n"
 
     async def metrics(self, request: web.Request) -> web.Response:
         scheduler = self._require_ready()

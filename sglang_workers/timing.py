@@ -33,6 +33,13 @@ class TimingProfile:
     d1: float  # per sequence in the decode batch
     d2: float  # per KV token read in a decode step
     kv_pool_tokens: int  # KV pool size SGLang allocates at its default --mem-fraction-static
+    # What /v1/loads reports about the hardware (per DP rank: one TP group): the accelerator's name as
+    # torch names it, how many there are, and the memory SGLang measured for weights, KV pool and graphs.
+    gpu_name: str | None = None
+    num_gpus: int = 1
+    weight_gb: float = 0.0  # per GPU, GiB, as SGLang's weight_load_mem_usage
+    kv_bytes_per_token: int = 0  # per GPU: layers x KV heads on this GPU x head dim x 2 (K, V) x 2 bytes (bf16)
+    graph_gb: float = 0.0  # CUDA-graph memory per GPU
 
     def prefill_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """One prefill batch; ``chunks`` holds (new tokens L, cached context P) per request."""
@@ -67,6 +74,10 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.06e-3,
             d2=49e-9,
             kv_pool_tokens=417_000,
+            gpu_name="NVIDIA H100 80GB HBM3",
+            weight_gb=14.96,
+            kv_bytes_per_token=131_072,
+            graph_gb=0.5,
         ),
         TimingProfile(
             "llama-3.1-8b-h200",
@@ -78,6 +89,10 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.05e-3,
             d2=34e-9,
             kv_pool_tokens=915_000,
+            gpu_name="NVIDIA H200",
+            weight_gb=14.96,
+            kv_bytes_per_token=131_072,
+            graph_gb=0.5,
         ),
         # A100 80GB SXM: BF16 dense peak 312 TFLOPS and 2.04 TB/s HBM (NVIDIA A100 datasheet); the
         # linear part at ~220 TFLOPS effective (70% of peak, as the H100 profile's 650 is 66%), attention
@@ -104,6 +119,11 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.11e-3,
             d2=31e-9,
             kv_pool_tokens=414_000,
+            gpu_name="NVIDIA H100 80GB HBM3",
+            num_gpus=4,
+            weight_gb=32.87,
+            kv_bytes_per_token=81_920,
+            graph_gb=0.6,
         ),
         TimingProfile(
             "llama-3.1-70b-tp4-h200",
@@ -115,6 +135,11 @@ PROFILES: dict[str, TimingProfile] = {
             d1=0.09e-3,
             d2=22e-9,
             kv_pool_tokens=1_210_000,
+            gpu_name="NVIDIA H200",
+            num_gpus=4,
+            weight_gb=32.87,
+            kv_bytes_per_token=81_920,
+            graph_gb=0.6,
         ),
         TimingProfile(
             "instant",

@@ -35,7 +35,7 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello ther
 def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
-        "health: {interval_s: 0.2, timeout_s: 0.3, unhealthy_after: 2, healthy_after: 1}\nevents: {enabled: false}\n"
+        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1}\nevents: {enabled: false}\n"
     )
     gateway = GatewayStack(
         sim_workers=2,
@@ -237,7 +237,7 @@ def test_unhealthy_worker_leaves_and_comes_back(stack: GatewayStack) -> None:
     hung, other = stack.sim_processes
     os.kill(hung.process.pid, signal.SIGSTOP)  # a hung worker: /health times out
     try:
-        # 2 failed checks at 0.2 s intervals with a 0.3 s timeout; then only the other one serves.
+        # 2 failed checks (0.2 s apart, 1.5 s timeout: SGLang answers /health after 1 s); then only the other serves.
         _wait_until(lambda: _served_by(stack, 4) == {other.url.removeprefix("http://")})
     finally:
         os.kill(hung.process.pid, signal.SIGCONT)
@@ -322,7 +322,7 @@ async def test_health_checker_discovers_model_and_page_size(stack: GatewayStack)
     registry = WorkerRegistry.from_configs(
         [WorkerConfig(url=url) for url in stack.worker_urls] + [WorkerConfig(url=f"http://127.0.0.1:{free_port()}")]
     )
-    checker = HealthChecker(registry, HealthConfig(timeout_s=0.5))
+    checker = HealthChecker(registry, HealthConfig(timeout_s=1.5))
     await checker.start()
     try:
         *alive, dead = registry.workers

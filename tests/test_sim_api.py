@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from sim_fixtures import get_json, http, post_json, sse_events
@@ -126,29 +129,105 @@ def test_info_endpoints(worker: SimWorkerProcess) -> None:
     for path in ("/model_info", "/get_model_info"):
         status, info = get_json(worker, path)
         assert status == 200 and info["model_path"] == "sim-llama" and info["is_generation"] is True
-    for path in ("/health", "/health_generate", "/ready"):
-        assert http("GET", worker.url + path)[0] == 200
+    assert http("GET", worker.url + "/ready")[0] == 200  # /health and /health_generate: the next test
 
 
-def test_loads_and_metrics(worker: SimWorkerProcess) -> None:
+def test_health_takes_a_second_like_sglang_and_ready_is_a_flag(worker: SimWorkerProcess) -> None:
+    """SGLang's /health runs a generation and looks for its answer after 1 s; /ready answers at once."""
+
+    def timed(path: str) -> tuple[int, float]:
+        start = time.monotonic()
+        return http("GET", worker.url + path)[0], time.monotonic() - start
+
+    _, loads = get_json(worker, "/v1/loads")
+    before = loads["loads"][0]["total_prefill_uncached_tokens"]
+    with ThreadPoolExecutor(3) as pool:  # concurrent probes: each waits its own second
+        results = dict(zip(PROBES, pool.map(timed, PROBES)))
+    for path, (status, seconds) in results.items():
+        at_least, at_most = (0.0, 0.5) if path == "/ready" else (1.0, 3.0)
+        assert status == 200 and at_least <= seconds <= at_most, (path, seconds)
+    # The health checks' own generations are counted nowhere (SGLang sends them with log_metrics=False).
+    _, loads = get_json(worker, "/v1/loads")
+    assert loads["loads"][0]["total_prefill_uncached_tokens"] == before
+
+
+PROBES = ("/health", "/health_generate", "/ready")
+
+
+# Every key of SGLang 0.5.23's /v1/loads (sglang.srt.managers.load_snapshot.LoadSnapshot and the
+# endpoint's envelope), in its order; the sections a CPU/GPU worker without LoRA or speculation reports.
+LOADS_TOP_KEYS = ["timestamp", "version", "accelerator", "num_accelerators", "loads"]
+LOADS_CORE_KEYS = [
+    "timestamp",
+    "dp_rank",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_uncached_tokens",
+    "num_used_tokens",
+    "num_total_tokens",
+    "num_active_tokens",
+    "num_prealloc_ready_tokens",
+    "max_total_num_tokens",
+    "max_running_requests",
+    "token_usage",
+    "gen_throughput",
+    "cache_hit_rate",
+    "utilization",
+    "total_prefill_uncached_tokens",
+    "total_prefill_busy_us",
+    "decode_moments",
+]
+LOADS_SECTIONS = {
+    "memory": ["weight_gb", "kv_cache_gb", "graph_gb", "token_capacity"],
+    "disaggregation": [
+        "mode",
+        "prefill_bootstrap_queue_reqs",
+        "prefill_inflight_queue_reqs",
+        "decode_prealloc_queue_reqs",
+        "decode_transfer_queue_reqs",
+        "decode_retracted_queue_reqs",
+        "kv_transfer_speed_gb_s",
+        "kv_transfer_latency_ms",
+    ],
+    "queues": ["waiting", "grammar", "paused", "retracted", "prealloc_ready"],
+}
+RECORDED_LOADS = Path(__file__).resolve().parents[1].parent / "shared" / "sglang-http" / "v1_loads.json"
+
+
+def test_loads_have_every_key_of_sglang_0_5_23(worker: SimWorkerProcess) -> None:
     post_json(worker, "/generate", {"input_ids": list(range(1, 30)), "sampling_params": {"max_new_tokens": 2}})
-    status, loads = get_json(worker, "/v1/loads?include=core&format=json")
+    status, loads = get_json(worker, "/v1/loads")
     assert status == 200
+    assert list(loads) == LOADS_TOP_KEYS and loads["version"] == "0.5.23"
     (load,) = loads["loads"]
-    assert set(load) >= {
-        "num_running_reqs",
-        "num_waiting_reqs",
-        "num_used_tokens",
-        "num_total_tokens",
-        "max_total_num_tokens",
-        "token_usage",
-        "cache_hit_rate",
-        "gen_throughput",
-    }
-    assert load["num_running_reqs"] == 0 and load["max_total_num_tokens"] > 0
-    status, old = get_json(worker, "/get_load")
-    assert status == 200 and old[0]["num_reqs"] == 0
+    assert list(load) == LOADS_CORE_KEYS + list(LOADS_SECTIONS)
+    for section, keys in LOADS_SECTIONS.items():
+        assert list(load[section]) == keys, section
+    assert load["num_running_reqs"] == 0 and load["max_total_num_tokens"] > 0 and load["utilization"] == 0.0
+    if RECORDED_LOADS.exists():  # the recorded answer of a real 0.5.23 worker, when ../shared is there
+        real = json.loads(RECORDED_LOADS.read_text().split("\n", 1)[1])
+        assert list(real) == list(loads)
+        assert list(real["loads"][0]) == list(load)
+        for section in LOADS_SECTIONS:
+            assert list(real["loads"][0][section]) == list(load[section])
+    # include=core: the flat keys only (what the router polls); sections by name; unknown: a bare 500.
+    _, core = get_json(worker, "/v1/loads?include=core&format=json")
+    assert list(core["loads"][0]) == LOADS_CORE_KEYS
+    _, queues = get_json(worker, "/v1/loads?include=queues")
+    assert list(queues["loads"][0]) == [*LOADS_CORE_KEYS, "queues"]
+    assert http("GET", worker.url + "/v1/loads?include=bogus") == (500, b"Internal Server Error")
+    _, other_rank = get_json(worker, "/v1/loads?dp_rank=5")
+    assert other_rank["loads"] == []
+    status, prom = http("GET", worker.url + "/v1/loads?format=prometheus")
+    assert status == 200 and 'sglang_total_prefill_uncached_tokens{dp_rank="0"} ' in prom.decode()
+    assert 'sglang_queues_waiting{dp_rank="0"} 0' in prom.decode()
+    assert http("GET", worker.url + "/get_load")[0] == 404  # gone in 0.5.23
+
+
+def test_metrics_names(worker: SimWorkerProcess) -> None:
+    post_json(worker, "/generate", {"input_ids": list(range(1, 30)), "sampling_params": {"max_new_tokens": 2}})
     status, raw = http("GET", worker.url + "/metrics")
+    assert status == 200
     text = raw.decode()
     for name in (
         "sglang:num_running_reqs",
@@ -199,7 +278,8 @@ def test_errors_are_openai_style_json(
 
 def test_not_ready_answers_503() -> None:
     with start_sim_worker(profile="instant", load_time=30, wait_ready=False) as w:
-        assert http("GET", w.url + "/health")[0] == 503
+        for path in ("/health", "/health_generate", "/ready"):
+            assert http("GET", w.url + path)[0] == 503
         status, body = http("POST", w.url + "/generate", {"input_ids": [1, 2, 3]})
         assert status == 503 and json.loads(body)["code"] == 503
         assert http("GET", w.url + "/server_info")[0] == 200  # info is served while loading, as in SGLang

@@ -216,10 +216,11 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
                 "cluster_name": FAILOPEN_CLUSTER,
                 "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in spec.workers]}],
             },
-            # Fail-open must not send traffic to a dead worker: Envoy checks /health itself.
+            # Fail-open must not send traffic to a dead worker: Envoy checks /health itself. SGLang answers
+            # /health after 1 s at the earliest (it runs a generation), so the timeout must be well above 1 s.
             "health_checks": [
                 {
-                    "timeout": "1s",
+                    "timeout": "5s",
                     "interval": "2s",
                     "unhealthy_threshold": 2,
                     "healthy_threshold": 1,

@@ -268,16 +268,25 @@ class GatewayStack:
         self.worker_urls.extend(sim.url for sim in self._sims)
 
     async def _wait_workers(self) -> None:
+        """Wait until every worker is ready: ``/ready`` (SGLang: a flag, answered at once), else ``/health``.
+
+        ``/health`` is the fallback for workers without ``/ready`` (404): on SGLang it runs a generation and
+        answers after a second at the earliest, hence its longer timeout.
+        """
         deadline = time.monotonic() + self.startup_timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+        async with aiohttp.ClientSession() as session:
             for url in self.worker_urls:
+                path, timeout = "/ready", 1.0
                 while True:
                     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                        async with session.get(url + "/health") as response:
+                        async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
                             if response.status == 200:
                                 break
+                            if response.status == 404 and path == "/ready":
+                                path, timeout = "/health", 5.0
+                                continue
                     if time.monotonic() > deadline:
-                        raise StackError(f"worker {url} did not become healthy in {self.startup_timeout_s:.0f}s")
+                        raise StackError(f"worker {url} did not become ready in {self.startup_timeout_s:.0f}s")
                     await asyncio.sleep(0.05)
 
     def _router_argv(self) -> list[str]:

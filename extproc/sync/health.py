@@ -1,4 +1,12 @@
-"""Worker health: poll ``/health``, move workers in and out of the candidate set.
+"""Worker health: probe each worker, move workers in and out of the candidate set.
+
+Two probes, because SGLang's cheap one cannot see a hung scheduler and its thorough one is slow:
+
+* readiness, once, when the router starts: ``/ready`` is a flag in SGLang (200 once warm-up is over,
+  503 while starting or after a failed ``/health``), so the router is up in milliseconds;
+* liveness, in the background: ``/health`` (= ``/health_generate``) pushes a one-token generation
+  through the scheduler and answers after 1 s at the earliest, so each worker has its own probe loop
+  (one slow worker never delays another's check) and the timeout is several seconds.
 
 Thresholds from ``HealthConfig`` decide when a worker leaves (consecutive failures) and returns
 (consecutive successes). A worker that joins or rejoins is asked what it serves
@@ -20,41 +28,46 @@ __all__ = ["HealthChecker"]
 
 
 class HealthChecker:
-    """Polls each worker's ``/health`` every ``interval_s`` and applies the thresholds."""
+    """Probes every worker: readiness once at ``start``, then liveness every ``interval_s``, thresholds applied."""
 
     def __init__(self, registry: WorkerRegistry, config: HealthConfig) -> None:
         self.registry = registry
         self.config = config
         self._fails: dict[Worker, int] = {}
         self._oks: dict[Worker, int] = {}
+        self._no_ready_path: set[Worker] = set()  # workers that answered ``ready_path`` with 404
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Check every worker once (so a dead worker is never routed to at start-up), then poll."""
+        """Check every worker's readiness once (a dead worker is never routed to at start-up), then poll."""
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
-        results = await asyncio.gather(*(self._probe(w) for w in self.registry.workers))
+        results = await asyncio.gather(*(self._probe_ready(w) for w in self.registry.workers))
         for worker, ok in zip(self.registry.workers, results):
             if ok:
                 await discover(self._session, worker)
             self.registry.set_healthy(worker, ok)
-        self._task = asyncio.create_task(self._loop(), name="worker-health")
+        self._tasks = [
+            asyncio.create_task(self._loop(worker), name=f"worker-health-{worker.id}")
+            for worker in self.registry.workers
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         if self._session is not None:
             await self._session.close()
 
-    async def _loop(self) -> None:
+    async def _loop(self, worker: Worker) -> None:
         while True:
             await asyncio.sleep(self.config.interval_s)
-            await asyncio.gather(*(self.check(w) for w in self.registry.workers))
+            await self.check(worker)
 
     async def check(self, worker: Worker) -> None:
-        """One health probe, applied through the consecutive-result thresholds."""
-        ok = await self._probe(worker)
+        """One liveness probe, applied through the consecutive-result thresholds."""
+        ok = await self._probe(worker, self.config.path)
         if ok:
             self._fails[worker] = 0
             self._oks[worker] = self._oks.get(worker, 0) + 1
@@ -68,10 +81,24 @@ class HealthChecker:
             if worker.healthy and self._fails[worker] >= self.config.unhealthy_after:
                 self.registry.set_healthy(worker, False)
 
-    async def _probe(self, worker: Worker) -> bool:
+    async def _probe_ready(self, worker: Worker) -> bool:
+        """Readiness: ``ready_path`` where the worker has one, else the liveness path."""
+        ready_path = self.config.ready_path
+        if ready_path is not None and worker not in self._no_ready_path:
+            status = await self._status(worker, ready_path)
+            if status != 404:
+                return status == 200
+            self._no_ready_path.add(worker)
+        return await self._probe(worker, self.config.path)
+
+    async def _probe(self, worker: Worker, path: str) -> bool:
+        return await self._status(worker, path) == 200
+
+    async def _status(self, worker: Worker, path: str) -> int | None:
+        """HTTP status of ``GET path``; None when the worker did not answer in time."""
         assert self._session is not None
         try:
-            async with self._session.get(worker.url + "/health") as response:
-                return response.status == 200
+            async with self._session.get(worker.url + path) as response:
+                return response.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            return None
