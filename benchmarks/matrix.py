@@ -1,11 +1,13 @@
 """``prefix-router bench --matrix``: every workload x offered load x fleet, every contender, one report.
 
 For each fleet and workload the bench first finds the knee of round robin itself: it runs ``envoy-rr``
-at a low probe rate and reads how busy the workers were (``/v1/loads``: prefill and decode busy time,
-the counters SGLang 0.5.23 reports), which gives round robin's capacity, the offered load at which its
-fleet is fully busy. Each cell then offers ``load x knee`` requests per second (0.5: half of round
-robin's capacity; 1.3: past it) to every contender, each on its own fresh identical cluster with the
-same request bytes at the same arrival times.
+at a low probe rate and reads how long the workers spent prefilling (``/v1/loads``
+``total_prefill_busy_us``, the counter SGLang 0.5.23 reports). Round robin's prefill work per request
+does not depend on the load, so that gives the offered load at which its fleet would prefill without
+pause: its capacity, past which every queue grows (decode steps batch, and SGLang runs a prefill
+before any decode, so prefill time is what saturates first). Each cell then offers ``load x knee``
+requests per second (0.5: half of round robin's capacity; 1.3: past it) to every contender, each on
+its own fresh identical cluster with the same request bytes at the same arrival times.
 
 Per cell: TTFT p50 and p99 of ours as ratios to the best peer that ran (the lowest of the peers,
 per metric) and to round robin, hit rate over the pooled-cache oracle, max/mean requests per worker,
@@ -177,8 +179,8 @@ RunOne = Callable[
 ]
 
 
-async def fleet_busy_seconds(urls: Sequence[str]) -> float | None:
-    """Seconds the workers have spent in prefill and decode steps so far (SGLang 0.5.23 ``/v1/loads``)."""
+async def fleet_prefill_busy_seconds(urls: Sequence[str]) -> float | None:
+    """Seconds the workers have spent in prefill steps so far (SGLang 0.5.23 ``/v1/loads``), or None."""
     total = 0.0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         for url in urls:
@@ -191,8 +193,7 @@ async def fleet_busy_seconds(urls: Sequence[str]) -> float | None:
                 busy = rank.get("total_prefill_busy_us")
                 if not isinstance(busy, (int, float)):
                     return None
-                moments = rank.get("decode_moments") or [0, 0, 0]
-                total += (busy + float(moments[2])) / 1e6
+                total += busy / 1e6
     return total
 
 
@@ -214,7 +215,7 @@ async def find_knee(
     run_load_on: Any,
     log: Callable[[str], None],
 ) -> tuple[float, dict[str, Any]]:
-    """Round robin's capacity in req/s: probe at a low rate, scale by how busy the fleet was."""
+    """Round robin's capacity in req/s: probe at a low rate, scale by how busy prefilling kept the fleet."""
     build = WORKLOADS[workload]
     rate = 0.5 * fleet.workers
     probes = []
@@ -222,7 +223,7 @@ async def find_knee(
         w = build(rate, o)  # the cells' size: the offered load per nominal rate is the same (multiturn's ramp)
         busy, wall = await run_load_on(ROUND_ROBIN, w, _spec(fleet, o))
         if busy is None or wall <= 0:
-            raise ClusterError("the workers do not report busy time (/v1/loads total_prefill_busy_us)")
+            raise ClusterError("the workers do not report prefill busy time (/v1/loads total_prefill_busy_us)")
         utilization = busy / (wall * fleet.workers)
         probes.append({"rate": rate, "utilization": utilization, "busy_s": busy, "wall_s": wall})
         log(f"  knee probe {workload} on {fleet.name}: {rate:.2f} req/s -> utilization {utilization:.2f}")
@@ -344,11 +345,11 @@ async def run_matrix(
             url = await contender.start(cluster.urls)
             model = await cluster.served_model()
             opts = ClientOptions(request_timeout_s=o.request_timeout_s, model=model) if model else options
-            before = await fleet_busy_seconds(cluster.urls)
+            before = await fleet_prefill_busy_seconds(cluster.urls)
             start = time.monotonic()
             await run_load(url, workload.requests, opts)
             wall = time.monotonic() - start
-            after = await fleet_busy_seconds(cluster.urls)
+            after = await fleet_prefill_busy_seconds(cluster.urls)
             busy = after - before if after is not None and before is not None else None
             return busy, wall
         finally:
