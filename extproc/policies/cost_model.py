@@ -128,21 +128,29 @@ class WorkerCostModel:
         return max(0.0, self._queue_level - (now - self._queue_clock))
 
     def idle(self) -> None:
-        """The router has nothing in flight there: without a report of the queue, it is empty."""
-        if self._last is None or self._last.num_waiting_uncached_tokens is None:
+        """The router has nothing in flight there: nothing of its own is queued (others' work may be)."""
+        if self._last is None or not self._last.num_waiting_reqs:
             self._queue_level = 0.0
 
     def _restart_queue(self, load: WorkerLoad) -> None:
-        """A new report of the queue: start the virtual queue from it, then replay the sends it cannot know."""
-        tokens = load.num_waiting_uncached_tokens
-        if tokens is None:
-            if not load.num_waiting_reqs:
-                return  # no report of queued work: the router's own sends (already in the level) are all it knows
-            tokens = int(load.num_waiting_reqs * self._mean_new)  # older SGLang: requests, not tokens
+        """A new report: restart the virtual queue from what was waiting then, and replay the later sends.
+
+        The report says how many requests were waiting. SGLang admits in arrival order, so when the
+        router sent them, the waiting ones are its newest sends not yet prefilled (first in, first out),
+        and its own prediction of each (it knows what it matched) is better than the worker's own
+        token estimate (a miss-rate guess under ``fcfs``). Waiting requests beyond the router's own
+        are someone else's: they count with the reported uncached tokens' share.
+        """
         model = self.prefill
-        waiting = max(load.num_waiting_reqs, 1 if tokens else 0)
-        # Queued requests' attention, assuming equal lengths and no cached context (an under-estimate).
-        level = (model.c0 * waiting + model.a * tokens + model.b * tokens * tokens / waiting) if tokens else 0.0
+        waiting = load.num_waiting_reqs
+        outstanding = [sent for sent in self._sent if sent.at <= load.polled_at]
+        own = outstanding[len(outstanding) - min(waiting, len(outstanding)) :] if waiting else []
+        level = sum(model.seconds(sent.new, sent.cached) for sent in own)
+        others = waiting - len(own)
+        if others > 0:
+            tokens = load.num_waiting_uncached_tokens
+            share = tokens * others / waiting if tokens is not None else others * self._mean_new
+            level += model.c0 * others + model.a * share + model.b * share * share / others
         self._queue_level, self._queue_clock = level, load.polled_at
         recent: list[_Sent] = []
         for sent in reversed(self._sent):  # newest first; only the few sent during the poll are newer
@@ -174,7 +182,10 @@ class WorkerCostModel:
             return
         previous, self._last = self._last, load
         self._observe_decode(load)
-        self._restart_queue(load)
+        self._observe_prefill(previous, load)
+        self._restart_queue(load)  # after attribution: what is left of the router's sends is outstanding
+
+    def _observe_prefill(self, previous: WorkerLoad | None, load: WorkerLoad) -> None:
         if load.total_prefill_busy_us is None or load.total_prefill_uncached_tokens is None:
             return
         if previous is None or previous.total_prefill_busy_us is None or previous.total_prefill_uncached_tokens is None:
@@ -193,16 +204,13 @@ class WorkerCostModel:
         self._observe_window(load)
 
     def _align(self, load: WorkerLoad) -> None:
-        """At the first report: the sends it still counts as queued are the newest; older ones are done."""
-        queued = load.num_waiting_uncached_tokens or 0
-        kept: list[_Sent] = []
-        for sent in reversed(self._sent):
-            if sent.at > load.polled_at:
-                kept.append(sent)  # sent after the report: not in it at all
-            elif queued > 0:
-                kept.append(sent)
-                queued -= int(sent.new)
-        self._sent = deque(reversed(kept))
+        """At a first report: its counters already count the sends it no longer reports waiting.
+
+        The waiting ones are the newest (first in, first out), plus perhaps one being prefilled.
+        """
+        before = [sent for sent in self._sent if sent.at <= load.polled_at]
+        keep = min(len(before), load.num_waiting_reqs + (1 if load.num_running_reqs else 0))
+        self._sent = deque([*before[len(before) - keep :], *(sent for sent in self._sent if sent.at > load.polled_at)])
 
     def _observe_utilization(self, load: WorkerLoad) -> None:
         start = self._rate_report
