@@ -40,6 +40,10 @@ _MEDIUM_TIER = {
 }
 
 
+def _monotonic() -> float:
+    return time.monotonic()  # looked up at each call, so a harness can run the index on a virtual clock
+
+
 def tier_of(medium: str | None) -> str:
     """Map an SGLang ``medium`` to one of ``TIERS`` (unknown media count as the slowest tier)."""
     return _MEDIUM_TIER.get(medium.upper() if isinstance(medium, str) else medium, "disk")
@@ -94,9 +98,9 @@ class _Tier:
 class BlockIndex:
     """Per-worker block sets with fleet-wide lookup. Thread-safe (one lock; every call is short)."""
 
-    def __init__(self, config: IndexConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: IndexConfig | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config or IndexConfig()
-        self._clock = clock
+        self._clock = clock or _monotonic
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
         self._free: list[int] = []

@@ -199,6 +199,7 @@ class Router:
                 load=loads.get(w),
                 index_state=events.state(w),
                 block_size=self.block_size_for(w),
+                cached_blocks=self.index.size(w.id),
             )
             for w in workers
         ]

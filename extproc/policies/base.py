@@ -63,6 +63,7 @@ class Candidate:
     host_matched_blocks: int = 0  # ... counting its host-memory / disk tiers too (>= matched_blocks when reported)
     index_state: str = "synced"  # synced | unknown (events lost or absent; matched_blocks from own record)
     block_size: int = 16  # this worker's page size (tokens per block)
+    cached_blocks: int = 0  # blocks the worker's GPU cache holds as far as the index knows (its fill)
 
 
 @dataclass

@@ -110,6 +110,7 @@ class WorkerCostModel:
         self._decode = decode_prior
         self._decode_moments: tuple[float, ...] | None = None
         self._mean_new = 512.0  # running mean of uncached tokens per request, for unattributed tokens
+        self.reuse = 0.5  # fraction of prompt tokens found cached on this worker, recent requests (a prior)
         self._queue_level = 0.0  # seconds of prefill queued as of _queue_clock
         self._queue_clock = 0.0
 
@@ -169,6 +170,8 @@ class WorkerCostModel:
         """The router sent the worker a request predicted to prefill these tokens; returns its predicted seconds."""
         seconds = self.prefill.seconds(new_tokens, cached_tokens)
         self._enqueue(seconds, now)
+        if new_tokens + cached_tokens > 0:
+            self.reuse += 0.05 * (cached_tokens / (new_tokens + cached_tokens) - self.reuse)
         if new_tokens > 0:
             self._sent.append(_Sent(float(new_tokens), float(cached_tokens), now, seconds))
             self._mean_new += 0.05 * (new_tokens - self._mean_new)

@@ -75,6 +75,11 @@ class PrefixAwareOptions(PolicyOptions):
     host_load_ratio: float = Field(
         0.1, ge=0, le=1, description="Cost of loading a block from host memory relative to recomputing it."
     )
+    eviction_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the future recomputation a full cache's eviction causes (0: ignore evictions).",
+    )
     kv_pressure_threshold: float = Field(
         0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more."
     )
@@ -143,6 +148,13 @@ class PrefixAwarePolicy(Policy):
             penalty += opts.kv_pressure_steps * max(step, cost.decode.step_seconds(1)) * pressure
         rho = min(cost.utilization, 0.999)
         price = min(max(rho / (1.0 - rho), opts.min_work_price), opts.max_work_price)
+        # Storing the new tokens in a full cache evicts as many cached ones (least recently used), which
+        # later requests may want again: as often as requests here find their prefix cached.
+        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
+        evicted = 0.0
+        if capacity:
+            evicted = max(0.0, c.cached_blocks * c.block_size + new - capacity)
+        eviction = opts.eviction_weight * cost.reuse * model.a * evicted
         ttft = queue + prefill + penalty
         return {
             "matched_blocks": c.matched_blocks,
@@ -154,7 +166,8 @@ class PrefixAwarePolicy(Policy):
             "utilization": rho,
             "work_price": price,
             "ttft_s": ttft,
-            "score": ttft + price * prefill,
+            "eviction_s": eviction,
+            "score": ttft + price * (prefill + eviction),
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
