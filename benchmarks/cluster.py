@@ -4,7 +4,9 @@ Every contender gets its own cluster built from the same ``ClusterSpec``: same n
 timing profile, speed-up, KV capacity, page size and seed. Caches therefore start cold and
 identical, and nothing one contender did (cached prefixes, queued work) leaks into the next one's
 numbers. All workers share one seed: a worker's output depends only on the prompt and the seed, so
-a request produces the same tokens whichever worker a contender sends it to.
+a request produces the same tokens whichever worker a contender sends it to. Every worker serves
+both front doors, the HTTP API (``urls``) and SGLang's gRPC scheduler API (``grpc_urls``), so the
+clusters stay identical whichever one a contender talks to.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class Cluster:
     def urls(self) -> list[str]:
         return [str(w.url) for w in self._workers]
 
+    @property
+    def grpc_urls(self) -> list[str]:
+        """``grpc://`` addresses of the workers' gRPC scheduler API."""
+        return [str(w.grpc_url) for w in self._workers]
+
     async def start(self) -> None:
         from sglang_workers.process import SimWorkerError, start_sim_workers
 
@@ -61,6 +68,7 @@ class Cluster:
                 page_size=self.spec.page_size,
                 seed=self.spec.seed,
                 log_level="warning",
+                grpc=True,
             )
         except (SimWorkerError, OSError) as exc:  # reported in the contender's row
             raise ClusterError(str(exc)[-1000:]) from None

@@ -6,6 +6,11 @@
   prompt prefix, the usual "sticky by prefix" setup without a prefix-aware router.
 - ``sgl-router``: the real sgl-router (PyPI ``sglang-router``, Rust) with ``--policy cache_aware``
   and its default thresholds.
+- ``smg``: smg 1.13 (PyPI ``smg``, sgl-router's successor) in front of the workers' HTTP API with
+  ``--policy cache_aware`` and its defaults: the approximate character tree of its HTTP mode.
+- ``smg-grpc``: smg 1.13 in front of the workers' gRPC scheduler API (``grpc://`` URLs): event-driven
+  ``cache_aware`` on a block index fed by each worker's ``SubscribeKvEvents`` stream, ``--block-size``
+  equal to the workers' page size, every other setting at its default, as smg's KV-events guide sets it up.
 - ``ours:<policy>``: this project's ext_proc router behind Envoy, with any registered policy.
 
 All Envoys here run with ``--concurrency 1`` (one worker thread; the bench machine is small and a
@@ -16,6 +21,8 @@ Each adds ``x-upstream-host`` to responses so the client can count requests per 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -42,6 +49,7 @@ __all__ = [
     "EnvoyBaseline",
     "OursGateway",
     "SglRouter",
+    "Smg",
     "baseline_envoy_config",
     "create_contender",
     "envoy_binary",
@@ -107,9 +115,14 @@ def _tail(path: Path, limit: int = 600) -> str:
 
 
 class Contender(ABC):
-    """A gateway in front of ``worker_urls``: ``start`` returns the base URL clients send to."""
+    """A gateway in front of ``worker_urls``: ``start`` returns the base URL clients send to.
+
+    ``worker_transport`` says which of the workers' front doors it talks to: their HTTP API
+    (``http://`` URLs) or SGLang's gRPC scheduler API (``grpc://`` URLs).
+    """
 
     name: str
+    worker_transport: str = "http"
 
     @abstractmethod
     async def start(self, worker_urls: Sequence[str]) -> str: ...
@@ -326,6 +339,102 @@ class SglRouter(_ProcessContender):
         return base
 
 
+# -- smg ------------------------------------------------------------------------------------
+
+
+class Smg(_ProcessContender):
+    """The real smg 1.13 (Rust, PyPI ``smg``) with ``cache_aware``, over HTTP or gRPC workers.
+
+    Started as ``python -m smg launch``: ``sglang-router`` installs a console script named ``smg`` as
+    well, so the ``smg`` on PATH may be the older router. ``HF_HUB_OFFLINE`` keeps it from reaching for
+    the Hub: over gRPC it loads the tokenizer from the path the workers report (``GetModelInfo``).
+    """
+
+    def __init__(self, transport: str = "http", page_size: int = 16, policy: str = "cache_aware") -> None:
+        super().__init__()
+        if transport not in ("http", "grpc"):
+            raise ValueError(f"smg transport must be http or grpc, not {transport!r}")
+        self.name = "smg" if transport == "http" else "smg-grpc"
+        self.worker_transport = transport
+        self.page_size = page_size
+        self.policy = policy
+        self.metrics_url: str | None = None  # its Prometheus endpoint, once started
+
+    def argv(self, port: int, metrics_port: int, worker_urls: Sequence[str]) -> list[str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "smg",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            self.policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),  # every instance needs its own: a taken one makes smg exit
+            "--log-level",
+            "warn",
+            "--worker-startup-check-interval",
+            "1",
+            "--worker-startup-timeout-secs",
+            "60",
+            "--shutdown-grace-period-secs",
+            "1",  # stopped only after the run: nothing in flight to wait for
+        ]
+        if self.worker_transport == "grpc":
+            # smg learns the block size from the first BlockStored; until then (and for its token tree)
+            # it uses this one, which its guide says to keep equal to the engine's page size.
+            argv += ["--block-size", str(self.page_size)]
+        return argv
+
+    async def _ready(self, base: str, workers: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        """All workers registered and healthy (``/readiness``), and over gRPC the tokenizer loaded."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        last = "no answer"
+        async with aiohttp.ClientSession() as session:
+            while asyncio.get_running_loop().time() < deadline:
+                if proc.poll() is not None:
+                    raise ContenderError(f"smg exited with code {proc.returncode} before it was ready")
+                try:
+                    async with session.get(base + "/readiness", timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                        body = json.loads(await resp.read() or b"{}")
+                    healthy = int(body.get("healthy_workers") or 0)
+                    last = f"{healthy} of {workers} workers healthy"
+                    if healthy >= workers and self.worker_transport == "grpc":
+                        async with session.get(base + "/v1/tokenizers", timeout=aiohttp.ClientTimeout(total=1.0)) as t:
+                            tokenizers = json.loads(await t.read() or b"{}").get("tokenizers") or []
+                        last = "no tokenizer loaded yet"
+                        if tokenizers:
+                            return
+                    elif healthy >= workers:
+                        return
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+                    last = type(exc).__name__
+                await asyncio.sleep(0.1)
+        raise ContenderError(f"smg not ready after {timeout_s:.0f} s ({last})")
+
+    async def start(self, worker_urls: Sequence[str]) -> str:
+        if importlib.util.find_spec("smg") is None:
+            raise ContenderError("smg is not installed (pip install 'smg==1.13.*')")
+        port, metrics_port = free_port(), free_port()
+        env = {**os.environ, "RUST_LOG": "warn", "HF_HUB_OFFLINE": "1"}
+        proc = self._spawn(self.argv(port, metrics_port, worker_urls), env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await self._ready(base, len(worker_urls), proc, 60)
+        except ContenderError as exc:
+            await self.stop()
+            raise self._failure(exc) from None
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        return base
+
+
 # -- ours -----------------------------------------------------------------------------------
 
 
@@ -356,15 +465,22 @@ class OursGateway(Contender):
             await stack.stop()
 
 
-CONTENDERS = ("envoy-rr", "envoy-lr", "envoy-ringhash", "sgl-router", "ours:<policy>")
+CONTENDERS = ("envoy-rr", "envoy-lr", "envoy-ringhash", "sgl-router", "smg", "smg-grpc", "ours:<policy>")
 
 
-def create_contender(name: str) -> Contender:
-    """``envoy-rr`` | ``envoy-lr`` | ``envoy-ringhash`` | ``sgl-router`` | ``ours:<policy>``."""
+def create_contender(name: str, page_size: int = 16) -> Contender:
+    """``envoy-rr`` | ``envoy-lr`` | ``envoy-ringhash`` | ``sgl-router`` | ``smg`` | ``smg-grpc`` | ``ours:<policy>``.
+
+    ``page_size`` is the workers' KV page size (contenders that must be told it match it).
+    """
     if name in LB_POLICIES:
         return EnvoyBaseline(name)
     if name == "sgl-router":
         return SglRouter()
+    if name == "smg":
+        return Smg("http", page_size)
+    if name == "smg-grpc":
+        return Smg("grpc", page_size)
     if name.startswith("ours:") and len(name) > 5:
         return OursGateway(name[5:])
     if name == "ours":

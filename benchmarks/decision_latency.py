@@ -159,7 +159,7 @@ async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
         )
         for i in range(workers)
     ]
-    index = BlockIndex(IndexConfig(max_blocks_per_worker=10_000_000))
+    index = BlockIndex(max_blocks=10_000_000)
     hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index)
     ctx = mp.get_context("spawn")
     ready, go = ctx.Event(), ctx.Event()

@@ -17,10 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "ConfigError",
+    "DiscoveryConfig",
+    "DnsWorkersConfig",
     "EventsConfig",
     "HealthConfig",
     "IndexConfig",
+    "KubernetesDiscoveryConfig",
     "LoadConfig",
+    "MemoryConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "PolicyConfig",
@@ -157,7 +161,6 @@ class PolicyConfig(Section):
 class IndexConfig(Section):
     """The per-worker block index fed by KV events."""
 
-    max_blocks_per_worker: int = Field(2_000_000, description="Memory bound: oldest entries beyond this are dropped.")
     speculative_ttl_s: float = Field(
         2.0, description="Entries inserted by routing decisions expire after this unless events confirm them."
     )
@@ -171,16 +174,22 @@ class IndexConfig(Section):
             "for this long."
         ),
     )
-    key_cache_bytes: int = Field(
-        32 * 1024 * 1024,
-        ge=0,
-        description=(
-            "Token bytes of recent prompts kept so that a shared prefix's block keys are reused, not hashed "
-            "again; 0 disables."
-        ),
-    )
     default_block_size: int = Field(
         16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size."
+    )
+
+
+class MemoryConfig(Section):
+    """One bound for all of the router's caches together (extproc/memory.py lists the parts and shares)."""
+
+    budget_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description=(
+            "Bytes the router's caches may hold together: block index, engine-hash maps, its own routing "
+            "record, block-key and tokenizer caches, shared-state queue (each a fixed share, oldest dropped "
+            "first). The default keeps the whole process under about 512 MB."
+        ),
     )
 
 
@@ -241,6 +250,56 @@ class HealthConfig(Section):
     healthy_after: int = Field(1, description="Consecutive successes before it comes back.")
 
 
+class DnsWorkersConfig(Section):
+    """A DNS name whose every address is a worker (a compose service, a Kubernetes headless Service)."""
+
+    host: str = Field(description="The name to resolve, e.g. sglang-workers.default.svc.cluster.local.")
+    port: int = Field(30000, ge=1, le=65535, description="The workers' HTTP port.")
+    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the workers.")
+    model: str | None = Field(None, description="Served model; read from /model_info when omitted.")
+
+
+class KubernetesDiscoveryConfig(Section):
+    """Workers are the ready pods of a label selector, watched through the Kubernetes API."""
+
+    label_selector: str = Field(description="Pods matching this selector are workers, e.g. app=sglang.")
+    namespace: str | None = Field(
+        None, description="Namespace to watch; default: the router pod's own (service account), else 'default'."
+    )
+    port: int = Field(30000, ge=1, le=65535, description="The workers' HTTP port on each pod IP.")
+    scheme: Literal["http", "https"] = Field("http", description="URL scheme of the workers.")
+    kubeconfig: Path | None = Field(
+        None, description="kubeconfig file to use outside a cluster; default: in-cluster config, else ~/.kube/config."
+    )
+
+
+class DiscoveryConfig(Section):
+    """Live worker discovery: DNS re-resolution, config reload, Kubernetes pods (docs/deploy.md)."""
+
+    dns: list[DnsWorkersConfig] = Field(
+        default_factory=list, description="Names whose every address is a worker, re-resolved every dns_interval_s."
+    )
+    dns_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "How often DNS names are resolved again (these and the host names of `workers:` entries): "
+            "workers join and leave, a moved worker is followed."
+        ),
+    )
+    nameservers: list[str] = Field(
+        default_factory=list,
+        description="DNS servers to ask ('ip' or 'ip:port'); empty: the system resolver (getaddrinfo).",
+    )
+    reload_config: bool = Field(
+        True, description="Watch the --config file and apply changed `workers:` / `discovery.dns` (also on SIGHUP)."
+    )
+    reload_interval_s: float = Field(1.0, gt=0, description="How often the config file's modification time is read.")
+    kubernetes: KubernetesDiscoveryConfig | None = Field(
+        None, description="Watch the pods of a label selector (needs the `kubernetes` package)."
+    )
+
+
 class ObservabilityConfig(Section):
     """Tracing and metrics."""
 
@@ -271,11 +330,6 @@ class SharedStateConfig(Section):
         "prefix-router:decisions",
         description="Pub/sub channel; replicas of one fleet share it, other fleets use another.",
     )
-    queue_size: int = Field(
-        10_000,
-        gt=0,
-        description="Decisions waiting to be published; beyond this they are dropped (never block a request).",
-    )
     timeout_s: float = Field(1.0, gt=0, description="Connect and socket timeout towards the store.")
     retry_s: float = Field(1.0, gt=0, description="Pause before reconnecting after the store failed.")
 
@@ -288,9 +342,11 @@ class RouterConfig(Section):
     models: list[ModelConfig] = Field(default_factory=list)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     index: IndexConfig = Field(default_factory=IndexConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
 

@@ -12,8 +12,10 @@ Three kinds of entry, kept apart because they deserve different trust:
   ``fallback_ttl_s`` and are the only evidence the router has;
 - nothing else: an entry is never inferred.
 
-Memory is bounded per worker: beyond ``max_blocks_per_worker`` confirmed blocks (per tier) the
-least recently stored are dropped, which only ever under-claims a cache.
+Memory is bounded fleet-wide (``extproc.memory``): beyond ``max_blocks`` confirmed entries (all
+workers, ranks and tiers together) the least recently stored blocks of the largest worker are
+dropped, and beyond ``max_recent`` record entries the oldest decisions of the largest worker go;
+both only ever under-claim a cache.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from extproc.config import IndexConfig
+from extproc.memory import BLOCK_BYTES, RECENT_BYTES, MemoryPlan
 
-__all__ = ["TIERS", "BlockIndex", "tier_of"]
+__all__ = ["TIERS", "BlockIndex", "rank_key", "tier_of"]
 
 TIERS = ("gpu", "host", "disk")
 
@@ -44,6 +47,15 @@ def _monotonic() -> float:
     return time.monotonic()  # looked up at each call, so a harness can run the index on a virtual clock
 
 
+def rank_key(worker_id: str, rank: int) -> str:
+    """The index slot of one data-parallel rank of a worker: its own id for rank 0, ``id#dpN`` after.
+
+    Each rank of a ``--dp-size N`` worker has its own radix cache and publisher, so each gets its
+    own slot; a single-rank worker keeps the slot named after it.
+    """
+    return worker_id if rank == 0 else f"{worker_id}#dp{rank}"
+
+
 def tier_of(medium: str | None) -> str:
     """Map an SGLang ``medium`` to one of ``TIERS`` (unknown media count as the slowest tier)."""
     return _MEDIUM_TIER.get(medium.upper() if isinstance(medium, str) else medium, "disk")
@@ -56,33 +68,49 @@ class _Tier:
         self.holders: dict[int, int] = {}
         self.order: dict[int, OrderedDict[int, None]] = {}
 
-    def add(self, slot: int, keys: Iterable[int], bound: int) -> None:
+    def add(self, slot: int, keys: Iterable[int]) -> int:
+        """Store ``keys`` for ``slot`` (refreshing ones it has); returns how many are new."""
         bit = 1 << slot
         order = self.order.setdefault(slot, OrderedDict())
         holders = self.holders
+        before = len(order)
         for key in keys:
             if key in order:
                 order.move_to_end(key)
                 continue
             order[key] = None
             holders[key] = holders.get(key, 0) | bit
-        while len(order) > bound:
+        return len(order) - before
+
+    def evict(self, slot: int, count: int) -> int:
+        """Drop the slot's ``count`` least recently stored keys; returns how many went."""
+        bit = 1 << slot
+        order = self.order.get(slot)
+        dropped = 0
+        while order and dropped < count:
             old, _ = order.popitem(last=False)
             self._clear_bit(old, bit)
+            dropped += 1
+        return dropped
 
-    def remove(self, slot: int, keys: Iterable[int]) -> None:
+    def remove(self, slot: int, keys: Iterable[int]) -> int:
         bit = 1 << slot
         order = self.order.get(slot)
         if not order:
-            return
+            return 0
+        removed = 0
         for key in keys:
             if order.pop(key, 0) is None:
                 self._clear_bit(key, bit)
+                removed += 1
+        return removed
 
-    def clear(self, slot: int) -> None:
+    def clear(self, slot: int) -> int:
         bit = 1 << slot
-        for key in self.order.pop(slot, ()):
+        keys = self.order.pop(slot, ())
+        for key in keys:
             self._clear_bit(key, bit)
+        return len(keys)
 
     def _clear_bit(self, key: int, bit: int) -> None:
         mask = self.holders.get(key, 0) & ~bit
@@ -98,8 +126,19 @@ class _Tier:
 class BlockIndex:
     """Per-worker block sets with fleet-wide lookup. Thread-safe (one lock; every call is short)."""
 
-    def __init__(self, config: IndexConfig | None = None, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        config: IndexConfig | None = None,
+        clock: Callable[[], float] | None = None,
+        max_blocks: int | None = None,
+        max_recent: int | None = None,
+    ) -> None:
         self.config = config or IndexConfig()
+        plan = MemoryPlan.from_budget(256 * 1024 * 1024)  # the default budget's shares when none are given
+        self.max_blocks = max_blocks if max_blocks is not None else plan.index_blocks
+        self.max_recent = max_recent if max_recent is not None else plan.recent_keys
+        self.blocks_total = 0  # confirmed entries, all slots and tiers
+        self.recent_total = 0  # keys in the router's own record, all slots
         self._clock = clock or _monotonic
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
@@ -137,11 +176,28 @@ class BlockIndex:
     # -- write path (events) ------------------------------------------------------------------
     def store(self, worker_id: str, keys: Sequence[int], tier: str = "gpu") -> None:
         with self._lock:
-            self._tiers[tier].add(self._slot(worker_id), keys, self.config.max_blocks_per_worker)
+            self.blocks_total += self._tiers[tier].add(self._slot(worker_id), keys)
+            if self.blocks_total > self.max_blocks:
+                self._evict_confirmed(self.blocks_total - self.max_blocks)
+
+    def _evict_confirmed(self, excess: int) -> None:
+        """Drop ``excess`` entries, oldest first, from whichever worker (and tier) holds the most."""
+        while excess > 0:
+            tier, slot = max(
+                ((t, s) for t in self._tiers.values() for s in t.order), key=lambda ts: len(ts[0].order[ts[1]])
+            )
+            # Down to the next largest holder at most, so that a large eviction is spread fairly.
+            counts = sorted((len(o) for t in self._tiers.values() for o in t.order.values()), reverse=True)
+            step = max(1, min(excess, counts[0] - (counts[1] if len(counts) > 1 else 0)))
+            dropped = tier.evict(slot, step)
+            if not dropped:
+                return
+            self.blocks_total -= dropped
+            excess -= dropped
 
     def remove(self, worker_id: str, keys: Sequence[int], tier: str = "gpu") -> None:
         with self._lock:
-            self._tiers[tier].remove(self._slot(worker_id), keys)
+            self.blocks_total -= self._tiers[tier].remove(self._slot(worker_id), keys)
 
     def clear(self, worker_id: str) -> None:
         """All confirmed entries of the worker go (``AllBlocksCleared``, restart, lost sync)."""
@@ -155,7 +211,7 @@ class BlockIndex:
 
     def _clear_confirmed(self, slot: int) -> None:
         for tier in self._tiers.values():
-            tier.clear(slot)
+            self.blocks_total -= tier.clear(slot)
 
     def set_unknown(self, worker_id: str, unknown: bool) -> None:
         """Mark whether the worker's events are in sync (changes the record's TTL).
@@ -184,10 +240,14 @@ class BlockIndex:
                     entry[slot] = now
             self._recent_fifo.setdefault(slot, deque()).append((now, keys))
             self._recent_count[slot] = self._recent_count.get(slot, 0) + len(keys)
-            # Bound the record like the confirmed entries (oldest decisions first).
-            fifo = self._recent_fifo[slot]
-            while self._recent_count[slot] > self.config.max_blocks_per_worker and len(fifo) > 1:
-                self._pop_recent(slot, fifo, force=True)
+            self.recent_total += len(keys)
+            # Bound the record like the confirmed entries: the largest worker's oldest decisions first.
+            while self.recent_total > self.max_recent:
+                largest = max(self._recent_count, key=self._recent_count.__getitem__)
+                fifo = self._recent_fifo[largest]
+                if not fifo or (largest == slot and len(fifo) <= 1):
+                    break  # never drop the decision just recorded
+                self._pop_recent(largest, fifo, force=True)
 
     def _expire(self, slot: int, now: float) -> None:
         fifo = self._recent_fifo.get(slot)
@@ -200,6 +260,7 @@ class BlockIndex:
     def _pop_recent(self, slot: int, fifo: deque[tuple[float, Sequence[int]]], force: bool) -> None:
         stamp, keys = fifo.popleft()
         self._recent_count[slot] -= len(keys)
+        self.recent_total -= len(keys)
         recent = self._recent
         for key in keys:
             entry = recent.get(key)
@@ -210,7 +271,7 @@ class BlockIndex:
                     del recent[key]
 
     def _drop_recent(self, slot: int) -> None:
-        self._recent_count.pop(slot, None)
+        self.recent_total -= self._recent_count.pop(slot, 0)
         recent = self._recent
         for _, keys in self._recent_fifo.pop(slot, ()):
             for key in keys:
@@ -278,6 +339,10 @@ class BlockIndex:
     def has_tier(self, tier: str) -> bool:
         """Whether any worker has confirmed entries in ``tier`` (skip lookups that cannot match)."""
         return bool(self._tiers[tier].holders)
+
+    def memory(self) -> dict[str, int]:
+        """Estimated bytes held: ``index`` (confirmed entries) and ``speculative`` (the router's record)."""
+        return {"index": self.blocks_total * BLOCK_BYTES, "speculative": self.recent_total * RECENT_BYTES}
 
     def size(self, worker_id: str, tier: str = "gpu") -> int:
         with self._lock:

@@ -7,7 +7,7 @@ tokens ``0 .. i``: the keys of the blocks a prompt shares byte for byte with a r
 exactly that prompt's keys, and hashing continues from the last shared key (``parent``).
 
 Prompts are remembered by their first block, the latest one per first block, bounded by the bytes
-of token data held (least recently used dropped). Thread-safe: the router hashes in its tokenize
+they take (token data plus their keys; least recently used dropped). Thread-safe: the router hashes in its tokenize
 threads.
 """
 
@@ -22,6 +22,14 @@ from collections.abc import Sequence
 from extproc.blocks import block_keys
 
 __all__ = ["KeyCache"]
+
+
+_KEY_BYTES = 40  # one block key: an int object (32 B for 64 bits) and its list slot
+_ENTRY_BYTES = 300  # per remembered prompt: the dict entry, its tuple, bytes and list headers
+
+
+def _cost(data: bytes, keys: list[int]) -> int:
+    return len(data) + _KEY_BYTES * len(keys) + _ENTRY_BYTES
 
 
 class KeyCache:
@@ -58,16 +66,17 @@ class KeyCache:
             keys += block_keys(tokens[shared * block_size : span], block_size, seed, parent=keys[-1])
         else:
             keys = block_keys(tokens, block_size, seed, limit=pages)
-        if len(data) <= self.max_bytes:
+        cost = _cost(data, keys)
+        if cost <= self.max_bytes:
             with self._lock:
                 old = self._items.pop(head, None)
                 if old is not None:
-                    self.bytes -= len(old[0])
+                    self.bytes -= _cost(*old)
                 self._items[head] = (data, keys)
-                self.bytes += len(data)
+                self.bytes += cost
                 while self.bytes > self.max_bytes:
-                    _, (dropped, _) = self._items.popitem(last=False)
-                    self.bytes -= len(dropped)
+                    _, dropped = self._items.popitem(last=False)
+                    self.bytes -= _cost(*dropped)
         return keys
 
 

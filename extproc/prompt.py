@@ -53,6 +53,11 @@ class PromptPreparer:
         self.needs_tokens = needs_tokens
         self.needs_text = needs_text
 
+    @property
+    def key_cache_bytes(self) -> int:
+        """Bytes the block-key cache holds now."""
+        return self._key_cache.bytes
+
     def model_config(self, model: str | None) -> ModelConfig | None:
         return self._models.get(model or "")
 

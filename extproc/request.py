@@ -69,9 +69,13 @@ def generation_kind(method: str, path: str) -> RequestKind | None:
     return GENERATION_PATHS.get(path.split("?", 1)[0])
 
 
+_ID_LIMIT = 2**64
+
+
 def _is_token_ids(value: Any) -> bool:
     # Negative ids are refused here: SGLang 0.5.23 indexes its embedding with them and its scheduler dies.
-    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+    # Past 64 bits no worker takes an id either (and the block keys could not be hashed).
+    return isinstance(value, list) and bool(value) and all(type(t) is int and 0 <= t < _ID_LIMIT for t in value)
 
 
 def _token_batch(value: Any, param: str) -> list[list[int]]:

@@ -1,9 +1,10 @@
 """ext_proc replies: routing header mutations and OpenAI-style immediate error responses.
 
 Builders only (no gRPC): the servicer picks one per Envoy message. The destination travels twice,
-as the ``x-gateway-destination-endpoint`` header (read by Envoy's ORIGINAL_DST cluster, set with
-OVERWRITE so a client copy can never win) and as dynamic metadata ``envoy.lb`` (the Endpoint Picker
-convention; other filters and access logs read it there).
+as the ``x-gateway-destination-endpoint`` header (the primary; set with OVERWRITE so a client copy can
+never win; the ``router-picked`` route matches on it) and as dynamic metadata ``envoy.lb`` (the Endpoint
+Picker convention: primary, then fallbacks, read by Envoy's ``override_host`` load balancer, which
+retries a refused connection on the next one).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from google.protobuf import struct_pb2
 
 __all__ = [
     "DESTINATION_HEADER",
+    "DP_RANK_HEADERS",
     "LB_METADATA_NAMESPACE",
     "continue_body",
     "continue_headers",
@@ -27,6 +29,11 @@ __all__ = [
 ]
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# SGLang 0.5.23 reads the data-parallel rank a request must run on from either header:
+# ``x-override-routed-dp-rank`` (its header-override mechanism for routers, on /generate and chat, when the
+# worker runs with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1) and ``x-data-parallel-rank`` (always, on
+# /v1/completions and /v1/chat/completions). The router sets both; Envoy strips client copies of both.
+DP_RANK_HEADERS = ("x-override-routed-dp-rank", "x-data-parallel-rank")
 LB_METADATA_NAMESPACE = "envoy.lb"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -57,10 +64,10 @@ def route_response(
 ) -> pb.ProcessingResponse:
     """Send the request to ``endpoints`` (primary first): header + ``envoy.lb`` metadata + route-cache clear.
 
-    The header carries the primary only: Envoy's ORIGINAL_DST cluster parses one ``ip:port`` and
-    answers 503 for a comma-separated list (measured with Envoy 1.40). The ``envoy.lb`` metadata
-    carries the whole list, primary first, as the Endpoint Picker convention has it, for data planes
-    that retry on fallbacks.
+    The header carries the primary only (the convention's header is one ``ip:port``). The ``envoy.lb``
+    metadata carries the whole list, primary first, as the Endpoint Picker convention has it: Envoy's
+    ``override_host`` load balancer takes one entry per attempt, so a retry after a refused connection
+    goes to the next worker of the ranking.
 
     ``phase`` is the message being answered (``request_body``, or ``request_headers`` for a bodiless
     request); Envoy applies header mutations only in the reply to the phase it is waiting on.

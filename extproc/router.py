@@ -11,7 +11,13 @@ The index lookup, the policy and the in-flight counts then run on the loop, so t
 policies stay single-threaded. ``route()`` does the same on the calling thread (tests, benchmarks).
 
 The sync path runs in the background (``start()``): ``extproc.sync.hub`` keeps the block index in
-step with the workers' KV events, ``extproc.sync.load`` polls their reported load. Routing does no I/O
+step with the workers' KV events, ``extproc.sync.load`` polls their reported load.
+
+A worker running ``--dp-size N`` has N radix caches, indexed apart (``index.rank_key``). The policy
+ranks workers by their best rank's match; the router then pins the rank that holds the most of the
+prompt (ties: the fewest of its own requests in flight there, then the least reported load) with
+SGLang's ``x-override-routed-dp-rank`` / ``x-data-parallel-rank`` headers, and lists as fallbacks only
+workers that have that rank too. Routing does no I/O
 and never raises for a bad prompt: a request that cannot be tokenized is still routed (by load
 alone) rather than lost.
 """
@@ -27,12 +33,14 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from extproc.config import RouterConfig
-from extproc.index import BlockIndex
+from extproc.index import BlockIndex, rank_key
 from extproc.key_cache import KeyCache
+from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
 from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.request import ParsedRequest, RequestError
-from extproc.sync.discovery import page_size
+from extproc.response import DP_RANK_HEADERS
+from extproc.sync.discovery import dp_size, page_size
 from extproc.sync.hub import EventHub
 from extproc.sync.load import LoadTracker
 from extproc.sync.shared_state import SharedDecisions
@@ -60,10 +68,16 @@ class RouteOutcome:
     # Headers the server must set on the upstream request (e.g. W3C ``traceparent`` of the decision span).
     upstream_headers: dict[str, str] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
+    dp_rank: int | None = None  # the data-parallel rank pinned on the chosen worker (None: it has one rank)
 
     def endpoints(self, fallbacks: int) -> list[str]:
-        """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention)."""
-        return [w.endpoint for w in self.decision.ranked[: 1 + fallbacks]]
+        """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention).
+
+        With a pinned rank, a fallback must have that rank too (the retry carries the same header).
+        """
+        rank = self.dp_rank or 0
+        others = [w for w in self.decision.ranked[1:] if dp_size(w) > rank]
+        return [w.endpoint for w in [self.worker, *others[:fallbacks]]]
 
     @property
     def matched_blocks(self) -> int:
@@ -80,22 +94,43 @@ class Router:
         self.config = config
         self.registry = registry
         self.policy = policy_from_config(config.policy)
-        self.index = BlockIndex(config.index)
-        self.events = EventHub(config.events, registry, self.index)
+        self.memory = MemoryPlan.from_budget(config.memory.budget_bytes)
+        self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
+        self.events = EventHub(config.events, registry, self.index, SharedBound(self.memory.engine_hashes))
         self.loads = LoadTracker(config.load, registry)
         self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
         self.telemetry.watch_fleet(registry, self.index, self.events)
         self.shared: SharedDecisions | None = None
         if config.shared_state.backend != "none":
-            self.shared = SharedDecisions(config.shared_state, self.index, metrics=self.telemetry.metrics)
+            self.shared = SharedDecisions(
+                config.shared_state, self.index, metrics=self.telemetry.metrics, max_keys=self.memory.shared_keys
+            )
         self.prompts = PromptPreparer(
             config.models,
-            KeyCache(config.index.key_cache_bytes),
+            KeyCache(self.memory.key_cache_bytes),
             config.index.max_lookup_blocks,
             self.policy.needs_tokens,
             self.policy.needs_text,
         )
+        # The piece caches of the tokenizers this router uses share one part of the budget.
+        self._tokenizers = [self.prompts.tokenizer_for(m.name) for m in config.models] or [
+            self.prompts.tokenizer_for(None)
+        ]
+        if self.prompts.tokenizer_for(None) not in self._tokenizers:
+            self._tokenizers.append(self.prompts.tokenizer_for(None))
+        for tokenizer in self._tokenizers:
+            tokenizer.set_cache_bytes(self.memory.piece_cache_bytes // len(self._tokenizers))
+        self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
+
+    def memory_usage(self) -> dict[str, int]:
+        """Estimated bytes each part of the memory budget holds now (``/metrics`` reads it at scrape time)."""
+        usage = self.index.memory()
+        usage["engine_hashes"] = self.events.memory()
+        usage["key_cache"] = self.prompts.key_cache_bytes
+        usage["piece_cache"] = sum(t.cache_stats["bytes"] for t in self._tokenizers)
+        usage["shared_state"] = self.shared.queued_keys * SHARED_KEY_BYTES if self.shared is not None else 0
+        return usage
 
     async def start(self) -> None:
         """Start background work (event subscriptions, load polling)."""
@@ -204,9 +239,10 @@ class Router:
             for w in workers
         ]
         keys_of: dict[str, list[int]] = {}
+        rank_matches: dict[str, list[int]] = {}
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
-            first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of)
+            first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of, rank_matches)
         request = RoutingRequest(
             model=model,
             path=parsed.path,
@@ -221,10 +257,12 @@ class Router:
         decision = policy.select(request, candidates)
         chosen = decision.ranked[0]
         chosen.in_flight += 1
+        rank = self._pin_rank(chosen, rank_matches.get(chosen.id))
+        slot = chosen.id if rank is None else rank_key(chosen.id, rank)
         if keys_of.get(chosen.id):
-            self.index.record_routed(chosen.id, keys_of[chosen.id])
+            self.index.record_routed(slot, keys_of[chosen.id])
             if self.shared is not None:
-                self.shared.publish(chosen.id, keys_of[chosen.id])
+                self.shared.publish(slot, keys_of[chosen.id])
         policy.on_routed(request, decision)
         end_ns = time.perf_counter_ns()
         headers = self.telemetry.decision(
@@ -239,9 +277,41 @@ class Router:
             blocks=len(keys_of.get(chosen.id, first_keys)),
             tokenized=tokens is not None,
         )
+        if rank is not None:
+            headers = {**headers, **dict.fromkeys(DP_RANK_HEADERS, str(rank))}
         return RouteOutcome(
-            request=request, decision=decision, worker=chosen, upstream_headers=headers, candidates=candidates
+            request=request,
+            decision=decision,
+            worker=chosen,
+            upstream_headers=headers,
+            candidates=candidates,
+            dp_rank=rank,
         )
+
+    def _pin_rank(self, worker: Worker, matches: list[int] | None) -> int | None:
+        """The DP rank to pin on ``worker`` (None for a single-rank worker), its in-flight count taken.
+
+        Most matched blocks first; then the fewest requests this router has in flight there; then
+        the least load the worker reports for the rank; then the lowest rank.
+        """
+        ranks = dp_size(worker)
+        if ranks <= 1:
+            return None
+        load = self.loads.get(worker)
+        reported = load.rank_requests if load is not None else {}
+        in_flight = worker.rank_in_flight
+        matched = matches or []
+        rank = min(
+            range(ranks),
+            key=lambda r: (
+                -(matched[r] if r < len(matched) else 0),
+                in_flight.get(r, 0),
+                reported.get(r, 0),
+                r,
+            ),
+        )
+        in_flight[rank] = in_flight.get(rank, 0) + 1
+        return rank
 
     def _match(
         self,
@@ -250,8 +320,12 @@ class Router:
         chains: dict[Chain, list[int]],
         candidates: list[Candidate],
         keys_of: dict[str, list[int]],
+        rank_matches: dict[str, list[int]],
     ) -> list[int]:
-        """Fill each candidate's matched blocks; workers sharing page size and model share one key chain."""
+        """Fill each candidate's matched blocks; workers sharing page size and model share one key chain.
+
+        A multi-rank worker's match is its best rank's; each rank's is kept in ``rank_matches``.
+        """
         groups: dict[Chain, list[Candidate]] = {}
         for c in candidates:
             groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
@@ -264,13 +338,17 @@ class Router:
                 keys = self.prompts.chain(parsed, tokens, chain)
             if first is None:
                 first = keys
-            ids = [c.worker.id for c in members]
+            slots = {c.worker.id: [rank_key(c.worker.id, r) for r in range(dp_size(c.worker))] for c in members}
+            ids = [slot for member in slots.values() for slot in member]
             gpu = index.match(keys, ids, "gpu")
             lower = index.match(keys, ids, "host") if host else {}
             for c in members:
-                c.matched_blocks = gpu[c.worker.id]
-                c.host_matched_blocks = max(c.matched_blocks, lower.get(c.worker.id, 0))
+                mine = slots[c.worker.id]
+                c.matched_blocks = max(gpu[s] for s in mine)
+                c.host_matched_blocks = max(c.matched_blocks, *(lower.get(s, 0) for s in mine))
                 keys_of[c.worker.id] = keys
+                if len(mine) > 1:
+                    rank_matches[c.worker.id] = [max(gpu[s], lower.get(s, 0)) for s in mine]
         return first or []
 
     def finish(self, outcome: RouteOutcome) -> None:
@@ -279,4 +357,7 @@ class Router:
             return
         outcome.finished = True
         outcome.worker.in_flight = max(0, outcome.worker.in_flight - 1)
+        if outcome.dp_rank is not None:
+            by_rank = outcome.worker.rank_in_flight
+            by_rank[outcome.dp_rank] = max(0, by_rank.get(outcome.dp_rank, 0) - 1)
         self.policy.on_complete(outcome.request, outcome.worker)

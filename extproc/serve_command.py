@@ -1,8 +1,9 @@
 """``prefix-router serve``: run the ext_proc routing service for an Envoy.
 
-Wires the pieces and owns the process lifecycle: config (file < env < flags), worker registry with
-health checks, the router, the gRPC server (ext_proc + health) and the Prometheus endpoint. SIGTERM
-or Ctrl-C marks the health service NOT_SERVING and gives in-flight streams ``grace_period_s`` to end.
+Wires the pieces and owns the process lifecycle: config (file < env < flags), the worker set (kept
+live by ``extproc.sync.sources``: DNS, config reload, Kubernetes) with health checks, the router,
+the gRPC server (ext_proc + health) and the metrics port. SIGTERM or Ctrl-C marks the health
+service NOT_SERVING and gives in-flight streams ``grace_period_s`` to end; SIGHUP reloads the config.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ import grpc
 
 from extproc.addresses import parse_worker_url
 from extproc.config import ConfigError, RouterConfig, WorkerConfig, load_config
+from extproc.metrics_http import MetricsServer
 from extproc.policies import PolicyError
 from extproc.router import Router
 from extproc.servicer import ExtProcServicer, add_services, mark_serving
 from extproc.sync.health import HealthChecker
+from extproc.sync.sources import WorkerSources
 from extproc.sync.workers import WorkerRegistry
 
 __all__ = ["build_config", "configure", "main", "run"]
@@ -112,10 +116,22 @@ def _credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
     )
 
 
-async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGTERM/SIGINT when running as the main program)."""
+async def run(
+    config: RouterConfig,
+    stop: asyncio.Event | None = None,
+    config_path: Path | None = None,
+    reload: Callable[[], RouterConfig] | None = None,
+    reload_now: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT when running as the main program).
+
+    ``reload`` re-reads the configuration (``config_path`` is watched for changes; setting
+    ``reload_now``, as SIGHUP does, forces a reload).
+    """
     stop = stop or asyncio.Event()
-    registry = WorkerRegistry.from_configs(config.workers)
+    registry = WorkerRegistry([])
+    sources = WorkerSources(config, registry, config_path, reload)
+    await sources.start()  # resolve every worker once before health checks and subscriptions start
     health = HealthChecker(registry, config.health)
     router = Router(config, registry)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -128,10 +144,15 @@ async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
         raise ConfigError(f"cannot listen on {address}: {exc}") from exc
     if not bound:
         raise ConfigError(f"cannot listen on {address}")
+    metrics: MetricsServer | None = None
     if config.server.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.server.metrics_port, addr=config.server.host, registry=router.telemetry.metrics)
+        metrics = MetricsServer(router.telemetry.metrics, registry, config.server.host, config.server.metrics_port)
+        try:
+            await metrics.start()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {config.server.host}:{config.server.metrics_port}: {exc}"
+            ) from exc
     await health.start()
     await router.start()
     await server.start()
@@ -145,14 +166,27 @@ async def run(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
         healthy,
         len(registry.workers),
     )
+    forward = asyncio.create_task(_forward(reload_now, sources)) if reload_now is not None else None
     try:
         await stop.wait()
     finally:
+        if forward is not None:
+            forward.cancel()
+        await sources.stop()
         log.info("shutting down: %.1fs grace for in-flight requests", config.server.grace_period_s)
         await mark_serving(health_servicer, False)
         await server.stop(config.server.grace_period_s)
         await router.stop()
         await health.stop()
+        if metrics is not None:
+            await metrics.stop()
+
+
+async def _forward(reload_now: asyncio.Event, sources: WorkerSources) -> None:
+    while True:
+        await reload_now.wait()
+        reload_now.clear()
+        sources.reload_soon()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -162,18 +196,22 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
-    if not config.workers:
+    if not (config.workers or config.discovery.dns or config.discovery.kubernetes):
         print(
-            "prefix-router serve: no workers; give --worker URL (repeatable) or 'workers:' in --config", file=sys.stderr
+            "prefix-router serve: no workers; give --worker URL (repeatable), or 'workers:', 'discovery.dns' or "
+            "'discovery.kubernetes' in --config",
+            file=sys.stderr,
         )
         return 2
+    path = getattr(args, "config", None)
 
     async def _main() -> None:
-        stop = asyncio.Event()
+        stop, reload_now = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run(config, stop)
+        loop.add_signal_handler(signal.SIGHUP, reload_now.set)  # reload the config file (workers, DNS names)
+        await run(config, stop, path, lambda: build_config(args), reload_now)
 
     try:
         asyncio.run(_main())

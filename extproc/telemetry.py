@@ -13,7 +13,7 @@ routers in one process (tests, benchmarks) never share or collide.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -26,12 +26,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.config import ConfigError, ObservabilityConfig
-from extproc.index import TIERS, BlockIndex
+from extproc.index import TIERS, BlockIndex, rank_key
 from extproc.policies import Candidate, Decision, RoutingRequest
+from extproc.sync.discovery import dp_size
 from extproc.sync.hub import EventHub
 from extproc.sync.workers import WorkerRegistry
 
-__all__ = ["FleetCollector", "Telemetry"]
+__all__ = ["FleetCollector", "MemoryCollector", "Telemetry"]
 
 _propagator = TraceContextTextMapPropagator()
 
@@ -58,11 +59,18 @@ class FleetCollector(Collector):
     def collect(self) -> Iterator[Any]:
         blocks = GaugeMetricFamily(
             "prefix_router_index_blocks",
-            "Confirmed blocks in the index per worker and tier.",
-            labels=["worker", "tier"],
+            "Confirmed blocks in the index per worker, data-parallel rank and tier.",
+            labels=["worker", "dp_rank", "tier"],
         )
         synced = GaugeMetricFamily(
-            "prefix_router_index_synced", "1 when the worker's index state is known from events.", labels=["worker"]
+            "prefix_router_index_synced",
+            "1 when the rank's index state is known from events.",
+            labels=["worker", "dp_rank"],
+        )
+        rank_in_flight = GaugeMetricFamily(
+            "prefix_router_rank_in_flight",
+            "Requests the router has in flight on each data-parallel rank it pinned (multi-rank workers).",
+            labels=["worker", "dp_rank"],
         )
         lag = GaugeMetricFamily(
             "prefix_router_event_lag_seconds", "Publish-to-apply delay of the last event batch.", labels=["worker"]
@@ -79,9 +87,14 @@ class FleetCollector(Collector):
         }
         for worker in self.workers.workers:
             wid = worker.id
-            for tier in TIERS:
-                blocks.add_metric([wid, tier], self.index.size(wid, tier))
-            synced.add_metric([wid], 1.0 if self.events.state(worker) == "synced" else 0.0)
+            ranks = dp_size(worker)
+            for rank in range(ranks):
+                label = str(rank)
+                for tier in TIERS:
+                    blocks.add_metric([wid, label, tier], self.index.size(rank_key(wid, rank), tier))
+                synced.add_metric([wid, label], 1.0 if self.events.rank_state(worker, rank) == "synced" else 0.0)
+                if ranks > 1:
+                    rank_in_flight.add_metric([wid, label], worker.rank_in_flight.get(rank, 0))
             healthy.add_metric([wid], 1.0 if worker.healthy else 0.0)
             in_flight.add_metric([wid], worker.in_flight)
             stats = self.events.stats(worker)
@@ -89,7 +102,30 @@ class FleetCollector(Collector):
                 lag.add_metric([wid], max(s.lag_s for s in stats))
             for name, family in counters.items():
                 family.add_metric([wid], sum(getattr(s, name) for s in stats))
-        yield from (blocks, synced, lag, healthy, in_flight, *counters.values())
+        yield from (blocks, synced, rank_in_flight, lag, healthy, in_flight, *counters.values())
+
+
+class MemoryCollector(Collector):
+    """``memory.budget_bytes`` by part: estimated bytes held and the part's limit."""
+
+    def __init__(self, usage: Callable[[], dict[str, int]], limits: dict[str, int]) -> None:
+        self.usage = usage
+        self.limits = limits
+
+    def collect(self) -> Iterator[Any]:
+        held = GaugeMetricFamily(
+            "prefix_router_memory_bytes", "Estimated bytes each cache of the router holds.", labels=["part"]
+        )
+        limit = GaugeMetricFamily(
+            "prefix_router_memory_limit_bytes",
+            "Bytes each cache may hold: its share of memory.budget_bytes.",
+            labels=["part"],
+        )
+        for part, value in self.usage().items():
+            held.add_metric([part], value)
+        for part, value in self.limits.items():
+            limit.add_metric([part], value)
+        yield from (held, limit)
 
 
 def _exporter(config: ObservabilityConfig) -> SpanExporter | None:
@@ -163,6 +199,10 @@ class Telemetry:
         """Send decision spans to ``processor`` too (the configured exporter, or a test's)."""
         self.provider.add_span_processor(processor)
         self.tracing = True
+
+    def watch_memory(self, usage: Callable[[], dict[str, int]], limits: dict[str, int]) -> None:
+        """Report what each part of the memory budget holds, and its limit."""
+        self.metrics.register(MemoryCollector(usage, limits))
 
     def watch_fleet(self, workers: WorkerRegistry, index: BlockIndex, events: EventHub) -> None:
         """Report the fleet's index, event and worker figures with this router's metrics."""

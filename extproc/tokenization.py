@@ -101,11 +101,20 @@ _MIN_CACHED_PIECE = 16  # shorter pieces are cheaper to encode than to look up
 _PARALLEL_CHARS = 8192  # less new text than this is encoded on the calling thread, not in rayon's pool
 
 
-class _PieceCache:
-    """LRU of text piece -> token ids, bounded by the characters it holds."""
+_ID_BYTES = 36  # one cached token id: an int object and its list slot
+_PIECE_BYTES = 200  # per cached piece: the dict entry, the str and list headers
 
-    def __init__(self, max_chars: int) -> None:
-        self.max_chars = max_chars
+
+def _piece_cost(piece: str, ids: list[int]) -> int:
+    return len(piece) + _ID_BYTES * len(ids) + _PIECE_BYTES
+
+
+class _PieceCache:
+    """LRU of text piece -> token ids, bounded by the bytes it takes (text and ids)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.chars = 0
         self.hits = 0
         self.misses = 0
@@ -123,15 +132,26 @@ class _PieceCache:
             return ids
 
     def put(self, piece: str, ids: list[int]) -> None:
-        if len(piece) > self.max_chars:
+        cost = _piece_cost(piece, ids)
+        if cost > self.max_bytes:
             return
         with self._lock:
             if piece in self._items:
                 return
             self._items[piece] = ids
+            self.bytes += cost
             self.chars += len(piece)
-            while self.chars > self.max_chars:
-                old, _ = self._items.popitem(last=False)
+            while self.bytes > self.max_bytes:
+                old, old_ids = self._items.popitem(last=False)
+                self.bytes -= _piece_cost(old, old_ids)
+                self.chars -= len(old)
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            while self.bytes > self.max_bytes and self._items:
+                old, old_ids = self._items.popitem(last=False)
+                self.bytes -= _piece_cost(old, old_ids)
                 self.chars -= len(old)
 
 
@@ -158,11 +178,15 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     chat_template: str | None
     special_tokens: dict[str, str]
-    cache_chars: int = 64 * 1024 * 1024
+    cache_bytes: int = 64 * 1024 * 1024  # the router sets its share of memory.budget_bytes (set_cache_bytes)
     _cache: _PieceCache = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_cache", _PieceCache(self.cache_chars))
+        object.__setattr__(self, "_cache", _PieceCache(self.cache_bytes))
+
+    def set_cache_bytes(self, max_bytes: int) -> None:
+        """Bound the piece cache (oldest pieces dropped at once if it holds more)."""
+        self._cache.resize(max_bytes)
 
     # -- encoding ---------------------------------------------------------------------------
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -183,7 +207,7 @@ class ModelTokenizer:
     @property
     def cache_stats(self) -> dict[str, int]:
         cache = self._cache
-        return {"hits": cache.hits, "misses": cache.misses, "chars": cache.chars}
+        return {"hits": cache.hits, "misses": cache.misses, "chars": cache.chars, "bytes": cache.bytes}
 
     @cached_property
     def _splitter(self) -> tuple[re.Pattern[str], dict[str, int]] | None:

@@ -22,13 +22,22 @@ class SimWorkerConfig(BaseModel):
     # -- network -------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(30001, ge=0, le=65535, description="HTTP port (SGLang's --port).")
+    grpc_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description=(
+            "Also serve SGLang's gRPC scheduler API (SglangScheduler, as --smg-grpc-mode does) on this port, on the "
+            "same scheduler and radix cache as the HTTP API; None = HTTP only."
+        ),
+    )
     kv_events: bool = Field(True, description="Publish KV events over ZMQ (SGLang --kv-events-config publisher=zmq).")
     kv_events_host: str = Field(
         "*", description="Bind host of the ZMQ sockets ('*' = all interfaces, as SGLang's tcp://*:PORT)."
     )
     kv_events_port: int = Field(5557, ge=1, le=65535, description="ZMQ PUB port (endpoint port base; DP rank 0).")
     kv_replay_port: int | None = Field(
-        None, ge=1, le=65535, description="ZMQ ROUTER replay port; default kv_events_port + 1."
+        None, ge=1, le=65535, description="ZMQ ROUTER replay port (rank 0's); default kv_events_port + dp_size."
     )
     kv_topic: str = Field("", description="Topic frame of every published batch (SGLang default: empty).")
     kv_buffer_steps: int = Field(10_000, ge=1, description="Batches kept for replay (SGLang buffer_steps).")
@@ -39,6 +48,15 @@ class SimWorkerConfig(BaseModel):
         3, description="Replay reply frames: 3 = (topic, seq, payload) as 0.5.23; 2 = (seq, payload) as <= 0.5.20."
     )
     dp_rank: int = Field(0, ge=0, description="attn_dp_rank written into every event batch.")
+    dp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Data-parallel ranks (SGLang --dp-size): each has its own scheduler, radix cache and KV-event "
+            "publisher on kv_events_port + rank (replay on kv_replay_port + rank)."
+        ),
+    )
 
     # -- model ---------------------------------------------------------------------------------
     model: str = Field("meta-llama/Llama-3.1-8B-Instruct", description="Served model name (/v1/models, model_path).")
@@ -72,10 +90,30 @@ class SimWorkerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_ports(self) -> SimWorkerConfig:
-        if self.kv_events and self.replay_port == self.kv_events_port:
-            raise ValueError("kv_replay_port must differ from kv_events_port")
+        events = set(range(self.kv_events_port, self.kv_events_port + self.dp_size))
+        replay = set(range(self.replay_port, self.replay_port + self.dp_size))
+        if self.kv_events and events & replay:
+            raise ValueError(
+                f"the replay ports {min(replay)}-{max(replay)} overlap the event ports {min(events)}-{max(events)}"
+            )
+        if self.kv_events and max(events | replay) > 65535:
+            raise ValueError("kv_events_port / kv_replay_port + dp_size go past port 65535")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError("grpc_port must differ from port")
         return self
 
     @property
     def replay_port(self) -> int:
-        return self.kv_replay_port if self.kv_replay_port is not None else self.kv_events_port + 1
+        return self.kv_replay_port if self.kv_replay_port is not None else self.kv_events_port + self.dp_size
+
+    def rank(self, rank: int) -> SimWorkerConfig:
+        """The settings of one data-parallel rank: its ``dp_rank`` and its publisher's ports."""
+        if self.dp_size == 1:
+            return self
+        return self.model_copy(
+            update={
+                "dp_rank": rank,
+                "kv_events_port": self.kv_events_port + rank,
+                "kv_replay_port": self.replay_port + rank,
+            }
+        )

@@ -24,7 +24,7 @@ import logging
 import struct
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -258,6 +258,7 @@ class KVEventPublisher:
     _buffer: deque[tuple[int, bytes]] = field(default_factory=deque, init=False)
     _seq: int = field(default=0, init=False)
     _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _listeners: list[Callable[[int, bytes, list[KVEvent]], None]] = field(default_factory=list, init=False)
 
     def start(self) -> None:
         """Bind the sockets (raises ``zmq.ZMQError`` if a port is taken)."""
@@ -278,13 +279,24 @@ class KVEventPublisher:
     def next_seq(self) -> int:
         return self._seq
 
+    def buffered(self) -> list[tuple[int, bytes]]:
+        """The batches kept for replay, oldest first, as ``(seq, payload)``."""
+        return list(self._buffer)
+
+    def add_listener(self, listener: Callable[[int, bytes, list[KVEvent]], None]) -> None:
+        """Call ``listener(seq, payload, events)`` with every batch published from now on, right after it is sent.
+
+        ``payload`` is the frame ZMQ carried and ``events`` what it encodes (merged), so another front door
+        (the gRPC ``SubscribeKvEvents`` stream) relays exactly what ZMQ subscribers get.
+        """
+        self._listeners.append(listener)
+
     def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int | None:
         """Send one batch (merged like SGLang); returns its seq, or None when there was nothing to send."""
         if not events:
             return None
-        payload = encode_payload(
-            merge_events(events), time.time() if ts is None else ts, self.dp_rank, self.event_format
-        )
+        merged = merge_events(events)
+        payload = encode_payload(merged, time.time() if ts is None else ts, self.dp_rank, self.event_format)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
@@ -293,6 +305,8 @@ class KVEventPublisher:
                 self._pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
             except zmq.Again:  # past the high-water mark: dropped, as SGLang's PUB does
                 logger.warning("kv event batch %d dropped (high-water mark)", seq)
+        for listener in self._listeners:
+            listener(seq, payload, merged)
         return seq
 
     async def _serve_replay(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,10 +46,19 @@ class SimWorkerProcess:
     process: subprocess.Popen[bytes]
     log_path: Path
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    grpc_port: int | None = None  # SGLang's gRPC scheduler API, when started with grpc=True
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``grpc://host:port`` of the gRPC scheduler API (what smg takes as a gRPC worker URL)."""
+        if self.grpc_port is None:
+            raise SimWorkerError("this sim-worker was started without a gRPC port (grpc=True)")
+        return f"grpc://{self.host}:{self.grpc_port}"
 
     @property
     def kv_events_endpoint(self) -> str:
@@ -80,7 +90,7 @@ class SimWorkerProcess:
                 raise SimWorkerError(f"sim-worker exited with {self.process.returncode}:\n{self.log()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=1) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and self._grpc_listening():
                         return
             except urllib.error.HTTPError:
                 if not ready:  # serving, but still loading (503)
@@ -90,6 +100,30 @@ class SimWorkerProcess:
             time.sleep(0.05)
         self.stop()
         raise SimWorkerError(f"sim-worker not healthy after {timeout:.0f}s:\n{self.log()[-2000:]}")
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Run the same command again, on the same ports, after the process exited; wait until healthy.
+
+        What a supervisor does for a crashed worker: its address (and so the router's and Envoy's
+        view of it) stays valid, and it starts empty, as a restarted SGLang worker does.
+        """
+        if self.alive():
+            return
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
+            )
+        self.wait_healthy(timeout)
+
+    def _grpc_listening(self) -> bool:
+        """The gRPC port accepts connections (it opens just after HTTP); True without one."""
+        if self.grpc_port is None:
+            return True
+        try:
+            with socket.create_connection((self.host, self.grpc_port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL if it does not exit within ``timeout``; idempotent."""
@@ -120,8 +154,35 @@ def _flags(opts: dict[str, Any]) -> list[str]:
     return args
 
 
-def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWorkerProcess:
-    port, kv_port, replay_port = free_ports(3, host)
+def _port_runs(host: str, ranks: int) -> tuple[int, int, int]:
+    """An HTTP port and the first of ``2 * ranks`` consecutive free ports (event ports, then replay ports)."""
+    if ranks == 1:
+        port, kv_port, replay_port = free_ports(3, host)
+        return port, kv_port, replay_port
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        try:
+            with contextlib.ExitStack() as stack:
+                for candidate in range(base, base + 2 * ranks):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((host, candidate))
+        except OSError:
+            continue
+        port = free_ports(1, host)[0]
+        if not base <= port < base + 2 * ranks:
+            return port, base, base + ranks
+    raise SimWorkerError(f"no run of {2 * ranks} free ports on {host}")
+
+
+def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None, grpc: bool) -> SimWorkerProcess:
+    ranks = int(opts.get("dp_size", 1))
+    port, kv_port, replay_port = _port_runs(host, ranks)
+    taken = {port, *range(kv_port, kv_port + ranks), *range(replay_port, replay_port + ranks)}
+    grpc_port: int | None = None
+    while grpc and (grpc_port is None or grpc_port in taken):
+        grpc_port = free_ports(1, host)[0]
     args = [
         sys.executable,
         "-m",
@@ -137,14 +198,16 @@ def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None) -> SimWo
         str(kv_port),
         "--kv-replay-port",
         str(replay_port),
+        *(["--grpc-port", str(grpc_port)] if grpc else []),
         *_flags(opts),
     ]
     fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
+    full_env = {**os.environ, **(env or {})}
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
-        )
-    return SimWorkerProcess(host, port, kv_port, replay_port, process, Path(log_name), args)
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
+    return SimWorkerProcess(
+        host, port, kv_port, replay_port, process, Path(log_name), args, env=full_env, grpc_port=grpc_port
+    )
 
 
 def start_sim_workers(
@@ -154,10 +217,12 @@ def start_sim_workers(
     startup_timeout: float = 30.0,
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
+    grpc: bool = False,
     **opts: Any,
 ) -> list[SimWorkerProcess]:
     """Start ``count`` workers in parallel and wait until all answer ``/ready`` with 200
     (``wait_ready=False``: until their HTTP port answers at all, e.g. with ``load_time``).
+    ``grpc=True`` also serves SGLang's gRPC scheduler API on a free port of each (``grpc_url``).
 
     A worker that loses a port race (another process took a port between the check and the bind)
     is started again on new ports, up to three times.
@@ -165,7 +230,7 @@ def start_sim_workers(
     # ``profile="a,b"`` cycles the named timing profiles over the workers (a mixed fleet).
     profiles = str(opts["profile"]).split(",") if opts.get("profile") else []
     per_worker = [{**opts, "profile": profiles[i % len(profiles)].strip()} if profiles else opts for i in range(count)]
-    workers = [_spawn(host, per_worker[i], env) for i in range(count)]
+    workers = [_spawn(host, per_worker[i], env, grpc) for i in range(count)]
     try:
         for i in range(count):
             for attempt in range(3):
@@ -176,7 +241,7 @@ def start_sim_workers(
                     workers[i].stop()
                     if attempt == 2 or "in use" not in str(exc).lower():
                         raise
-                    workers[i] = _spawn(host, per_worker[i], env)
+                    workers[i] = _spawn(host, per_worker[i], env, grpc)
     except BaseException:
         for worker in workers:
             worker.stop()
@@ -190,7 +255,10 @@ def start_sim_worker(
     startup_timeout: float = 30.0,
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
+    grpc: bool = False,
     **opts: Any,
 ) -> SimWorkerProcess:
     """Start one worker on free ports and wait until it is healthy (usable as a context manager)."""
-    return start_sim_workers(1, host=host, startup_timeout=startup_timeout, env=env, wait_ready=wait_ready, **opts)[0]
+    return start_sim_workers(
+        1, host=host, startup_timeout=startup_timeout, env=env, wait_ready=wait_ready, grpc=grpc, **opts
+    )[0]

@@ -156,6 +156,7 @@ class Request:
     last_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None  # set when the request failed instead of finishing
+    dp_rank: int = 0  # the data-parallel rank (scheduler) running it
     retracted: bool = False  # was retracted once: its next prefill recomputes work (not a cache statistic)
     updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
     rng: random.Random | None = None
@@ -276,7 +277,12 @@ class Scheduler:
         """
         max_new_tokens = max(0, min(max_new_tokens, self.capacity - 1 - len(input_ids)))
         req = Request(
-            rid or f"{next(self._rids):x}", list(input_ids), max_new_tokens, cache_salt, sim_arrival=self.sim_time
+            rid or f"{next(self._rids):x}",
+            list(input_ids),
+            max_new_tokens,
+            cache_salt,
+            sim_arrival=self.sim_time,
+            dp_rank=self.config.dp_rank,
         )
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())

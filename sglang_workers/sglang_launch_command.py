@@ -3,8 +3,10 @@
 The router needs four things from each SGLang worker, all off by default in SGLang: KV events over
 ZMQ (``--kv-events-config`` with a replay socket, so a restarted router can catch up), a page size
 equal to the router's block size (``--page-size``; SGLang's CUDA default is 1), Prometheus metrics
-(``--enable-metrics``) and ``cached_tokens`` in OpenAI responses (``--enable-cache-report``). This
-command prints that command line (default) or replaces itself with it (``--run``).
+(``--enable-metrics``) and ``cached_tokens`` in OpenAI responses (``--enable-cache-report``). With
+``--dp-size N`` it also sets ``SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1``, so that the rank the router pins
+(``x-override-routed-dp-rank``) holds on ``/generate`` too, and puts the replay ports after the N event
+ports. This command prints that command line (default) or replaces itself with it (``--run``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import os
 import shlex
 import sys
 
-__all__ = ["build_command", "configure", "kv_events_config", "main", "sglang_flags"]
+__all__ = ["DP_ENV", "build_command", "build_env", "configure", "kv_events_config", "main", "sglang_flags"]
+
+# SGLang 0.5.23 applies x-override-* request headers (the router's DP rank pin on /generate and chat) only with this.
+DP_ENV = {"SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES": "1"}
 
 
 def kv_events_config(port: int, replay_port: int | None, topic: str = "", host: str = "*") -> str:
@@ -35,12 +40,15 @@ def sglang_flags(
     kv_replay_port: int | None = None,
     topic: str = "",
     replay: bool = True,
+    dp_size: int = 1,
 ) -> dict[str, str | bool]:
     """The SGLang flags this router depends on: flag -> value (``True`` for a bare switch).
 
     Other tools (compose files, Kubernetes manifests, tests) take them from here so they cannot drift.
+    Rank ``r`` of a ``--dp-size N`` server publishes on ``kv_events_port + r`` and replays on
+    ``replay_port + r``, so the replay ports start after the N event ports.
     """
-    replay_port = (kv_replay_port or kv_events_port + 1) if replay else None
+    replay_port = (kv_replay_port or kv_events_port + dp_size) if replay else None
     return {
         "--host": host,
         "--port": str(port),
@@ -62,6 +70,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
         args.kv_replay_port,
         args.kv_topic,
         replay=not args.no_replay,
+        dp_size=args.dp_size,
     )
     for flag, value in flags.items():
         cmd += [flag] if value is True else [flag, str(value)]
@@ -77,6 +86,11 @@ def build_command(args: argparse.Namespace) -> list[str]:
     if args.dummy_weights:
         cmd += ["--load-format", "dummy"]
     return cmd + list(args.extra)
+
+
+def build_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment variables the worker needs beyond the flags (the DP rank pin with ``--dp-size``)."""
+    return dict(DP_ENV) if args.dp_size > 1 else {}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +117,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-replay-port",
         type=int,
         default=None,
-        help="ZMQ ROUTER replay port (default: --kv-events-port + 1; DP rank r uses port + r).",
+        help="ZMQ ROUTER replay port (default: --kv-events-port + --dp-size; DP rank r uses port + r).",
     )
     parser.add_argument("--no-replay", action="store_true", help="Do not open a replay socket.")
     parser.add_argument("--kv-topic", default="", help="Topic frame of KV-event batches.")
@@ -136,8 +150,9 @@ def main(args: argparse.Namespace) -> int:
         print("prefix-router sglang-launch: --page-size must be >= 1 and ports within 1-65535", file=sys.stderr)
         return 2
     cmd = build_command(args)
+    env = build_env(args)
     if not args.run:
-        print(shlex.join(cmd))
+        print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd)]))
         return 0
     if args.python == sys.executable and importlib.util.find_spec("sglang") is None:
         print(
@@ -147,5 +162,6 @@ def main(args: argparse.Namespace) -> int:
         )
         return 1
     sys.stdout.flush()
+    os.environ.update(env)
     os.execvp(cmd[0], cmd)
     return 0  # not reached

@@ -31,6 +31,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--host", default=d["host"].default, help="HTTP bind address.")
     net.add_argument("--port", type=int, default=d["port"].default, help="HTTP port.")
     net.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="Also serve SGLang's gRPC scheduler API (SglangScheduler from smg-grpc-proto, what SGLang's "
+        "--smg-grpc-mode serves and smg's grpc:// workers speak) on this port: the same worker behind both ports. "
+        "Default: HTTP only.",
+    )
+    net.add_argument(
         "--kv-events-port",
         type=int,
         default=d["kv_events_port"].default,
@@ -40,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-replay-port",
         type=int,
         default=None,
-        help="ZMQ ROUTER port for replaying missed batches (default: --kv-events-port + 1).",
+        help="ZMQ ROUTER port for replaying missed batches (default: --kv-events-port + --dp-size).",
     )
     net.add_argument(
         "--kv-events-host",
@@ -48,6 +56,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Bind host of the ZMQ sockets ('*' = all interfaces, like SGLang).",
     )
     net.add_argument("--kv-topic", default=d["kv_topic"].default, help="Topic frame of published batches.")
+    net.add_argument(
+        "--kv-buffer-steps",
+        type=int,
+        default=d["kv_buffer_steps"].default,
+        help="Batches kept for replay (ZMQ replay socket and gRPC SubscribeKvEvents resume), as SGLang's buffer_steps.",
+    )
     net.add_argument("--no-kv-events", action="store_true", help="Do not publish KV events at all.")
     net.add_argument(
         "--event-format",
@@ -81,6 +95,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
     sched = parser.add_argument_group("cache and scheduler (SGLang server args)")
+    sched.add_argument(
+        "--dp-size",
+        type=int,
+        default=d["dp_size"].default,
+        help=(
+            "Data-parallel ranks, as SGLang's --dp-size: each its own scheduler, radix cache and KV-event "
+            "publisher (rank r on --kv-events-port + r, dp_rank r in its batches, one /v1/loads entry). A "
+            "request names its rank with routed_dp_rank, X-Data-Parallel-Rank or (with "
+            "SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1) x-override-routed-dp-rank; others go round robin."
+        ),
+    )
     sched.add_argument(
         "--page-size",
         type=int,
@@ -158,11 +183,13 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
     return SimWorkerConfig(
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         kv_events=not args.no_kv_events,
         kv_events_host=args.kv_events_host,
         kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port,
         kv_topic=args.kv_topic,
+        kv_buffer_steps=args.kv_buffer_steps,
         event_format=args.event_format,
         replay_format=args.replay_format,
         model=args.model,
@@ -170,6 +197,7 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
         chat_template=args.chat_template,
         context_length=args.context_length,
         page_size=args.page_size,
+        dp_size=args.dp_size,
         capacity_tokens=args.capacity_tokens,
         schedule_policy=args.schedule_policy,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -189,14 +217,27 @@ async def serve(config: SimWorkerConfig) -> None:
 
     worker = SimWorker(config)
     await worker.start()
+    ranks = f", {config.dp_size} DP ranks from" if config.dp_size > 1 else ""
+    grpc_door = None
+    if config.grpc_port is not None:
+        from .grpc_server import SchedulerGrpcServer  # grpc and the generated protos only when asked for
+
+        grpc_door = SchedulerGrpcServer(worker)
+        try:
+            await grpc_door.start(config.host, config.grpc_port)
+        except OSError:
+            await worker.stop()
+            raise
     events = (
-        f"KV events on tcp://{config.kv_events_host}:{config.kv_events_port} (replay {config.replay_port})"
+        f"KV events{ranks} on tcp://{config.kv_events_host}:{config.kv_events_port} (replay {config.replay_port})"
         if config.kv_events
         else "KV events off"
     )
+    grpc_note = f" and grpc://{config.host}:{grpc_door.bound_port}" if grpc_door is not None else ""
+    capacity = worker.scheduler.capacity if worker.scheduler else 0
     print(
-        f"sim-worker ready on http://{config.host}:{worker.bound_port} ({config.profile}, page {config.page_size}, "
-        f"{worker.scheduler.capacity if worker.scheduler else 0} KV tokens; {events})",
+        f"sim-worker ready on http://{config.host}:{worker.bound_port}{grpc_note} ({config.profile}, "
+        f"page {config.page_size}, {capacity} KV tokens; {events})",
         flush=True,
     )
     stop = asyncio.Event()
@@ -206,6 +247,8 @@ async def serve(config: SimWorkerConfig) -> None:
     try:
         await stop.wait()
     finally:
+        if grpc_door is not None:
+            await grpc_door.stop()
         await worker.stop()
 
 

@@ -287,3 +287,21 @@ def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
     expected = {"envoy-rr": "ROUND_ROBIN", "envoy-lr": "LEAST_REQUEST", "envoy-ringhash": "RING_HASH"}[name]
     assert f"lb_policy: {expected}" in text
     assert ("header_name: x-prefix-hash" in text) == (name == "envoy-ringhash")
+
+
+def test_smg_contenders_talk_to_their_own_door_with_their_own_ports() -> None:
+    from benchmarks.contenders import Smg, create_contender
+
+    http, grpc_ = create_contender("smg"), create_contender("smg-grpc", page_size=64)
+    assert (http.name, http.worker_transport) == ("smg", "http")
+    assert (grpc_.name, grpc_.worker_transport) == ("smg-grpc", "grpc")
+    assert isinstance(http, Smg) and isinstance(grpc_, Smg)
+    urls = ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]
+    argv = grpc_.argv(30000, 29001, urls)
+    # `python -m smg`: sglang-router installs a console script named smg as well.
+    assert argv[1:4] == ["-m", "smg", "launch"]
+    assert argv[argv.index("--worker-urls") + 1 : argv.index("--worker-urls") + 3] == urls
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--block-size") + 1] == "64"  # = the workers' page size
+    assert argv[argv.index("--prometheus-port") + 1] == "29001"
+    assert "--block-size" not in http.argv(30000, 29002, ["http://127.0.0.1:1"])

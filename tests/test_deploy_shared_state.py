@@ -74,11 +74,9 @@ async def test_store_down_never_blocks_or_raises() -> None:
     with socket.socket() as sock:  # a port with nobody listening
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    config = SharedStateConfig(
-        backend="redis", url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2, retry_s=0.1, queue_size=4
-    )
+    config = SharedStateConfig(backend="redis", url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2, retry_s=0.1)
     index = BlockIndex()
-    shared = SharedDecisions(config, index)
+    shared = SharedDecisions(config, index, max_keys=4 * len(KEYS))
     await shared.start()
     try:
         started = time.perf_counter()

@@ -138,3 +138,23 @@ def test_engine_hash_map_is_bounded() -> None:
     for i in range(1, 5):
         view.ingest(i, _stored([i] * 8, [10 * i, 10 * i + 1]))
     assert len(view._own) == 5 and 41 in view._own and 10 not in view._own
+
+
+def test_engine_hash_maps_share_one_bound_and_the_largest_gives_way() -> None:
+    from extproc.memory import SharedBound
+
+    index, bound = BlockIndex(), SharedBound(10)
+    big = WorkerCacheView("big", index, hashes=bound)
+    late = WorkerCacheView("late", index, hashes=bound)
+    for view in (big, late):
+        view.ingest(0, CLEARED)
+    for i in range(1, 6):
+        big.ingest(i, _stored([i] * 8, [10 * i, 10 * i + 1]))
+    assert len(big._own) == 10 and bound.used == 10
+    late.ingest(1, _stored([7] * 8, [700, 701]))
+    late.ingest(2, _stored([8] * 8, [800, 801]))
+    # The worker that joined a full fleet keeps what it publishes; the largest map dropped its oldest.
+    assert set(late._own) == {700, 701, 800, 801} and len(big._own) == 6 and bound.used == 10
+    assert 10 not in big._own and 51 in big._own
+    late.close()
+    assert bound.used == 6 and bound.members == [big]

@@ -64,7 +64,9 @@ def test_filter_order_and_modes() -> None:
         "envoy.filters.http.router",
     ]
     assert filters[0]["typed_config"]["mutations"]["request_mutations"] == [
-        {"remove": "x-gateway-destination-endpoint"}
+        {"remove": "x-gateway-destination-endpoint"},
+        {"remove": "x-override-routed-dp-rank"},
+        {"remove": "x-data-parallel-rank"},
     ]
     ext_proc = filters[1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is True
@@ -72,12 +74,22 @@ def test_filter_order_and_modes() -> None:
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ext_proc["processing_mode"]["response_header_mode"] == "SKIP"
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
-    names = [r["name"] for r in envoy_config.routes(EXAMPLE_SPEC)]
-    assert names == ["router-picked", "fail-open", "pass-through"]
-    assert envoy_config.routes(EXAMPLE_SPEC)[2]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
+    routes = envoy_config.routes(EXAMPLE_SPEC)
+    assert [r["name"] for r in routes] == ["metrics", "router-picked", "fail-open", "pass-through"]
+    assert routes[3]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
+    assert routes[0]["direct_response"]["status"] == 404  # no router metrics port given: a clear refusal
+    # The router's pick: the workers' own cluster, one endpoint of the envoy.lb list per attempt.
     picked = envoy_config.clusters(EXAMPLE_SPEC)[1]
-    assert picked["type"] == "ORIGINAL_DST" and picked["lb_policy"] == "CLUSTER_PROVIDED"
-    assert picked["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    assert picked["name"] == envoy_config.PICKED_CLUSTER and picked["type"] == "STATIC"
+    policy = picked["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert policy["typed_config"]["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+    retry = routes[1]["route"]["retry_policy"]
+    assert (
+        retry["retry_on"] == "connect-failure,refused-stream,reset-before-request,reset" and retry["num_retries"] == 2
+    )
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -100,15 +100,21 @@ def test_speculative_entries_expire_unless_confirmed() -> None:
     assert index.match(keys, ["b"]) == {"b": 0}
 
 
-def test_memory_is_bounded_per_worker() -> None:
-    index = BlockIndex(IndexConfig(max_blocks_per_worker=10))
+def test_memory_is_bounded_across_the_fleet() -> None:
+    index = BlockIndex(max_blocks=10, max_recent=10)
     keys = block_keys(list(range(16 * 25)), 16)
     index.store("a", keys)
-    assert index.size("a") == 10
+    assert index.size("a") == 10 and index.blocks_total == 10
     assert index.blocks("a") == set(keys[-10:])  # the most recently stored survive
+    index.store("b", keys[:4])  # the largest holder makes room for a newcomer
+    assert (index.size("a"), index.size("b"), index.blocks_total) == (6, 4, 10)
+    assert index.blocks("a") == set(keys[-6:])
+    index.remove("a", keys[-2:])
+    assert index.blocks_total == 8
     for i in range(0, 25, 5):
         index.record_routed("b", keys[i : i + 5])
-    assert sum(len(v) for v in index._recent.values()) <= 10
+    assert sum(len(v) for v in index._recent.values()) <= 10 and index.recent_total <= 10
+    assert index.memory() == {"index": 8 * 160, "speculative": index.recent_total * 290}
 
 
 # -- prefix-aware -----------------------------------------------------------------------------------
@@ -233,7 +239,7 @@ def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
 
 
 def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
-    policy = create_policy("session", {"header": "x-session-id", "fallback": "least-load"})
+    policy = create_policy("session", {"fallback": "least-load"})
     workers = _workers(3)
     req = RoutingRequest(model="m", path="/generate", headers={"x-session-id": "abc"})
     first = policy.select(req, _candidates(workers, [0, 0, 0]))
@@ -362,8 +368,10 @@ def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None
     assert page_size(worker) == 32
     worker.info["kv_events"]["endpoint_host"] = "10.1.2.3"
     assert event_endpoints(worker)[0][0] == "tcp://10.1.2.3:5557"
-    worker.kv_events_endpoint = "tcp://127.0.0.9:7000"  # configured endpoints win
-    assert event_endpoints(worker) == [("tcp://127.0.0.9:7000", None)]
+    worker.kv_events_endpoint = "tcp://127.0.0.9:7000"  # configured endpoints win: rank 0's, the others offset
+    assert event_endpoints(worker) == [("tcp://127.0.0.9:7000", None), ("tcp://127.0.0.9:7001", None)]
+    worker.replay_endpoint = "tcp://127.0.0.9:7100"
+    assert event_endpoints(worker)[1] == ("tcp://127.0.0.9:7001", "tcp://127.0.0.9:7101")
 
 
 def test_decision_span_explains_the_choice_without_prompt_text() -> None:
@@ -454,3 +462,60 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
         ]
         decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
         assert decision.reason == expected, (utilization, decision.scores)
+
+
+def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:
+    from extproc.index import rank_key
+    from extproc.response import DP_RANK_HEADERS
+
+    workers = _workers(2)
+    for w in workers:
+        w.info = {"dp_size": 2, "page_size": 16}
+    router = Router(RouterConfig(), WorkerRegistry(workers))
+    parsed = ParsedRequest(path="/generate", kind="generate", model="m", input_ids=list(range(160)))
+    keys = router.prompts.chain(parsed, list(range(160)), (16, ""))
+    router.index.store(rank_key("w1", 1), keys)  # rank 1 of w1 holds the prompt; rank 0 nothing
+    router.index.store(rank_key("w1", 0), keys[:2])
+    first = router.route(parsed)
+    assert first.worker.id == "w1" and first.dp_rank == 1
+    assert first.matched_blocks == 10  # the worker's best rank
+    assert all(first.upstream_headers[h] == "1" for h in DP_RANK_HEADERS)
+    assert workers[1].rank_in_flight == {1: 1}
+    # Its decision is recorded on rank 1's slot only; rank 0's slot keeps its own two blocks.
+    assert router.index.match(keys, [rank_key("w1", 0)]) == {rank_key("w1", 0): 2}
+    router.finish(first)
+    assert workers[1].rank_in_flight == {1: 0}
+    # No rank holds anything: the rank with fewer of our requests in flight wins the tie.
+    workers[0].rank_in_flight[0] = 3
+    assert router._pin_rank(workers[0], [0, 0]) == 1
+    assert router._pin_rank(workers[0], [0, 0]) == 1  # 3 vs 1 in flight: still rank 1
+    assert router._pin_rank(workers[0], [4, 0]) == 0  # a match beats load
+    # A fallback must have the pinned rank: a single-rank worker is left out of the list.
+    workers[0].info = {}
+    pinned = router.route(parsed)
+    assert pinned.dp_rank == 1 and pinned.endpoints(2) == [workers[1].endpoint]
+    metrics = generate_latest(router.telemetry.metrics).decode()
+    assert 'prefix_router_index_blocks{dp_rank="1",tier="gpu",worker="w1"} 10.0' in metrics
+    assert 'prefix_router_index_blocks{dp_rank="0",tier="gpu",worker="w1"} 2.0' in metrics
+    assert 'prefix_router_rank_in_flight{dp_rank="1",worker="w1"} 1.0' in metrics
+
+
+def test_session_affinity_headers_are_a_configurable_list() -> None:
+    policy = create_policy("session", {"fallback": "least-load"})
+    workers = _workers(3)
+    # aiperf's header is among the defaults; the first header present names the session.
+    aiperf = RoutingRequest(model="m", path="/generate", headers={"x-session-affinity": "conv-7"})
+    first = policy.select(aiperf, _candidates(workers, [0, 0, 0]))
+    assert first.reason == "session-new"
+    policy.on_routed(aiperf, first)
+    cands = _candidates(workers, [0, 0, 0])
+    for c in cands:
+        c.in_flight = 9 if c.worker is first.ranked[0] else 0
+    again = policy.select(aiperf, cands)
+    assert again.ranked[0] is first.ranked[0] and again.reason == "session-affinity"
+    custom = create_policy("session", {"headers": ["X-Conversation"], "fallback": "least-load"})
+    assert custom.select(aiperf, _candidates(workers, [0, 0, 0])).reason.startswith("no-session")
+    tagged = RoutingRequest(model="m", path="/generate", headers={"x-conversation": "c1"})
+    assert custom.select(tagged, _candidates(workers, [0, 0, 0])).reason == "session-new"
+    with pytest.raises(PolicyError):
+        create_policy("session", {"headers": []})

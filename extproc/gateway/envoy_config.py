@@ -5,15 +5,18 @@ validate`` (run by the tests) is the checker, so no typed config library is need
 
 The pieces, in request order:
 
-1. ``header_mutation`` filter removes any client-sent ``x-gateway-destination-endpoint``. It runs
-   before ext_proc, so a client can never pick the upstream, not even while the router is down and
-   ext_proc fails open (measured: without it, Envoy proxies to any ``ip:port`` the client names).
+1. ``header_mutation`` filter removes any client-sent ``x-gateway-destination-endpoint`` (and the
+   data-parallel rank headers the router sets). It runs before ext_proc, so a client can never pick
+   the upstream, not even while the router is down and ext_proc fails open (measured: without it,
+   Envoy's ORIGINAL_DST cluster proxied to any ``ip:port`` the client named).
 2. ``ext_proc`` filter: request headers SEND, body BUFFERED, responses SKIP (streams flow through
    unbuffered), ``failure_mode_allow`` (fail open), ``envoy.lb`` metadata accepted.
-3. Routes: with the router's header and ``envoy.lb`` metadata -> ORIGINAL_DST cluster that connects
-   to that ``ip:port``; a generation request without them (router down or slow) -> an ordinary
-   least-request cluster of the same workers; any other path -> the same cluster, with ext_proc
-   disabled on that route (no round trip, body not buffered).
+3. Routes: with the router's header and ``envoy.lb`` metadata -> the ``picked`` cluster, whose
+   ``override_host`` load balancer sends each attempt to the next endpoint of the router's ranking
+   (primary, then fallbacks: a refused connection is retried on the next worker, never lost); a
+   generation request without them (router down or slow) -> an ordinary least-request cluster of the
+   same workers; any other path -> the same cluster, with ext_proc disabled on that route (no round
+   trip, body not buffered); ``/metrics`` -> the router's fleet metrics (or a clear 404).
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from typing import Any
 import yaml
 
 from extproc.request import GENERATION_PATHS
-from extproc.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE
+from extproc.response import DESTINATION_HEADER, DP_RANK_HEADERS, LB_METADATA_NAMESPACE
 
 __all__ = [
     "EXTPROC_CLUSTER",
     "FAILOPEN_CLUSTER",
-    "ORIGINAL_DST_CLUSTER",
+    "METRICS_CLUSTER",
+    "PICKED_CLUSTER",
     "GatewaySpec",
     "bootstrap",
     "clusters",
@@ -44,8 +48,13 @@ __all__ = [
 ]
 
 EXTPROC_CLUSTER = "prefix_router_extproc"
-ORIGINAL_DST_CLUSTER = "prefix_router_picked"
+PICKED_CLUSTER = "prefix_router_picked"
 FAILOPEN_CLUSTER = "prefix_router_workers"
+METRICS_CLUSTER = "prefix_router_metrics"
+# Failures before any response byte are retried on the next worker: a refused connection, and (with
+# ``retry_on_reset``) a connection the worker reset, as a dying process does while the kernel tears it down.
+RETRY_ON = "connect-failure,refused-stream,reset-before-request"
+RETRY_ON_RESET = RETRY_ON + ",reset"
 UPSTREAM_HOST_HEADER = "x-upstream-host"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 ACCESS_LOG_FORMAT = (
@@ -79,6 +88,11 @@ class GatewaySpec:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     upstream_host_header: bool = False
     access_log: bool = False
+    retries: int = 2  # attempts after the first on a refused connection (the router's fallbacks, then any)
+    # Also retry a request whose worker reset the connection before answering (it died accepting or running
+    # it): saves requests a dying worker took in; a request that itself crashes workers may crash retries more.
+    retry_on_reset: bool = True
+    router_metrics: tuple[str, int] | None = None  # the router's metrics port: served as the gateway's /metrics
     tls_ca: Path | None = None  # verify the router's certificate with this CA
     tls_cert: Path | None = None  # client certificate (mTLS) ...
     tls_key: Path | None = None  # ... and its key
@@ -97,7 +111,7 @@ def http_filters(spec: GatewaySpec) -> list[dict[str, Any]]:
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+            "mutations": {"request_mutations": [{"remove": h} for h in (DESTINATION_HEADER, *DP_RANK_HEADERS)]},
         },
     }
     chain = [strip]
@@ -140,7 +154,9 @@ def _no_circuit_breaking() -> dict[str, Any]:
                 "max_connections": 1_000_000,
                 "max_pending_requests": 1_000_000,
                 "max_requests": 1_000_000,
-                "max_retries": 3,
+                # Retries are of refused connections only (nothing reached a worker), so they cannot
+                # multiply work; a low cap would turn a dead worker's share of a burst into errors.
+                "max_retries": 1_000_000,
             }
         ]
     }
@@ -175,8 +191,70 @@ def _tls_socket(spec: GatewaySpec) -> dict[str, Any]:
     return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
+def _workers_assignment(spec: GatewaySpec, name: str) -> dict[str, Any]:
+    """A cluster's type and endpoints: the workers (every address of a DNS name is one)."""
+    all_ips = all(_is_ip(h) for h, _ in spec.workers)
+    return {
+        "type": "STATIC" if all_ips else "STRICT_DNS",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in spec.workers]}],
+        },
+    }
+
+
+_LB_TYPES = "type.googleapis.com/envoy.extensions.load_balancing_policies"
+
+
+def _override_host() -> dict[str, Any]:
+    """Envoy's Endpoint Picker load balancer: each attempt takes the next ``ip:port`` of the router's list.
+
+    Only workers of the cluster can be chosen (an endpoint it does not hold is skipped), and once the
+    list is used up the least-request fallback picks among the rest.
+    """
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": f"{_LB_TYPES}.override_host.v3.OverrideHost",
+                        "override_host_sources": [
+                            {"metadata": {"key": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {"@type": f"{_LB_TYPES}.least_request.v3.LeastRequest"},
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+
+
+def _outlier_detection() -> dict[str, Any]:
+    # A worker that refuses connections is ejected after the first two refusals, without waiting
+    # for the next active health check; only connection-level (local origin) failures count.
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 2,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "consecutive_5xx": 1_000_000,  # a worker's own 5xx answers are not a reason to eject it
+        "interval": "1s",
+        "base_ejection_time": "5s",
+        "max_ejection_percent": 100,
+    }
+
+
 def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
-    """ext_proc (HTTP/2, optional TLS), ORIGINAL_DST (the router's pick) and the fail-open cluster."""
+    """ext_proc (HTTP/2, optional TLS), the router's pick (override_host), fail-open, the router's metrics."""
     out: list[dict[str, Any]] = []
     if spec.extproc is not None:
         host, port = spec.extproc
@@ -194,28 +272,24 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
         if spec.tls_ca is not None or spec.tls_cert is not None:
             extproc["transport_socket"] = _tls_socket(spec)
         out.append(extproc)
-    out.append(
-        {
-            "name": ORIGINAL_DST_CLUSTER,
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "1s",
-            "circuit_breakers": _no_circuit_breaking(),
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-        }
-    )
-    all_ips = all(_is_ip(h) for h, _ in spec.workers)
+        out.append(
+            {
+                "name": PICKED_CLUSTER,
+                **_workers_assignment(spec, PICKED_CLUSTER),
+                "connect_timeout": "1s",
+                "circuit_breakers": _no_circuit_breaking(),
+                "load_balancing_policy": _override_host(),
+                "outlier_detection": _outlier_detection(),
+            }
+        )
     out.append(
         {
             "name": FAILOPEN_CLUSTER,
-            "type": "STATIC" if all_ips else "STRICT_DNS",
+            **_workers_assignment(spec, FAILOPEN_CLUSTER),
             "lb_policy": "LEAST_REQUEST",
             "connect_timeout": "1s",
             "circuit_breakers": _no_circuit_breaking(),
-            "load_assignment": {
-                "cluster_name": FAILOPEN_CLUSTER,
-                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in spec.workers]}],
-            },
+            "outlier_detection": _outlier_detection(),
             # Fail-open must not send traffic to a dead worker: Envoy checks /health itself. SGLang answers
             # /health after 1 s at the earliest (it runs a generation), so the timeout must be well above 1 s.
             "health_checks": [
@@ -229,15 +303,29 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             ],
         }
     )
+    if spec.router_metrics is not None:
+        host, port = spec.router_metrics
+        out.append(
+            {
+                "name": METRICS_CLUSTER,
+                "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+                "connect_timeout": "0.25s",
+                "load_assignment": {
+                    "cluster_name": METRICS_CLUSTER,
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+                },
+            }
+        )
     return out + spec.extra_clusters
 
 
 def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
-    """Router's pick -> ORIGINAL_DST; other generation requests (fail-open) and other paths -> least-request.
+    """``/metrics``; router's pick -> override_host; other generation requests (fail-open) and paths -> least-request.
 
     Paths the router does not parse never reach ext_proc at all (disabled per route): no gRPC round
     trip for them, and their bodies stream through instead of being buffered (a buffered body over
-    Envoy's buffer limit would be refused).
+    Envoy's buffer limit would be refused). Routes to workers retry a refused connection (nothing
+    reached the worker): the router's pick on its next fallback, fail-open on another worker.
     """
     action: dict[str, Any] = {"timeout": "0s"}  # generations may stream for minutes; idle timeout still applies
     extra: dict[str, Any] = {}
@@ -248,7 +336,7 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
             }
         ]
-    failopen = {"cluster": FAILOPEN_CLUSTER, **action}
+    failopen = {"cluster": FAILOPEN_CLUSTER, **action, "retry_policy": _retry_policy(spec, other_host=True)}
     if spec.extproc is None:
         return [{"name": "workers", "match": {"prefix": "/"}, "route": failopen, **extra}]
     # Match on the router's metadata as well as its header: a client cannot set dynamic metadata, and a
@@ -266,7 +354,7 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
                 }
             ],
         },
-        "route": {"cluster": ORIGINAL_DST_CLUSTER, **action},
+        "route": {"cluster": PICKED_CLUSTER, **action, "retry_policy": _retry_policy(spec, other_host=False)},
         **extra,
     }
     paths = "|".join(re.escape(p.lstrip("/")) for p in GENERATION_PATHS)
@@ -283,7 +371,58 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
         },
         **extra,
     }
-    return [picked, generation, other]
+    return [metrics_route(spec), picked, generation, other]
+
+
+def _retry_policy(spec: GatewaySpec, other_host: bool) -> dict[str, Any]:
+    policy: dict[str, Any] = {
+        "retry_on": RETRY_ON_RESET if spec.retry_on_reset else RETRY_ON,
+        "num_retries": spec.retries,
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+    }
+    if other_host:  # least-request might pick the refusing worker again; override_host moves on by itself
+        policy["retry_host_predicate"] = [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ]
+        policy["host_selection_retry_max_attempts"] = 3
+    return policy
+
+
+METRICS_PATH = "/metrics"
+FLEET_METRICS_PATH = "/metrics/fleet"  # the router's metrics port: its own figures plus every worker's
+
+
+def metrics_route(spec: GatewaySpec) -> dict[str, Any]:
+    """The gateway's ``/metrics``: the router's fleet view (its metrics and every worker's, labelled), or a 404.
+
+    Passing it to "some worker" would show a different worker on each scrape, which a client reads
+    as counter resets; a clear refusal is better than that when the router's metrics port is unknown.
+    """
+    disabled = {
+        "envoy.filters.http.ext_proc": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True,
+        }
+    }
+    route: dict[str, Any] = {"name": "metrics", "match": {"path": METRICS_PATH}, "typed_per_filter_config": disabled}
+    if spec.router_metrics is None:
+        route["direct_response"] = {
+            "status": 404,
+            "body": {
+                "inline_string": (
+                    "this gateway serves no /metrics: scrape the router's metrics port and each worker's "
+                    "/metrics directly (or give envoy-config --router-metrics HOST:PORT)"
+                )
+            },
+        }
+    else:
+        route["route"] = {"cluster": METRICS_CLUSTER, "prefix_rewrite": FLEET_METRICS_PATH, "timeout": "10s"}
+    return route
 
 
 def local_reply_config() -> dict[str, Any]:

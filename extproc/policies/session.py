@@ -3,8 +3,10 @@
 Like HyperPod's ``session`` strategy: the first request of a session is placed by the fallback
 policy (``prefix-aware`` by default, configured in its own section) and the session is pinned
 there; while that worker stays healthy every later turn follows it (its KV cache holds the
-conversation). If it leaves the candidate set the session is re-placed. Requests without the
-header use the fallback directly.
+conversation). If it leaves the candidate set the session is re-placed. Requests without any of the
+affinity headers use the fallback directly. Clients name sessions differently (aiperf sends
+``X-Session-Affinity``, SGLang's gateway reads ``X-SMG-Routing-Key``), so the policy accepts a list
+of headers and uses the first one present.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ __all__ = ["SessionOptions", "SessionPolicy"]
 class SessionOptions(PolicyOptions):
     """Constants of the ``session`` policy."""
 
-    header: str = Field("x-session-id", description="Request header whose value pins a session to a worker.")
+    headers: list[str] = Field(
+        default_factory=lambda: ["x-session-id", "x-session-affinity", "x-smg-routing-key"],
+        min_length=1,
+        description="Request headers whose value pins a session to a worker; the first one present counts.",
+    )
     fallback: str = Field(
         "prefix-aware", description="Policy that places a new session (or a request without the header)."
     )
@@ -46,14 +52,22 @@ class SessionPolicy(Policy):
             raise PolicyError("the session policy cannot fall back to itself")
         from extproc.policies import create_policy  # the registry imports this module
 
-        self.header = self.opts.header.lower()
+        self.headers = [h.lower() for h in self.opts.headers]
         self.fallback = create_policy(self.opts.fallback, self.sections.get(self.opts.fallback), self.sections)
         self.needs_tokens = self.fallback.needs_tokens
         self.needs_text = self.fallback.needs_text
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker id
 
+    def session_of(self, request: RoutingRequest) -> str | None:
+        """The request's session: the value of the first affinity header it carries."""
+        for header in self.headers:
+            value = request.headers.get(header)
+            if value:
+                return f"{header}={value}"
+        return None
+
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        session = request.headers.get(self.header)
+        session = self.session_of(request)
         placed = self.fallback.select(request, candidates)
         if not session:
             return Decision(ranked=placed.ranked, reason=f"no-session:{placed.reason}", scores=placed.scores)
@@ -69,7 +83,7 @@ class SessionPolicy(Policy):
         )
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
-        session = request.headers.get(self.header)
+        session = self.session_of(request)
         if session:
             self._sessions[session] = decision.ranked[0].id
             self._sessions.move_to_end(session)

@@ -27,6 +27,7 @@ from typing import Literal
 
 from extproc.blocks import block_keys, chain_seed
 from extproc.index import BlockIndex, tier_of
+from extproc.memory import SharedBound
 from extproc.sync.event_wire import BlockRemoved, BlockStored, EventBatch, EventDecodeError, decode_payload
 
 __all__ = ["IndexState", "ViewStats", "WorkerCacheView"]
@@ -63,7 +64,10 @@ class WorkerCacheView:
         ""  # the worker's served model (a callable: read at use, it may be discovered late)
     )
     resync_after_s: float = 60.0
-    max_hashes: int = 6_000_000  # engine-hash map bound (the index's per-tier bound x tiers)
+    # The engine-hash maps of every view share one bound (``memory.budget_bytes``'s share); over it,
+    # the largest map drops its oldest mappings (their later removals become no-ops).
+    hashes: SharedBound | None = None
+    max_hashes: int | None = None  # a bound of its own instead (tests)
     clock: Callable[[], float] = time.monotonic
     last_seq: int | None = None
     block_size: int | None = None  # learnt from events
@@ -75,6 +79,9 @@ class WorkerCacheView:
     _seeds: dict[tuple[str, str | None, str | None], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.hashes is None:
+            self.hashes = SharedBound(self.max_hashes if self.max_hashes is not None else 6_000_000)
+        self.hashes.members.append(self)
         self._unknown_since = self.clock()
         self.index.set_unknown(self.worker_id, True)
 
@@ -98,7 +105,32 @@ class WorkerCacheView:
 
     def _reset(self) -> None:
         self.index.clear(self.worker_id)
+        self._forget_hashes()
+
+    def _forget_hashes(self) -> None:
+        assert self.hashes is not None
+        self.hashes.used -= len(self._own)
         self._own.clear()
+
+    def close(self) -> None:
+        """The view is dropped (unsubscribed): give its share of the engine-hash bound back."""
+        self._forget_hashes()
+        assert self.hashes is not None
+        if self in self.hashes.members:
+            self.hashes.members.remove(self)
+
+    def bound_size(self) -> int:
+        return len(self._own)
+
+    def shrink(self, count: int) -> int:
+        """Drop up to ``count`` of the oldest engine-hash mappings (the shared bound is over)."""
+        own = self._own
+        count = min(count, len(own))
+        for stale in list(itertools.islice(own, count)):
+            del own[stale]
+        assert self.hashes is not None
+        self.hashes.used -= count
+        return count
 
     def resync(self) -> None:
         """Forget everything and start from the next batch or replay (after a reconnect)."""
@@ -221,12 +253,15 @@ class WorkerCacheView:
         tier = tier_of(event.medium)
         bit = 1 << ("gpu", "host", "disk").index(tier)
         own = self._own
+        before = len(own)
         for engine_hash, key in zip(event.block_hashes, keys):
             previous = own.get(engine_hash)
             own[engine_hash] = (key, (previous[1] if previous else 0) | bit)
-        if len(own) > self.max_hashes:  # oldest mappings first; their later removals become no-ops
-            for stale in list(itertools.islice(own, len(own) - self.max_hashes)):
-                del own[stale]
+        bound = self.hashes
+        assert bound is not None
+        bound.used += len(own) - before
+        if bound.used > bound.limit:
+            bound.reclaim()
         stored = keys[: len(event.block_hashes)]
         self.index.store(self.worker_id, stored, tier)
         self.stats.blocks_stored += len(stored)
@@ -247,5 +282,7 @@ class WorkerCacheView:
                 own[engine_hash] = (key, bits)
             else:
                 del own[engine_hash]
+                assert self.hashes is not None
+                self.hashes.used -= 1
         self.index.remove(self.worker_id, keys, tier)
         self.stats.blocks_removed += len(keys)

@@ -18,7 +18,7 @@ import aiohttp
 from extproc.addresses import substitute_wildcard
 from extproc.sync.workers import Worker
 
-__all__ = ["discover", "event_endpoints", "page_size"]
+__all__ = ["discover", "dp_size", "event_endpoints", "page_size"]
 
 
 async def _get_json(session: aiohttp.ClientSession, worker: Worker, *paths: str) -> dict[str, Any] | None:
@@ -51,10 +51,34 @@ async def discover(session: aiohttp.ClientSession, worker: Worker) -> bool:
     return server_info is not None
 
 
+def dp_size(worker: Worker) -> int:
+    """How many data-parallel ranks (caches, publishers) the worker runs; 1 when unknown.
+
+    ``/server_info``'s ``kv_events.dp_size`` (the publishers) first, then its top-level ``dp_size``.
+    """
+    info = worker.info if isinstance(worker.info, dict) else {}
+    events = info.get("kv_events")
+    for value in (events.get("dp_size") if isinstance(events, dict) else None, info.get("dp_size")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 1
+
+
 def event_endpoints(worker: Worker) -> list[tuple[str, str | None]]:
-    """``(events, replay)`` endpoints, one pair per DP rank: from config, else from ``/server_info``."""
+    """``(events, replay)`` endpoints, one pair per DP rank: from config, else from ``/server_info``.
+
+    A configured endpoint is rank 0's; rank ``r`` listens on its port + ``r``, as SGLang offsets
+    each rank's publisher (and replay socket) from the configured one.
+    """
     if worker.kv_events_endpoint:
-        return [(worker.kv_events_endpoint, worker.replay_endpoint)]
+        ranks = dp_size(worker)
+        return [
+            (
+                _offset(worker.kv_events_endpoint, r),
+                _offset(worker.replay_endpoint, r) if worker.replay_endpoint else None,
+            )
+            for r in range(ranks)
+        ]
     info = worker.info.get("kv_events") if isinstance(worker.info, dict) else None
     if not isinstance(info, dict):
         return []
@@ -64,13 +88,20 @@ def event_endpoints(worker: Worker) -> list[tuple[str, str | None]]:
         return []
     host = substitute_wildcard(info.get("endpoint_host"), worker.ip)
     replay_base = info.get("replay_endpoint_port_base")
-    dp_size = info.get("dp_size")
-    ranks = dp_size if isinstance(dp_size, int) and dp_size > 0 else 1
+    ranks = dp_size(worker)
     out = []
     for rank in range(ranks):
         replay = f"tcp://{host}:{replay_base + rank}" if isinstance(replay_base, int) else None
         out.append((f"tcp://{host}:{base + rank}", replay))
     return out
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    """``tcp://host:port`` with the port moved up by ``rank`` (unchanged for rank 0 or no port)."""
+    if rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + rank}" if sep and port.isdigit() else endpoint
 
 
 def page_size(worker: Worker) -> int | None:

@@ -37,7 +37,7 @@ class HealthChecker:
         self._oks: dict[Worker, int] = {}
         self._no_ready_path: set[Worker] = set()  # workers that answered ``ready_path`` with 404
         self._session: aiohttp.ClientSession | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._loops: dict[Worker, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         """Check every worker's readiness once (a dead worker is never routed to at start-up), then poll."""
@@ -47,20 +47,40 @@ class HealthChecker:
             if ok:
                 await discover(self._session, worker)
             self.registry.set_healthy(worker, ok)
-        self._tasks = [
-            asyncio.create_task(self._loop(worker), name=f"worker-health-{worker.id}")
-            for worker in self.registry.workers
-        ]
+        self._follow(joined=False)
+        self.registry.listeners.append(self._follow)
+
+    def _follow(self, joined: bool = True) -> None:
+        """One probe loop per worker of the registry (workers join and leave: ``extproc.sync.sources``).
+
+        A worker that joined later is checked for readiness at once, so it need not wait a liveness round.
+        """
+        current = set(self.registry.workers)
+        for worker in [w for w in self._loops if w not in current]:
+            self._loops.pop(worker).cancel()
+            for state in (self._fails, self._oks):
+                state.pop(worker, None)
+            self._no_ready_path.discard(worker)
+        for worker in self.registry.workers:
+            if worker not in self._loops:
+                self._loops[worker] = asyncio.create_task(self._loop(worker, joined), name=f"worker-health-{worker.id}")
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        if self._follow in self.registry.listeners:
+            self.registry.listeners.remove(self._follow)
+        tasks = list(self._loops.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loops = {}
         if self._session is not None:
             await self._session.close()
 
-    async def _loop(self, worker: Worker) -> None:
+    async def _loop(self, worker: Worker, joined: bool = False) -> None:
+        if joined and await self._probe_ready(worker):
+            assert self._session is not None
+            await discover(self._session, worker)
+            self.registry.set_healthy(worker, True)
         while True:
             await asyncio.sleep(self.config.interval_s)
             await self.check(worker)

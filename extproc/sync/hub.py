@@ -5,7 +5,9 @@
 configuration or ``/server_info``, see ``extproc.sync.discovery``), resubscribes a worker whose
 endpoints changed (restarted with other settings), and forgets workers that left the registry.
 Per publisher: ``EventSubscriber`` (ZMQ) -> ``WorkerCacheView`` (sequencing, decode, apply) ->
-``BlockIndex``.
+``BlockIndex``. A worker started with ``--dp-size N`` has N publishers, one per rank, each with its
+own radix cache: each rank's view writes to its own index slot (``index.rank_key``), so the ranks
+never clear each other's entries and the router can tell which rank holds a prefix.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import aiohttp
 import zmq.asyncio
 
 from extproc.config import EventsConfig
-from extproc.index import BlockIndex
+from extproc.index import BlockIndex, rank_key
+from extproc.memory import HASH_BYTES, SharedBound
 from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
 from extproc.sync.discovery import discover, event_endpoints
 from extproc.sync.subscriber import EventSubscriber
@@ -34,10 +37,14 @@ Endpoints = list[tuple[str, str | None]]
 class EventHub:
     """Keeps one subscriber per worker publisher and answers what the router may trust."""
 
-    def __init__(self, config: EventsConfig, registry: WorkerRegistry, index: BlockIndex) -> None:
+    def __init__(
+        self, config: EventsConfig, registry: WorkerRegistry, index: BlockIndex, hashes: SharedBound | None = None
+    ) -> None:
         self.config = config
         self.registry = registry
         self.index = index
+        # Every view's engine-hash map counts against this one bound (memory.budget_bytes's share).
+        self.hashes = hashes or SharedBound(index.max_blocks)
         self.views: dict[str, list[WorkerCacheView]] = {}
         self._endpoints: dict[str, Endpoints] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
@@ -51,6 +58,11 @@ class EventHub:
         if not views:
             return "unknown"
         return "synced" if all(v.state == "synced" for v in views) else "unknown"
+
+    def rank_state(self, worker: Worker, rank: int) -> IndexState:
+        """The event state of one DP rank's stream."""
+        views = self.views.get(worker.id, ())
+        return views[rank].state if rank < len(views) else "unknown"
 
     def block_size(self, worker: Worker) -> int | None:
         """The page size the worker's events carry (None before the first ``BlockStored``)."""
@@ -102,8 +114,9 @@ class EventHub:
         present = {w.id for w in self.registry.workers}
         for worker_id in list(self._tasks):
             if worker_id not in present:
+                for key in self._rank_keys(worker_id):
+                    self.index.forget(key)
                 self._unsubscribe(worker_id)
-                self.index.forget(worker_id)
         for worker in self.registry.workers:
             subscribed = self._endpoints.get(worker.id)
             if subscribed is None and not worker.kv_events_endpoint and not worker.info:
@@ -114,15 +127,27 @@ class EventHub:
                 continue
             if subscribed is not None:
                 log.info("worker %s: KV-event endpoints changed to %s; resubscribing", worker.id, endpoints)
+                for key in self._rank_keys(worker.id):
+                    if key == worker.id:
+                        self.index.clear(key)
+                        self.index.forget_routed(key)
+                    else:  # its other ranks' slots are rebuilt (or, with fewer ranks now, gone)
+                        self.index.forget(key)
                 self._unsubscribe(worker.id)
-                self.index.clear(worker.id)
-                self.index.forget_routed(worker.id)
             await self.subscribe(worker, endpoints)
+
+    def _rank_keys(self, worker_id: str) -> list[str]:
+        return [rank_key(worker_id, r) for r in range(max(1, len(self._endpoints.get(worker_id, ()))))]
+
+    def memory(self) -> int:
+        """Estimated bytes of every view's engine-hash map."""
+        return self.hashes.used * HASH_BYTES
 
     def _unsubscribe(self, worker_id: str) -> None:
         for task in self._tasks.pop(worker_id, ()):
             task.cancel()
-        self.views.pop(worker_id, None)
+        for view in self.views.pop(worker_id, ()):
+            view.close()
         self._endpoints.pop(worker_id, None)
 
     async def subscribe(self, worker: Worker, endpoints: Endpoints) -> list[EventSubscriber]:
@@ -132,18 +157,18 @@ class EventHub:
         def model() -> str:  # read at use: the served model may be discovered after subscribing
             return worker.model or ""
 
-        for events_ep, replay_ep in endpoints:
+        for rank, (events_ep, replay_ep) in enumerate(endpoints):
             view = WorkerCacheView(
-                worker.id,
+                rank_key(worker.id, rank),
                 self.index,
                 model=model,
                 resync_after_s=self.config.resync_after_s,
-                max_hashes=self.index.config.max_blocks_per_worker * 3,
+                hashes=self.hashes,
             )
             sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
             views.append(view)
             subs.append(sub)
-            tasks.append(asyncio.create_task(sub.run(), name=f"kv-events-{worker.id}"))
+            tasks.append(asyncio.create_task(sub.run(), name=f"kv-events-{rank_key(worker.id, rank)}"))
         self.views[worker.id] = views
         self._tasks[worker.id] = tasks
         self._endpoints[worker.id] = list(endpoints)

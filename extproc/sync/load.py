@@ -7,7 +7,8 @@ count lives on ``Worker.in_flight``; this module only adds what the worker itsel
 from other routers, the real queue, KV pressure) and, from SGLang 0.5.23's ``/v1/loads``, the
 cumulative counters from which a worker's own prefill and decode speed can be learned
 (``total_prefill_uncached_tokens``, ``total_prefill_busy_us``, ``decode_moments``; see
-``extproc.policies.cost_model``).
+``extproc.policies.cost_model``). A poll whose connection is refused is also the router's fastest
+sign that a worker died: it leaves the candidate set at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -53,6 +54,8 @@ class WorkerLoad:
     decode_moments: tuple[float, ...] | None = None
     ranks: int = 1
     polled_at: float = 0.0  # time.monotonic() when the report arrived
+    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
+    rank_requests: dict[int, int] = field(default_factory=dict)
 
 
 def _num(value: Any) -> float:
@@ -75,7 +78,14 @@ def parse_loads(body: Any) -> WorkerLoad | None:
     total_tokens = sum(_num(r.get("max_total_num_tokens") or r.get("num_total_tokens")) for r in ranks)
     used = sum(_num(r.get("num_used_tokens")) for r in ranks)
     usage = used / total_tokens if total_tokens else max((_num(r.get("token_usage")) for r in ranks), default=0.0)
+    rank_requests = {
+        r["dp_rank"] if isinstance(r.get("dp_rank"), int) else i: int(
+            _num(r.get("num_running_reqs")) + _num(r.get("num_waiting_reqs"))
+        )
+        for i, r in enumerate(ranks)
+    }
     return WorkerLoad(
+        rank_requests=rank_requests,
         num_running_reqs=int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
         num_waiting_reqs=int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
         num_used_tokens=int(used),
@@ -134,6 +144,11 @@ def parse_metrics(text: str) -> WorkerLoad | None:
         max_total_num_tokens=int(max_tokens) if max_tokens else None,
         token_usage=usage,
     )
+
+
+def _refused(exc: BaseException) -> bool:
+    """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
 
 
 class LoadTracker:
@@ -195,7 +210,12 @@ class LoadTracker:
                         load = parse_metrics(await resp.text())
                     else:
                         load = parse_loads(await resp.json(content_type=None))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                if _refused(exc):
+                    # Nothing listens there any more: stop choosing it now rather than at the next
+                    # failed /health (the health checker brings it back once it answers again).
+                    self.registry.mark_unreachable(worker, "connection refused")
+                    return
                 if known:
                     return  # worker down: health checks handle that; keep the path
                 continue

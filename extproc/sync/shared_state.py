@@ -42,9 +42,12 @@ class SharedDecisions:
         index: BlockIndex,
         replica_id: str | None = None,
         metrics: CollectorRegistry | None = None,
+        max_keys: int = 500_000,
     ) -> None:
         self.config = config
         self.index = index
+        self.max_keys = max_keys  # block keys waiting to be published (memory.budget_bytes's share)
+        self.queued_keys = 0
         self._counter = Counter(
             "prefix_router_shared_decisions_total",
             "Unconfirmed decisions shared between router replicas, by direction (published, received, dropped).",
@@ -53,7 +56,7 @@ class SharedDecisions:
         )
         # Unique per process: a replica must skip its own messages (it recorded them already).
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
-        self._queue: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue(maxsize=config.queue_size)
+        self._queue: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._client: Any = None  # redis.asyncio.Redis once started
         self.subscribed = asyncio.Event()
@@ -82,11 +85,12 @@ class SharedDecisions:
             self._client = None
 
     def publish(self, worker_id: str, keys: Sequence[int]) -> None:
-        """Queue one decision for the other replicas; never blocks (a full queue drops it)."""
-        try:
-            self._queue.put_nowait((worker_id, list(keys)))
-        except asyncio.QueueFull:
+        """Queue one decision for the other replicas; never blocks (past ``max_keys`` queued, it is dropped)."""
+        if self.queued_keys + len(keys) > self.max_keys:
             self._counter.labels("dropped").inc()
+            return
+        self.queued_keys += len(keys)
+        self._queue.put_nowait((worker_id, list(keys)))
 
     async def _write_loop(self) -> None:
         channel = self.config.channel
@@ -95,6 +99,7 @@ class SharedDecisions:
             batch = [await self._queue.get()]
             while not self._queue.empty() and len(batch) < 256:
                 batch.append(self._queue.get_nowait())
+            self.queued_keys -= sum(len(keys) for _, keys in batch)
             payload = msgpack.packb([self.replica_id, batch], use_bin_type=True)
             try:
                 await self._client.publish(channel, payload)

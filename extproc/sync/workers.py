@@ -10,7 +10,7 @@ consistent candidate set.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +37,7 @@ class Worker:
     replay_endpoint: str | None = None
     healthy: bool = True
     in_flight: int = 0
+    rank_in_flight: dict[int, int] = field(default_factory=dict)  # the router's in-flight per DP rank it pinned
     # Last /server_info (page_size, kv_events, ...) plus "model_info": the last /model_info.
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -62,10 +63,15 @@ class Worker:
 
 
 class WorkerRegistry:
-    """All configured workers; ``candidates()`` is the healthy subset routing may choose from."""
+    """All known workers; ``candidates()`` is the healthy subset routing may choose from.
+
+    The set changes only through ``reconcile`` (``extproc.sync.sources``: DNS, config reload,
+    Kubernetes); every consumer reads ``workers`` afresh each time, so a change shows everywhere at once.
+    """
 
     def __init__(self, workers: list[Worker]) -> None:
         self.workers = workers
+        self.listeners: list[Callable[[], None]] = []  # called after the set changed (health checks follow it)
 
     @classmethod
     def from_configs(cls, configs: Iterable[WorkerConfig]) -> WorkerRegistry:
@@ -83,7 +89,44 @@ class WorkerRegistry:
         matching = [w for w in healthy if w.model is None or w.model == model]
         return matching or healthy
 
-    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+    def reconcile(self, desired: list[Worker]) -> tuple[list[Worker], list[Worker]]:
+        """Make the set equal to ``desired``; returns (added, removed).
+
+        A worker whose id, URL and address are unchanged keeps its object (health, load, in-flight
+        counts, index). A new worker, or one that moved to another address, starts out of the
+        candidates: the health checker takes it in after its first good ``/health`` (and reads its
+        ``/server_info`` then).
+        """
+        current = {w.id: w for w in self.workers}
+        kept: list[Worker] = []
+        added: list[Worker] = []
+        removed: list[Worker] = []
+        for worker in desired:
+            old = current.pop(worker.id, None)
+            if old is not None and (old.url, old.ip, old.port) == (worker.url, worker.ip, worker.port):
+                kept.append(old)
+                continue
+            if old is not None:
+                removed.append(old)
+            worker.healthy = False
+            kept.append(worker)
+            added.append(worker)
+        removed.extend(current.values())
+        self.workers = kept
+        if added or removed:
+            for listener in list(self.listeners):
+                listener()
+        return added, removed
+
+    def set_healthy(self, worker: Worker, healthy: bool, why: str = "") -> None:
         if worker.healthy != healthy:
             worker.healthy = healthy
-            log.warning("worker %s is now %s", worker.id, "healthy" if healthy else "UNHEALTHY")
+            suffix = f" ({why})" if why else ""
+            log.warning("worker %s is now %s%s", worker.id, "healthy" if healthy else "UNHEALTHY", suffix)
+
+    def mark_unreachable(self, worker: Worker, why: str) -> None:
+        """A sign of death seen outside the health checks (e.g. a refused load poll): out of the candidates now.
+
+        The health checker keeps polling it and brings it back after ``health.healthy_after`` successes.
+        """
+        self.set_healthy(worker, False, why)
