@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from extproc.blocks import block_keys
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
-from extproc.policies import Candidate, PolicyError, RoutingRequest, WorkerLoad, create_policy
+from extproc.policies import Candidate, Decision, PolicyError, RoutingRequest, WorkerLoad, create_policy
 from extproc.policies.cost_model import PrefillModel
 from extproc.policies.prefix_aware import PrefixAwareOptions
 from extproc.request import ParsedRequest
@@ -174,12 +174,25 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
     )  # one prefix keeps its worker
 
 
-def test_kv_pressure_is_penalised() -> None:
+def test_a_full_cache_costs_the_evictions_it_forces() -> None:
+    """A cold prompt goes where storing it evicts nothing, even against the traffic tie-break."""
     policy = create_policy("prefix-aware")
-    workers = _workers(2)
-    full = WorkerLoad(token_usage=0.99)
-    decision = policy.select(_request(2048), _candidates(workers, [4, 0], [full, None]))
-    assert decision.ranked[0] is workers[1]
+    full, empty = _workers(2)
+    now = time.monotonic()
+    loads = [
+        WorkerLoad(max_total_num_tokens=24576, polled_at=now),
+        WorkerLoad(max_total_num_tokens=24576, polled_at=now),
+    ]
+    for _ in range(20):  # the empty worker received more traffic lately: the tie-break alone would pick the full one
+        policy.on_routed(
+            _request(64),
+            Decision(ranked=[empty], reason="test", scores={empty.id: {"new_tokens": 0, "cached_tokens": 64}}),
+        )
+    candidates = _candidates([full, empty], [0, 0], loads)
+    candidates[0].cached_blocks = 24576 * 8 // 10 // 16  # its cached prefixes fill the pool's cacheable share
+    decision = policy.select(_request(4096, keys=[3]), candidates)
+    assert decision.ranked[0] is empty
+    assert decision.scores[full.id]["eviction_s"] > 0 == decision.scores[empty.id]["eviction_s"]
 
 
 def test_bad_options_are_reported() -> None:

@@ -105,7 +105,9 @@ class WorkerCostModel:
         self._last: WorkerLoad | None = None  # the report the current window started at
         self._window_start: WorkerLoad | None = None
         self._rate_report: WorkerLoad | None = None
-        self.utilization = 0.0
+        self.utilization = 0.0  # how busy the worker is, for pricing its time: the larger of the two below
+        self.prefill_utilization = 0.0  # prefill busy time per wall second
+        self.waiting_share = 0.0  # share of polls that found requests waiting
         self.windows = 0  # windows fitted so far (0: the model is still the prior)
         self._decode = decode_prior
         self._decode_moments: tuple[float, ...] | None = None
@@ -223,7 +225,12 @@ class WorkerCostModel:
             return
         busy = (load.total_prefill_busy_us - start.total_prefill_busy_us) / 1e6 / max(load.ranks, 1)
         alpha = 1.0 - math.exp(-elapsed / self.utilization_window_s)
-        self.utilization += alpha * (min(busy / elapsed, 1.0) - self.utilization)
+        self.prefill_utilization += alpha * (min(busy / elapsed, 1.0) - self.prefill_utilization)
+        # How often a request arriving here has to wait (in M/G/1 that is the utilisation itself). It
+        # also sees a worker whose queue waits for KV memory, not for prefill time.
+        waited = 1.0 if (load.num_waiting_reqs or start.num_waiting_reqs) else 0.0
+        self.waiting_share += alpha * (waited - self.waiting_share)
+        self.utilization = max(self.prefill_utilization, self.waiting_share)
         self._rate_report = load
 
     def _observe_window(self, load: WorkerLoad) -> None:

@@ -80,11 +80,9 @@ class PrefixAwareOptions(PolicyOptions):
         ge=0,
         description="Weight of the future recomputation a full cache's eviction causes (0: ignore evictions).",
     )
-    kv_pressure_threshold: float = Field(
-        0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more."
-    )
-    kv_pressure_steps: float = Field(
-        50.0, ge=0, description="At 100% KV usage, the expected wait for memory, in decode steps of the worker."
+    fleet_price: bool = Field(False, description="Price GPU time by the fleet's mean utilisation when higher.")
+    cache_full_fraction: float = Field(
+        0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
     )
     tie_abs_s: float = Field(0.003, ge=0, description="Scores within this many seconds of the best count as a tie.")
     tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
@@ -109,6 +107,7 @@ class PrefixAwarePolicy(Policy):
         self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._turn = 0
+        self._fleet_utilization = 0.0
 
     def cost_model(self, worker: Worker) -> WorkerCostModel:
         """The worker's learned cost model (started from the priors on first sight)."""
@@ -142,18 +141,17 @@ class PrefixAwarePolicy(Policy):
         # A request that arrives during a decode step waits for its end: half a step on average.
         step = cost.decode.step_seconds(running)
         penalty = step / 2
-        usage = load.token_usage if load else 0.0
-        if usage > opts.kv_pressure_threshold and opts.kv_pressure_threshold < 1:
-            pressure = (usage - opts.kv_pressure_threshold) / (1 - opts.kv_pressure_threshold)
-            penalty += opts.kv_pressure_steps * max(step, cost.decode.step_seconds(1)) * pressure
-        rho = min(cost.utilization, 0.999)
+        rho = min(max(cost.utilization, self._fleet_utilization if opts.fleet_price else 0.0), 0.999)
         price = min(max(rho / (1.0 - rho), opts.min_work_price), opts.max_work_price)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used), which
         # later requests may want again: as often as requests here find their prefix cached.
         capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
-            evicted = max(0.0, c.cached_blocks * c.block_size + new - capacity)
+            # Past ``cache_full_fraction`` of the pool the rest is running requests' working room
+            # (SGLang reserves for their decodes): new tokens there push cached ones out.
+            room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
+            evicted = min(float(new), max(0.0, new - room))
         eviction = opts.eviction_weight * cost.reuse * model.a * evicted
         ttft = queue + prefill + penalty
         return {
@@ -172,6 +170,8 @@ class PrefixAwarePolicy(Policy):
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = time.monotonic()
+        models = [self.cost_model(c.worker) for c in candidates]
+        self._fleet_utilization = sum(m.utilization for m in models) / len(models)
         figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
