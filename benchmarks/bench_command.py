@@ -5,6 +5,12 @@ simulated workers (same seed, profile, capacity and page size every time, so eve
 starts from cold, identical caches), start the contender in front of them, replay the workload
 open-loop, collect per-request results and per-worker counts, stop everything. Then print the
 Markdown table, write the JSON and the plots.
+
+``--suite tiered`` runs the tiered-KV-cache scenario the same way, once per tier setting (no HiCache,
+a host tier per worker, a host tier plus a storage tier all workers share): the ``longctx`` workload
+(long-document QA and multi-turn chat whose working set exceeds the fleet's GPU memory) through
+every contender, reporting TTFT, hit rate per tier, goodput at a TTFT SLO and GPU-seconds per
+request, and checking the targets of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.client import ClientOptions, LatencyProbe, run_load
-from benchmarks.cluster import Cluster, ClusterError, ClusterSpec
+from benchmarks.cluster import HICACHE_SETTINGS, Cluster, ClusterError, ClusterSpec
 from benchmarks.contenders import ContenderError, create_contender, validate_contender_names
 from benchmarks.matrix import (
     FLEETS,
@@ -34,7 +40,16 @@ from benchmarks.matrix import (
 )
 from benchmarks.metrics import RequestResult, Summary, failed, percentile, summarize
 from benchmarks.oracle import oracle_hit_rate
-from benchmarks.report import BenchReport, markdown_table, overhead_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
+from benchmarks.report import (
+    BenchReport,
+    TieredReport,
+    markdown_table,
+    overhead_table,
+    plot_ttft_cdf,
+    plot_ttft_vs_load,
+    tiered_table,
+    write_json,
+)
 from benchmarks.workloads import (
     TraceError,
     TraceWindow,
@@ -42,6 +57,7 @@ from benchmarks.workloads import (
     block_text,
     gsp_workload,
     iter_token_ids,
+    longctx_workload,
     multiturn_workload,
     trace_workload,
 )
@@ -50,6 +66,10 @@ __all__ = ["configure", "main"]
 
 DEFAULT_CONTENDERS = "envoy-rr,envoy-lr,envoy-ringhash,sgl-router,ours:prefix-aware"
 DEFAULT_RATE = 8.0  # req/s for gsp and multiturn: below saturation for every contender at the default sizes
+DEFAULT_SPEEDUP = 0.25
+TIERED_SPEEDUP = 0.5
+# The tiered suite's peers: round robin, sgl-router, smg (when this build has it), Dynamo's cost, ours.
+TIERED_CONTENDERS = ("envoy-rr", "sgl-router", "smg", "ours:dynamo-cost", "ours:prefix-aware")
 
 
 def _rates(text: str) -> list[float]:
@@ -94,10 +114,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--suite",
-        choices=["routing", "overhead"],
+        choices=["routing", "overhead", "tiered"],
         default="routing",
         help="routing: the workload through every contender; overhead: added latency of "
-        "the gateways on instant workers (Envoy direct vs ours vs sgl-router).",
+        "the gateways on instant workers (Envoy direct vs ours vs sgl-router); tiered: the tiered-KV-cache "
+        "scenario (long-context QA + multi-turn chat, a GPU pool smaller than the working set) through "
+        "every contender x {no HiCache, host tier, host + shared storage tier}.",
     )
 
     g = parser.add_argument_group("workload")
@@ -210,9 +232,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--speedup",
         type=_positive(float),
-        default=0.25,
-        help="Simulated GPU time is divided by this (0.25: a GPU four times slower than the profile, "
-        "so a 2-core machine can offer loads at which prefill time and queueing matter). Arrival "
+        default=None,
+        help="Simulated GPU time is divided by this (default 0.25, --suite tiered 0.5; 0.25: a GPU four "
+        "times slower than the profile, so a 2-core machine can offer loads at which prefill time and "
+        "queueing matter). Arrival "
         "times are NOT scaled by it: the same utilisation at speedup S needs the rate (or "
         "--time-scale) multiplied by S. Gateway overheads are real time, so they weigh 1/S "
         "times less than on a real GPU of the profile; see `--suite overhead` for them.",
@@ -249,6 +272,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Write PNG plots here (TTFT CDF per offered load; TTFT vs load for sweeps).",
     )
     r.add_argument("--no-progress", action="store_true", help="No progress bar (for logs).")
+
+    lc = parser.add_argument_group(
+        "--suite tiered (workload longctx; --contenders defaults to envoy-rr, sgl-router, smg when available, "
+        "ours:dynamo-cost, ours:prefix-aware; --workers, --profile, --speedup, --capacity-tokens, --page-size, "
+        "--output-len and --seed apply)"
+    )
+    lc.add_argument(
+        "--tiers",
+        default=",".join(HICACHE_SETTINGS),
+        help="Comma-separated tier settings: none (GPU only), host (a HiCache host tier per worker, 2x its GPU "
+        "pool, write-through), host+shared (plus SGLang's file storage tier in one directory all workers share).",
+    )
+    lc.add_argument("--lc-docs", type=_positive(int), default=24, help="Documents of the QA part.")
+    lc.add_argument("--lc-doc-len", type=_positive(int), default=8192, help="Tokens per document.")
+    lc.add_argument("--lc-questions", type=_positive(int), default=5, help="Questions asked about each document.")
+    lc.add_argument("--lc-question-len", type=_positive(int), default=64, help="Tokens per question.")
+    lc.add_argument("--lc-sessions", type=_positive(int), default=16, help="Multi-turn chat sessions.")
+    lc.add_argument("--lc-turns", type=_positive(int), default=5, help="Turns per chat session.")
+    lc.add_argument(
+        "--lc-system-len", type=_positive(int), default=1024, help="Tokens of the system prompt all sessions share."
+    )
+    lc.add_argument(
+        "--lc-turn-len", type=_positive(int), default=256, help="Tokens of each turn's question and of its answer."
+    )
+    lc.add_argument(
+        "--lc-duration",
+        type=_positive(float),
+        default=48.0,
+        help="Seconds over which the requests arrive (Poisson): sets the offered load.",
+    )
+    lc.add_argument(
+        "--slo-ttft-ms",
+        type=_positive(float),
+        default=1000.0,
+        help="TTFT service level (wall ms): goodput counts the requests that met it.",
+    )
 
     o = parser.add_argument_group("--suite overhead (plain Envoy vs ours:<policy> from --contenders vs sgl-router)")
     o.add_argument(
@@ -346,6 +405,7 @@ async def run_one(
                 if r.error is None and r.upstream:
                     counts[r.upstream] = counts.get(r.upstream, 0) + 1
         summary = summarize(name, rate, results, counts, spec.workers)
+        summary.fleet = await cluster.fleet_figures()
         ttfts = sorted(r.ttft_s for r in results if r.error is None and r.ttft_s is not None)
         return summary, ttfts
     finally:
@@ -524,6 +584,97 @@ async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return table, data
 
 
+def tiered_contenders(text: str | None) -> tuple[list[str], list[str]]:
+    """The contenders to run and those this build lacks (reported, not silently dropped)."""
+    names = [n.strip() for n in text.split(",") if n.strip()] if text else list(TIERED_CONTENDERS)
+    present, missing = [], []
+    for name in names:
+        try:
+            create_contender(name)
+        except ValueError:
+            if text:
+                raise  # asked for explicitly: a typo must fail
+            missing.append(name)
+            continue
+        present.append(name)
+    return present, missing
+
+
+async def run_tiered(args: argparse.Namespace) -> TieredReport:
+    """Every contender on a fresh cluster per tier setting, the same longctx workload each time."""
+    explicit = args.contenders if args.contenders != DEFAULT_CONTENDERS else None
+    names, missing = tiered_contenders(explicit)
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    unknown = [t for t in tiers if t not in HICACHE_SETTINGS]
+    if unknown or not tiers:
+        raise ValueError(f"--tiers takes {', '.join(HICACHE_SETTINGS)}; got {args.tiers!r}")
+    workload = longctx_workload(
+        docs=args.lc_docs,
+        doc_len=args.lc_doc_len,
+        questions_per_doc=args.lc_questions,
+        question_len=args.lc_question_len,
+        sessions=args.lc_sessions,
+        turns=args.lc_turns,
+        system_prompt_len=args.lc_system_len,
+        turn_len=args.lc_turn_len,
+        output_len=args.output_len,
+        duration_s=args.lc_duration,
+        seed=args.seed,
+    )
+    if args.max_requests is not None:
+        workload.requests = workload.requests[: args.max_requests]
+    options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
+    oracle = oracle_hit_rate(
+        iter_token_ids(workload.requests),
+        args.workers * args.capacity_tokens,
+        args.page_size,
+        max_prompt_tokens=args.capacity_tokens,
+    )
+    print(
+        f"# {workload.name}: {len(workload.requests)} requests over {workload.duration_s:.1f} s "
+        f"(offered {workload.offered_rate:.2f} req/s); GPU-only pooled-cache oracle hit rate {oracle:.3f}"
+        + (f"; not in this build: {', '.join(missing)}" if missing else ""),
+        file=sys.stderr,
+    )
+    rows: list[tuple[str, Summary, list[float]]] = []
+    for tier in tiers:
+        spec = ClusterSpec(
+            workers=args.workers,
+            profile=args.profile,
+            speedup=args.speedup,
+            capacity_tokens=args.capacity_tokens,
+            page_size=args.page_size,
+            seed=args.seed,
+            hicache=tier,  # checked against HICACHE_SETTINGS above
+        )
+        for name in names:
+            summary, ttfts = await run_one(name, workload, spec, options, None, not args.no_progress)
+            rows.append((tier, summary, ttfts))
+            fleet = summary.fleet
+            status = (
+                f"did not start: {summary.start_error}"
+                if summary.start_error
+                else f"TTFT p50 {summary.ttft_s['p50'] * 1000:.0f} ms, p99 {summary.ttft_s['p99'] * 1000:.0f} ms, "
+                f"hit {summary.hit_rate:.3f}, GPU-s/req "
+                + (f"{fleet.gpu_seconds / max(summary.requests - summary.errors, 1):.3f}" if fleet else "-")
+                + f", errors {summary.errors}"
+            )
+            print(f"  [{tier}] {name}: {status}", file=sys.stderr)
+    setup = {
+        "workers": args.workers,
+        "profile": args.profile,
+        "speedup": args.speedup,
+        "capacity_tokens": args.capacity_tokens,
+        "page_size": args.page_size,
+        "seed": args.seed,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "missing_contenders": missing,
+        "argv": sys.argv[1:],
+        "versions": _versions(),
+    }
+    return TieredReport(workload.name, dict(workload.params), oracle, rows, args.slo_ttft_ms / 1000.0, setup)
+
+
 def _overhead_body(seed: int, tokens: int, i: int) -> bytes:
     text = block_text(f"overhead/{seed}/{tokens}", i, tokens)
     return json.dumps(
@@ -602,6 +753,21 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     if args.matrix:
         return run_matrix_command(args)
+    if args.speedup is None:  # the tiered suite's long prompts need less stretching to load the fleet
+        args.speedup = TIERED_SPEEDUP if args.suite == "tiered" else DEFAULT_SPEEDUP
+    if args.suite == "tiered":
+        try:
+            started = time.monotonic()
+            tiered = asyncio.run(run_tiered(args))
+        except ValueError as exc:
+            print(f"prefix-router bench: {exc}", file=sys.stderr)
+            return 2
+        print(tiered_table(tiered))
+        if args.json is not None:
+            args.json.write_text(json.dumps(tiered.to_json(), indent=2) + "\n")
+            print(f"results written to {args.json}", file=sys.stderr)
+        print(f"bench finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        return 0 if any(s.start_error is None for _tier, s, _t in tiered.rows) else 1
     if args.suite == "overhead":
         try:
             table, data = asyncio.run(run_overhead(args))

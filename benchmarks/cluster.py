@@ -7,20 +7,37 @@ numbers. All workers share one seed: a worker's output depends only on the promp
 a request produces the same tokens whichever worker a contender sends it to. Every worker serves
 both front doors, the HTTP API (``urls``) and SGLang's gRPC scheduler API (``grpc_urls``), so the
 clusters stay identical whichever one a contender talks to.
+
+``hicache`` gives the workers SGLang's tiered KV cache: ``host`` a host-memory tier each
+(``--enable-hierarchical-cache``, SGLang's defaults: twice the GPU pool, write-through), ``host+shared``
+also the ``file`` storage tier in one fresh directory all of the cluster's workers share (removed
+with the cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import aiohttp
 
-__all__ = ["Cluster", "ClusterError", "ClusterSpec"]
+from benchmarks.metrics import FleetFigures
+
+__all__ = ["HICACHE_SETTINGS", "Cluster", "ClusterError", "ClusterSpec"]
 
 _REQUESTS_TOTAL = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+_PROMPT_TOTAL = re.compile(r"^sglang:prompt_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+_CACHED_BY_SOURCE = re.compile(
+    r'^sglang:cached_tokens_total\{[^}]*cache_source="(\w+)"[^}]*\}\s+([0-9.eE+-]+)\s*$', re.MULTILINE
+)
+
+HicacheSetting = Literal["none", "host", "host+shared"]
+HICACHE_SETTINGS: tuple[HicacheSetting, ...] = ("none", "host", "host+shared")
 
 
 class ClusterError(RuntimeError):
@@ -37,6 +54,7 @@ class ClusterSpec:
     capacity_tokens: int
     page_size: int
     seed: int
+    hicache: HicacheSetting = "none"
 
 
 class Cluster:
@@ -45,6 +63,16 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self._workers: list[Any] = []
+        self._storage: Path | None = None
+
+    def _tier_options(self) -> dict[str, Any]:
+        if self.spec.hicache == "none":
+            return {}
+        options: dict[str, Any] = {"enable_hierarchical_cache": True}
+        if self.spec.hicache == "host+shared":
+            self._storage = Path(tempfile.mkdtemp(prefix="bench-hicache-"))
+            options |= {"hicache_storage_backend": "file", "file_storage_path": str(self._storage)}
+        return options
 
     @property
     def urls(self) -> list[str]:
@@ -69,6 +97,7 @@ class Cluster:
                 seed=self.spec.seed,
                 log_level="warning",
                 grpc=True,
+                **self._tier_options(),
             )
         except (SimWorkerError, OSError) as exc:  # reported in the contender's row
             raise ClusterError(str(exc)[-1000:]) from None
@@ -107,7 +136,33 @@ class Cluster:
                 counts[str(worker.url)] = int(float(match.group(1)))
         return counts
 
+    async def fleet_figures(self) -> FleetFigures | None:
+        """Prompt and cached tokens by tier (``/metrics``) and simulated GPU seconds (``/server_info``)."""
+        figures = FleetFigures()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            for worker in self._workers:
+                try:
+                    async with session.get(f"{worker.url}/metrics") as resp:
+                        text = await resp.text()
+                    async with session.get(f"{worker.url}/server_info") as resp:
+                        info = await resp.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    return None
+                prompt = _PROMPT_TOTAL.search(text)
+                busy = (info.get("simulator") or {}).get("busy_seconds") if isinstance(info, dict) else None
+                if prompt is None or not isinstance(busy, dict):
+                    return None
+                figures.prompt_tokens += int(float(prompt.group(1)))
+                for source, value in _CACHED_BY_SOURCE.findall(text):
+                    figures.cached_tokens[source] = figures.cached_tokens.get(source, 0) + int(float(value))
+                figures.busy_prefill_s += float(busy.get("prefill", 0.0))
+                figures.busy_decode_s += float(busy.get("decode", 0.0))
+        return figures
+
     async def stop(self) -> None:
         workers, self._workers = self._workers, []
         for worker in workers:
             await asyncio.to_thread(worker.stop)
+        if self._storage is not None:
+            shutil.rmtree(self._storage, ignore_errors=True)
+            self._storage = None

@@ -7,7 +7,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestResult", "Summary", "distribution", "failed", "max_over_mean", "percentile", "summarize"]
+__all__ = [
+    "FleetFigures",
+    "RequestResult",
+    "Summary",
+    "distribution",
+    "failed",
+    "max_over_mean",
+    "percentile",
+    "summarize",
+]
 
 
 @dataclass
@@ -47,6 +56,35 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
 
 
 @dataclass
+class FleetFigures:
+    """What the workers themselves counted over a run (summed over the cluster)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # by tier: device, host, storage
+    busy_prefill_s: float = 0.0  # simulated GPU seconds spent in prefill batches
+    busy_decode_s: float = 0.0  # ... and in decode steps
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.busy_prefill_s + self.busy_decode_s
+
+    def hit_rate(self, source: str) -> float:
+        return self.cached_tokens.get(source, 0) / self.prompt_tokens if self.prompt_tokens else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": dict(self.cached_tokens),
+            "busy_prefill_s": self.busy_prefill_s,
+            "busy_decode_s": self.busy_decode_s,
+        }
+
+
+class ClusterError(RuntimeError):
+    """The workers could not be started (the message carries the worker's own error)."""
+
+
+@dataclass
 class Summary:
     """One contender's figures at one offered load."""
 
@@ -63,6 +101,7 @@ class Summary:
     duration_s: float
     error_samples: list[str] = field(default_factory=list)
     start_error: str | None = None  # the contender could not start: every figure is NaN
+    fleet: FleetFigures | None = None  # what the workers counted (tokens by tier, GPU seconds), if they said
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +118,7 @@ class Summary:
             "duration_s": self.duration_s,
             "error_samples": self.error_samples,
             "start_error": self.start_error,
+            "fleet": self.fleet.to_json() if self.fleet is not None else None,
         }
 
 

@@ -15,7 +15,16 @@ from typing import Any
 
 from benchmarks.metrics import Summary, percentile
 
-__all__ = ["BenchReport", "markdown_table", "overhead_table", "plot_ttft_cdf", "plot_ttft_vs_load", "write_json"]
+__all__ = [
+    "BenchReport",
+    "TieredReport",
+    "markdown_table",
+    "overhead_table",
+    "plot_ttft_cdf",
+    "plot_ttft_vs_load",
+    "tiered_table",
+    "write_json",
+]
 
 ROUND_ROBIN_NAMES = ("envoy-rr", "ours:round-robin")
 SGL_NAME = "sgl-router"
@@ -252,4 +261,165 @@ def overhead_table(latencies: dict[str, dict[int, list[float]]], throughput: dic
     if throughput:
         lines += ["", "| gateway | requests/s (routing decisions/s), closed loop |", "|---|---:|"]
         lines += [f"| {name} | {value:.0f} |" for name, value in throughput.items()]
+    return "\n".join(lines) + "\n"
+
+
+# -- the tiered-cache suite -------------------------------------------------------------------------
+OURS = "ours:prefix-aware"
+TIER_LABELS = {"none": "no HiCache", "host": "host tier", "host+shared": "host + shared storage tier"}
+
+
+class TieredReport:
+    """``--suite tiered``: per tier setting, every contender's figures (and each request's TTFT)."""
+
+    def __init__(
+        self,
+        workload: str,
+        params: dict[str, Any],
+        oracle: float,
+        rows: Sequence[tuple[str, Summary, list[float]]],
+        slo_s: float,
+        setup: dict[str, Any],
+    ) -> None:
+        self.workload = workload
+        self.params = params
+        self.oracle = oracle
+        self.rows = list(rows)
+        self.slo_s = slo_s
+        self.setup = setup
+
+    def tiers(self) -> list[str]:
+        return list(dict.fromkeys(tier for tier, _s, _t in self.rows))
+
+    def find(self, tier: str, name: str) -> Summary | None:
+        for t, s, _ttfts in self.rows:
+            if t == tier and s.name == name and s.start_error is None:
+                return s
+        return None
+
+    def goodput(self, summary: Summary, ttfts: Sequence[float]) -> tuple[float, float]:
+        """(requests/s that met the TTFT SLO, their share of all requests)."""
+        met = sum(1 for t in ttfts if t <= self.slo_s)
+        rate = met / summary.duration_s if summary.duration_s else math.nan
+        return rate, met / summary.requests if summary.requests else math.nan
+
+    def targets(self) -> list[tuple[str, bool | None, str]]:
+        """The scenario's targets (docs/benchmarks.md): (what, met or None when not measurable, figures)."""
+        out: list[tuple[str, bool | None, str]] = []
+        ours_host, rr_none = self.find("host", OURS), self.find("none", "envoy-rr")
+        if ours_host is not None and rr_none is not None:
+            cut = 1 - _ratio(ours_host.ttft_s["p50"], rr_none.ttft_s["p50"])
+            out.append(
+                ("ours (host tier) TTFT p50 >= 40% below round robin without HiCache", cut >= 0.40, f"{cut:.0%} lower")
+            )
+            ours_gpu, rr_gpu = gpu_seconds_per_request(ours_host), gpu_seconds_per_request(rr_none)
+            saved = 1 - _ratio(ours_gpu, rr_gpu)
+            out.append(
+                (
+                    "ours (host tier) >= 25% fewer GPU-seconds per request than round robin without HiCache",
+                    saved >= 0.25 if math.isfinite(saved) else None,
+                    f"{saved:.0%} fewer ({_fmt(ours_gpu)} vs {_fmt(rr_gpu)} s)",
+                )
+            )
+        else:
+            out.append(("ours (host tier) vs round robin without HiCache", None, "a run is missing"))
+        for tier in self.tiers():
+            ours = self.find(tier, OURS)
+            peers = [s for t, s, _ in self.rows if t == tier and s.name != OURS and s.start_error is None]
+            if ours is None or not peers:
+                out.append((f"{TIER_LABELS.get(tier, tier)}: ours at or below every peer", None, "a run is missing"))
+                continue
+            worse = [
+                f"{p.name} {q} {_ms(p.ttft_s[q])} < ours {_ms(ours.ttft_s[q])} ms"
+                for p in peers
+                for q in ("p50", "p99")
+                if ours.ttft_s[q] > p.ttft_s[q]
+            ]
+            out.append(
+                (
+                    f"{TIER_LABELS.get(tier, tier)}: ours TTFT p50 and p99 at or below every peer's",
+                    not worse,
+                    "; ".join(worse) if worse else f"peers: {', '.join(p.name for p in peers)}",
+                )
+            )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for tier, summary, ttfts in self.rows:
+            rate, share = self.goodput(summary, ttfts)
+            fleet = summary.fleet
+            rows.append(
+                summary.to_json()
+                | {
+                    "tier": tier,
+                    "goodput_req_s": rate,
+                    "goodput_share": share,
+                    "gpu_seconds_per_request": gpu_seconds_per_request(summary),
+                    "hit_rate_by_tier": {src: fleet.hit_rate(src) for src in ("device", "host", "storage")}
+                    if fleet
+                    else None,
+                }
+            )
+        out: dict[str, Any] = _clean(
+            {
+                "suite": "tiered",
+                "workload": self.workload,
+                "params": self.params,
+                "setup": self.setup,
+                "slo_ttft_s": self.slo_s,
+                "gpu_only_oracle_hit_rate": self.oracle,
+                "rows": rows,
+                "targets": [{"target": t, "met": m, "figures": f} for t, m, f in self.targets()],
+            }
+        )
+        return out
+
+
+def gpu_seconds_per_request(summary: Summary) -> float:
+    """Simulated GPU seconds (prefill + decode, whole fleet) per successful request."""
+    done = summary.requests - summary.errors
+    if summary.fleet is None or done <= 0:
+        return math.nan
+    return summary.fleet.gpu_seconds / done
+
+
+def tiered_table(report: TieredReport) -> str:
+    """One table per tier setting, then the targets; ratios are against round robin without HiCache."""
+    slo_ms = report.slo_s * 1000
+    rr = report.find("none", "envoy-rr")
+    lines: list[str] = []
+    for tier in report.tiers():
+        lines += [
+            f"**{report.workload}, {TIER_LABELS.get(tier, tier)}** (TTFT SLO {slo_ms:.0f} ms; GPU-only pooled "
+            f"oracle hit rate {_fmt(report.oracle)})",
+            "",
+            "| contender | requests | errors | TTFT p50 ms | TTFT p99 ms | hit GPU | hit host | hit storage "
+            f"| goodput req/s (share) @{slo_ms:.0f} ms | GPU-s / req | p50 / RR-none | GPU-s / RR-none |",
+            "|" + "---|" * 12,
+        ]
+        for t, s, ttfts in report.rows:
+            if t != tier:
+                continue
+            if s.start_error is not None:
+                lines.append(f"| {s.name} | did not start: {s.start_error[:160].replace('|', '/')} |" + " |" * 10)
+                continue
+            fleet = s.fleet
+            hits = [fleet.hit_rate(src) if fleet else math.nan for src in ("device", "host", "storage")]
+            rate, share = report.goodput(s, ttfts)
+            gpu = gpu_seconds_per_request(s)
+            lines.append(
+                f"| {s.name} | {s.requests} | {s.errors} | {_ms(s.ttft_s['p50'])} | {_ms(s.ttft_s['p99'])} "
+                f"| {_fmt(hits[0])} | {_fmt(hits[1])} | {_fmt(hits[2])} | {_fmt(rate, 2)} ({_fmt(share, 2)}) "
+                f"| {_fmt(gpu)} | {_fmt(_ratio(s.ttft_s['p50'], rr.ttft_s['p50']) if rr else math.nan, 2)} "
+                f"| {_fmt(_ratio(gpu, gpu_seconds_per_request(rr)) if rr else math.nan, 2)} |"
+            )
+        lines.append("")
+    lines += ["**Targets**", ""]
+    for target, met, figures in report.targets():
+        mark = "n/a" if met is None else ("met" if met else "NOT met")
+        lines.append(f"- {target}: **{mark}** ({figures})")
+    missing = report.setup.get("missing_contenders") or []
+    if missing:
+        lines.append(f"- not in this build, not run: {', '.join(missing)}")
     return "\n".join(lines) + "\n"

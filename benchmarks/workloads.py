@@ -16,10 +16,14 @@ Three generators:
   answer appended each turn); sessions start as a Poisson process, turns follow at a fixed interval.
 - ``trace``: Mooncake-format JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
   ``hash_ids``) with a configurable block size, time compression, rate scaling and a window.
+- ``longctx``: the tiered-cache scenario (``prefix-router bench --suite tiered``): document QA over
+  long documents interleaved with multi-turn chat sessions, sized so that the fleet's GPU pool holds
+  only part of the working set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -42,6 +46,7 @@ __all__ = [
     "docqa_workload",
     "gsp_workload",
     "hot_burst_workload",
+    "longctx_workload",
     "multiturn_workload",
     "poisson_arrivals",
     "prefix_hash",
@@ -361,6 +366,80 @@ def docqa_workload(
         "seed": seed,
     }
     return Workload("docqa", requests, params)
+
+
+# -- long-context: document QA + multi-turn chat ----------------------------------------------
+
+
+def longctx_workload(
+    *,
+    docs: int,
+    doc_len: int,
+    questions_per_doc: int,
+    question_len: int,
+    sessions: int,
+    turns: int,
+    system_prompt_len: int,
+    turn_len: int,
+    output_len: int,
+    duration_s: float,
+    seed: int,
+) -> Workload:
+    """Long-context traffic whose working set is larger than the fleet's GPU memory.
+
+    Document QA: ``docs`` documents of ``doc_len`` tokens (sent as the system message, as retrieved
+    context is), each asked ``questions_per_doc`` questions at random moments over the run, so every
+    document stays in the working set from start to end. Multi-turn chat: ``sessions`` sessions
+    sharing one ``system_prompt_len`` system prompt, each turn resending the history plus a
+    ``turn_len`` question (with a ``turn_len`` answer appended), turns spread evenly over the rest of
+    the run after the session starts. Arrivals of both are Poisson over ``duration_s``.
+    """
+    if min(docs, doc_len, questions_per_doc, question_len, sessions, turns, system_prompt_len, turn_len) <= 0:
+        raise ValueError("longctx sizes must all be positive")
+    if duration_s <= 0 or output_len <= 0:
+        raise ValueError("longctx duration and output length must be positive")
+    doc_requests = docs * questions_per_doc
+    qa = gsp_workload(
+        groups=docs,
+        prompts_per_group=questions_per_doc,
+        system_prompt_len=doc_len,
+        question_len=question_len,
+        output_len=output_len,
+        rate=doc_requests / duration_s,
+        seed=seed,
+    )
+    # Sessions start over the first half of the run; their turns spread over the rest of it.
+    interval = duration_s / 2 / max(turns - 1, 1)
+    chat = multiturn_workload(
+        sessions=sessions,
+        turns=turns,
+        system_prompt_len=system_prompt_len,
+        question_len=turn_len,
+        answer_len=turn_len,
+        output_len=output_len,
+        turn_interval_s=interval,
+        rate=sessions * turns / (duration_s / 2),
+        seed=seed,
+    )
+    merged = sorted(qa.requests + chat.requests, key=lambda r: (r.arrival_s, r.session or "", r.index))
+    requests = [dataclasses.replace(r, index=i) for i, r in enumerate(merged)]
+    return Workload(
+        "longctx",
+        requests,
+        {
+            "docs": docs,
+            "doc_len": doc_len,
+            "questions_per_doc": questions_per_doc,
+            "question_len": question_len,
+            "sessions": sessions,
+            "turns": turns,
+            "system_prompt_len": system_prompt_len,
+            "turn_len": turn_len,
+            "output_len": output_len,
+            "duration_s": duration_s,
+            "seed": seed,
+        },
+    )
 
 
 # -- Mooncake traces ------------------------------------------------------------------------

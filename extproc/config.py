@@ -177,6 +177,14 @@ class IndexConfig(Section):
     default_block_size: int = Field(
         16, gt=0, description="Block size when neither the model config nor /server_info nor events give the page size."
     )
+    shared_tier: bool = Field(
+        True,
+        description=(
+            "Credit a storage tier shared by HiCache workers: workers whose /server_info names the same storage "
+            "backend and location (and model, TP size) share it, and every page one of them backs up to host "
+            "memory counts for all of them."
+        ),
+    )
 
 
 class MemoryConfig(Section):
@@ -218,6 +226,14 @@ class LoadConfig(Section):
 
     poll_interval_s: float = Field(0.5, description="How often /v1/loads (or /metrics) is polled per worker.")
     timeout_s: float = Field(1.0, description="HTTP timeout of one load poll.")
+    tier_poll_interval_s: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "How often /metrics of HiCache workers is read for their reported load-back and storage-prefetch "
+            "costs (0: never; the documented priors are used)."
+        ),
+    )
 
 
 class HealthConfig(Section):

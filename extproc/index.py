@@ -10,6 +10,12 @@ Three kinds of entry, kept apart because they deserve different trust:
   back-to-back requests with one prefix land together before the first event arrives; for a worker
   whose state is unknown (no events, or a gap that replay could not repair) they live
   ``fallback_ttl_s`` and are the only evidence the router has;
+- *shared* entries are pages a storage tier holds that several workers read (SGLang HiCache's L3, e.g.
+  the ``file`` backend on one directory). 0.5.23 publishes no events for L3, but every page a worker
+  backs up to host memory (``BlockStored`` with medium ``CPU_PINNED``) is also written to its storage
+  backend, so those pages are recorded per storage group (the workers sharing one backend) and count
+  for every worker of the group. L3 keeps pages when host memory drops them, so removals do not
+  touch this tier; it counts against the same memory bound as the rest;
 - nothing else: an entry is never inferred.
 
 Memory is bounded fleet-wide (``extproc.memory``): beyond ``max_blocks`` confirmed entries (all
@@ -23,14 +29,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from extproc.config import IndexConfig
 from extproc.memory import BLOCK_BYTES, RECENT_BYTES, MemoryPlan
 
-__all__ = ["TIERS", "BlockIndex", "rank_key", "tier_of"]
+__all__ = ["SHARED_TIER", "TIERS", "BlockIndex", "TierDepth", "rank_key", "tier_of"]
 
 TIERS = ("gpu", "host", "disk")
+SHARED_TIER = "shared"  # pages of a storage tier shared by a group of workers (keyed by group, not worker)
+_GROUP_PREFIX = "storage-group:"
 
 _MEDIUM_TIER = {
     None: "gpu",
@@ -123,6 +132,20 @@ class _Tier:
         return len(self.order.get(slot, ()))
 
 
+@dataclass(frozen=True)
+class TierDepth:
+    """Leading blocks of a prompt a worker can serve from each tier, cumulatively.
+
+    ``gpu``: on the GPU (or recently routed there); ``local``: on the GPU then in its host memory (the
+    contiguous prefix the worker's own cache matches); ``shared``: ``local`` plus the run of following
+    blocks its storage group holds (what a storage prefetch can bring in). ``gpu <= local <= shared``.
+    """
+
+    gpu: int
+    local: int
+    shared: int
+
+
 class BlockIndex:
     """Per-worker block sets with fleet-wide lookup. Thread-safe (one lock; every call is short)."""
 
@@ -143,7 +166,7 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
-        self._tiers = {name: _Tier() for name in TIERS}
+        self._tiers = {name: _Tier() for name in (*TIERS, SHARED_TIER)}
         # Router's own record: key -> {slot: time routed}; per slot a FIFO of (time, keys) for expiry.
         self._recent: dict[int, dict[int, float]] = {}
         self._recent_fifo: dict[int, deque[tuple[float, Sequence[int]]]] = {}
@@ -194,6 +217,22 @@ class BlockIndex:
                 return
             self.blocks_total -= dropped
             excess -= dropped
+
+    def store_shared(self, group: str, keys: Sequence[int]) -> None:
+        """Pages now held by a storage tier the workers of ``group`` share."""
+        with self._lock:  # under the same memory budget as the workers' own entries
+            self.blocks_total += self._tiers[SHARED_TIER].add(self._slot(_GROUP_PREFIX + group), keys)
+            if self.blocks_total > self.max_blocks:
+                self._evict_confirmed(self.blocks_total - self.max_blocks)
+
+    def shared_size(self, group: str) -> int:
+        with self._lock:
+            slot = self._slots.get(_GROUP_PREFIX + group)
+            return self._tiers[SHARED_TIER].count(slot) if slot is not None else 0
+
+    def shared_groups(self) -> list[str]:
+        with self._lock:
+            return [w[len(_GROUP_PREFIX) :] for w in self._slots if w.startswith(_GROUP_PREFIX)]
 
     def remove(self, worker_id: str, keys: Sequence[int], tier: str = "gpu") -> None:
         with self._lock:
@@ -282,8 +321,10 @@ class BlockIndex:
                         del recent[key]
 
     # -- read path ------------------------------------------------------------------------------
-    def match(self, keys: Sequence[int], worker_ids: Sequence[str], tier: str = "gpu") -> dict[str, int]:
-        """Leading blocks of ``keys`` each worker holds (confirmed in ``tier``, or recently sent).
+    def match(
+        self, keys: Sequence[int], worker_ids: Sequence[str], tier: str | Sequence[str] = "gpu"
+    ) -> dict[str, int]:
+        """Leading blocks of ``keys`` each worker holds (confirmed in ``tier``, or in any of several, or recently sent).
 
         Walks the prompt's keys once, carrying the set of workers still matching as a bitmask, and
         stops as soon as none does: cost is proportional to the matched prefix, not to the fleet.
@@ -297,7 +338,8 @@ class BlockIndex:
             for slot in slots:
                 alive |= 1 << slot
             depth = dict.fromkeys(slots, 0)
-            holders = self._tiers[tier].holders
+            tiers = (tier,) if isinstance(tier, str) else tuple(tier)
+            holder_maps = [self._tiers[t].holders for t in tiers]
             recent = self._recent
             # Per slot, the oldest record time still fresh (its TTL depends on the event state);
             # slots not asked about never match. Hoisted out of the per-key loop (the hot part).
@@ -307,7 +349,18 @@ class BlockIndex:
             synced = self._synced
             for slot in slots:
                 fresh[slot] = spec_cut if synced >> slot & 1 else fallback_cut
-            holders_get, recent_get = holders.get, recent.get
+            recent_get = recent.get
+            holders_get: Callable[[int, int], int]
+            if len(holder_maps) == 1:
+                holders_get = holder_maps[0].get
+            else:
+
+                def holders_get(key: int, default: int = 0) -> int:
+                    mask = default
+                    for holders in holder_maps:
+                        mask |= holders.get(key, 0)
+                    return mask
+
             for i, key in enumerate(keys):
                 mask = holders_get(key, 0) & alive
                 entry = recent_get(key) if mask != alive else None  # confirmed for all: skip the record
@@ -329,6 +382,34 @@ class BlockIndex:
                     if alive >> slot & 1:
                         depth[slot] = len(keys)
             return {w: depth[s] for w, s in zip(worker_ids, slots)}
+
+    def match_tiers(
+        self, keys: Sequence[int], worker_ids: Sequence[str], groups: Mapping[str, str | None] | None = None
+    ) -> dict[str, TierDepth]:
+        """Per worker, how far the prompt reaches on its GPU, then its host memory, then its storage group."""
+        gpu = self.match(keys, worker_ids, "gpu")
+        local = self.match(keys, worker_ids, ("gpu", "host")) if self.has_tier("host") else gpu
+        out: dict[str, TierDepth] = {}
+        shared_holders = self._tiers[SHARED_TIER].holders
+        runs: dict[tuple[str, int], int] = {}  # workers of one group starting at one depth share the walk
+        for wid in worker_ids:
+            g, l_ = gpu[wid], max(local[wid], gpu[wid])
+            total = l_
+            group = groups.get(wid) if groups else None
+            if group is not None and shared_holders:
+                run = runs.get((group, l_))
+                if run is None:
+                    with self._lock:
+                        slot = self._slots.get(_GROUP_PREFIX + group)
+                        run = 0
+                        if slot is not None:
+                            bit = 1 << slot
+                            while l_ + run < len(keys) and shared_holders.get(keys[l_ + run], 0) & bit:
+                                run += 1
+                    runs[(group, l_)] = run
+                total += run
+            out[wid] = TierDepth(g, l_, total)
+        return out
 
     def blocks(self, worker_id: str, tier: str = "gpu") -> set[int]:
         """The confirmed keys of one worker in one tier (a copy)."""

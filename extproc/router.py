@@ -40,10 +40,11 @@ from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_co
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.request import ParsedRequest, RequestError
 from extproc.response import DP_RANK_HEADERS
-from extproc.sync.discovery import dp_size, page_size
+from extproc.sync.discovery import dp_size, page_size, storage_group
 from extproc.sync.hub import EventHub
 from extproc.sync.load import LoadTracker
 from extproc.sync.shared_state import SharedDecisions
+from extproc.sync.tier_stats import TierStatsTracker
 from extproc.sync.workers import Worker, WorkerRegistry
 from extproc.telemetry import Telemetry
 from extproc.tokenization import ModelTokenizer
@@ -98,6 +99,7 @@ class Router:
         self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
         self.events = EventHub(config.events, registry, self.index, SharedBound(self.memory.engine_hashes))
         self.loads = LoadTracker(config.load, registry)
+        self.tier_stats = TierStatsTracker(config.load, registry)
         self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
         self.telemetry.watch_fleet(registry, self.index, self.events)
         self.shared: SharedDecisions | None = None
@@ -136,6 +138,7 @@ class Router:
         """Start background work (event subscriptions, load polling)."""
         await self.events.start()
         await self.loads.start()
+        await self.tier_stats.start()
         if self.shared is not None:
             await self.shared.start()
 
@@ -143,6 +146,7 @@ class Router:
         """Stop background work and flush spans."""
         if self.shared is not None:
             await self.shared.stop()
+        await self.tier_stats.stop()
         await self.loads.stop()
         await self.events.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -226,7 +230,8 @@ class Router:
             log.info("routing %s without tokens: %s", parsed.path, prompt.error)
             self.telemetry.tokenize_failed(model)
         tokens = prompt.tokens
-        loads, events = self.loads, self.events
+        loads, events, tiers = self.loads, self.events, self.tier_stats
+        shared = self.config.index.shared_tier
         candidates = [
             Candidate(
                 worker=w,
@@ -234,6 +239,8 @@ class Router:
                 load=loads.get(w),
                 index_state=events.state(w),
                 block_size=self.block_size_for(w),
+                storage_group=storage_group(w) if shared else None,
+                tier_report=tiers.get(w),
                 cached_blocks=self.index.size(w.id),
             )
             for w in workers
@@ -331,7 +338,7 @@ class Router:
             groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
         first: list[int] | None = None
         index = self.index
-        host = index.has_tier("host")
+        lower = index.has_tier("host") or index.has_tier("shared")
         for chain, members in groups.items():
             keys = chains.get(chain)
             if keys is None:  # a worker's page size became known while the pool hashed
@@ -340,15 +347,24 @@ class Router:
                 first = keys
             slots = {c.worker.id: [rank_key(c.worker.id, r) for r in range(dp_size(c.worker))] for c in members}
             ids = [slot for member in slots.values() for slot in member]
+            if lower:  # GPU, then host memory, then the storage tier each shares (every rank shares it)
+                depths = index.match_tiers(keys, ids, {s: c.storage_group for c in members for s in slots[c.worker.id]})
+                for c in members:
+                    mine = [depths[s] for s in slots[c.worker.id]]
+                    c.matched_blocks = max(d.gpu for d in mine)
+                    c.host_matched_blocks = max(c.matched_blocks, *(d.local for d in mine))
+                    c.shared_matched_blocks = max(c.host_matched_blocks, *(d.shared for d in mine))
+                    keys_of[c.worker.id] = keys
+                    if len(mine) > 1:
+                        rank_matches[c.worker.id] = [d.local for d in mine]
+                continue
             gpu = index.match(keys, ids, "gpu")
-            lower = index.match(keys, ids, "host") if host else {}
             for c in members:
-                mine = slots[c.worker.id]
-                c.matched_blocks = max(gpu[s] for s in mine)
-                c.host_matched_blocks = max(c.matched_blocks, *(lower.get(s, 0) for s in mine))
+                mine_slots = slots[c.worker.id]
+                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = max(gpu[s] for s in mine_slots)
                 keys_of[c.worker.id] = keys
-                if len(mine) > 1:
-                    rank_matches[c.worker.id] = [max(gpu[s], lower.get(s, 0)) for s in mine]
+                if len(mine_slots) > 1:
+                    rank_matches[c.worker.id] = [gpu[s] for s in mine_slots]
         return first or []
 
     def finish(self, outcome: RouteOutcome) -> None:

@@ -81,6 +81,13 @@ class FleetCollector(Collector):
         in_flight = GaugeMetricFamily(
             "prefix_router_worker_in_flight", "Requests the router has in flight there.", labels=["worker"]
         )
+        shared = GaugeMetricFamily(
+            "prefix_router_index_shared_blocks",
+            "Blocks credited to a storage tier shared by a group of HiCache workers.",
+            labels=["group"],
+        )
+        for group in self.index.shared_groups():
+            shared.add_metric([group], self.index.shared_size(group))
         counters = {
             name: CounterMetricFamily(f"prefix_router_event_{name}", help_, labels=["worker"])
             for name, help_ in _EVENT_COUNTERS
@@ -102,7 +109,7 @@ class FleetCollector(Collector):
                 lag.add_metric([wid], max(s.lag_s for s in stats))
             for name, family in counters.items():
                 family.add_metric([wid], sum(getattr(s, name) for s in stats))
-        yield from (blocks, synced, rank_in_flight, lag, healthy, in_flight, *counters.values())
+        yield from (blocks, shared, synced, rank_in_flight, lag, healthy, in_flight, *counters.values())
 
 
 class MemoryCollector(Collector):
@@ -174,6 +181,13 @@ class Telemetry:
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
             registry=metrics,
         )
+        self._tier_blocks = Counter(
+            "prefix_router_matched_tier_blocks_total",
+            "Leading prompt blocks the chosen worker holds, by tier: gpu, host (its host memory, HiCache), "
+            "shared (a storage tier it shares with other workers).",
+            ["policy", "tier"],
+            registry=metrics,
+        )
         self._prompt_tokens = Histogram(
             "prefix_router_prompt_tokens",
             "Prompt length of routed requests, in tokens.",
@@ -228,7 +242,12 @@ class Telemetry:
         self._decisions.labels(self.policy_name, reason).inc()
         self._decision_seconds.observe(elapsed)
         chosen = decision.ranked[0]
-        self._matched_blocks.observe(next((c.matched_blocks for c in candidates if c.worker is chosen), 0))
+        winner = next((c for c in candidates if c.worker is chosen), None)
+        self._matched_blocks.observe(winner.matched_blocks if winner else 0)
+        tier_blocks = winner.tier_blocks if winner else {"gpu": 0, "host": 0, "shared": 0}
+        for tier, count in tier_blocks.items():
+            if count:
+                self._tier_blocks.labels(self.policy_name, tier).inc(count)
         if request.token_ids is not None:
             self._prompt_tokens.observe(len(request.token_ids))
         if not self.tracing:
@@ -252,6 +271,11 @@ class Telemetry:
                 "router.decision_ms": elapsed * 1000,
                 "router.candidates": ids,
                 "router.candidates.matched_blocks": [c.matched_blocks for c in candidates],
+                "router.candidates.host_blocks": [c.tier_blocks["host"] for c in candidates],
+                "router.candidates.shared_blocks": [c.tier_blocks["shared"] for c in candidates],
+                "router.chosen.gpu_blocks": tier_blocks["gpu"],
+                "router.chosen.host_blocks": tier_blocks["host"],
+                "router.chosen.shared_blocks": tier_blocks["shared"],
                 "router.candidates.in_flight": [c.in_flight for c in candidates],
                 "router.candidates.waiting": [c.load.num_waiting_reqs if c.load else -1 for c in candidates],
                 "router.candidates.kv_usage": [c.load.token_usage if c.load else -1.0 for c in candidates],

@@ -7,11 +7,75 @@ publisher and the HTTP server each take this one object instead of reading flags
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SimWorkerConfig"]
+__all__ = ["SimWorkerConfig", "StorageSettings", "parse_storage_extra_config"]
+
+WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+FILE_STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # SGLang's own override of the directory
+
+
+class StorageSettings(BaseModel):
+    """What ``--hicache-storage-backend-extra-config`` sets, with SGLang 0.5.23's defaults.
+
+    ``prefetch_*`` are taken out of the config by SGLang's ``HybridCacheController`` (for every
+    backend); ``file_storage_path`` goes to the ``file`` backend; ``sim_*`` are the cost knobs of
+    SGLang's own ``sim`` benchmark backend (``storage/sim_storage.py``), which the simulated ``file``
+    backend charges as its I/O time since a simulated worker has no real KV bytes to move.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    prefetch_threshold: int = Field(256, ge=0, description="Fewest storage-hit tokens worth a prefetch.")
+    prefetch_timeout_base: float = Field(1.0, ge=0, description="timeout policy: fixed part of the wait (s).")
+    prefetch_timeout_per_ki_token: float = Field(
+        0.25, ge=0, description="timeout policy: seconds of wait per 1024 requested tokens."
+    )
+    file_storage_path: str | None = Field(None, description="Directory of the file backend.")
+    sim_read_gbps: float = Field(5.0, description="Storage read bandwidth per rank (GB/s; <= 0: infinite).")
+    sim_write_gbps: float | None = Field(None, description="Storage write bandwidth (GB/s); default: the read one.")
+    sim_op_latency_us: float = Field(100.0, ge=0, description="Latency of each storage operation (us).")
+
+
+def parse_storage_extra_config(text: str | None) -> dict[str, Any]:
+    """The extra config as SGLang reads it: a JSON object, or ``@file`` (.json, .toml, .yaml/.yml)."""
+    if not text:
+        return {}
+    if text.startswith("@"):
+        path = Path(text[1:])
+        ext = path.suffix.lower()
+        try:
+            if ext == ".json":
+                data = json.loads(path.read_text())
+            elif ext == ".toml":
+                try:  # the standard library has TOML from Python 3.11 on
+                    tomllib = importlib.import_module("tomllib")
+                except ModuleNotFoundError:
+                    raise ValueError("a .toml extra config needs Python 3.11 or later") from None
+                data = tomllib.loads(path.read_text())
+            elif ext in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(path.read_text())
+            else:
+                raise ValueError(f"unsupported config file {path} (use .json, .toml, .yaml or .yml)")
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON object: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("must be a JSON object (or a file holding one)")
+    return data
 
 
 class SimWorkerConfig(BaseModel):
@@ -88,6 +152,40 @@ class SimWorkerConfig(BaseModel):
         ),
     )
 
+    # -- hierarchical cache (SGLang HiCache server args, 0.5.23 defaults) ---------------------------
+    enable_hierarchical_cache: bool = Field(
+        False, description="A host-memory KV tier behind the GPU pool (SGLang --enable-hierarchical-cache)."
+    )
+    hicache_ratio: float = Field(
+        2.0, gt=0, description="Host pool size as a multiple of the device pool (used when hicache_size is 0)."
+    )
+    hicache_size: int = Field(
+        0, ge=0, description="Host pool size in GB (1e9 bytes) per rank; overrides hicache_ratio when > 0."
+    )
+    hicache_write_policy: WritePolicy = Field(
+        "write_through",
+        description=(
+            "When pages get a host copy: write_through at insert, write_through_selective on the second insert "
+            "through a node, write_back only when the GPU evicts them."
+        ),
+    )
+    hicache_io_backend: Literal["direct", "kernel", "kernel_ascend"] = Field(
+        "kernel", description="Reported in /server_info only (the simulator moves no bytes)."
+    )
+    hicache_mem_layout: Literal[
+        "layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"
+    ] = Field("page_first", description="Reported in /server_info only.")
+    hicache_storage_backend: Literal["file"] | None = Field(
+        None, description="L3 storage behind the host pool; the simulator implements SGLang's 'file' backend."
+    )
+    hicache_storage_prefetch_policy: PrefetchPolicy = Field(
+        "timeout", description="How long admission waits for a storage prefetch (best_effort, wait_complete, timeout)."
+    )
+    hicache_storage_backend_extra_config: str | None = Field(
+        None, description="JSON object or @file with prefetch_threshold, prefetch_timeout_*, file_storage_path, sim_*."
+    )
+    file_storage_path: str | None = Field(None, description="Directory of the file backend (seeds the extra config).")
+
     @model_validator(mode="after")
     def _check_ports(self) -> SimWorkerConfig:
         events = set(range(self.kv_events_port, self.kv_events_port + self.dp_size))
@@ -100,7 +198,27 @@ class SimWorkerConfig(BaseModel):
             raise ValueError("kv_events_port / kv_replay_port + dp_size go past port 65535")
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError("grpc_port must differ from port")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ValueError(
+                "hicache_storage_backend needs enable_hierarchical_cache (the L3 tier sits behind host memory)"
+            )
+        try:
+            extra = parse_storage_extra_config(self.hicache_storage_backend_extra_config)
+            StorageSettings.model_validate(extra)
+        except ValueError as exc:
+            raise ValueError(f"hicache_storage_backend_extra_config: {exc}") from None
         return self
+
+    def storage_settings(self) -> StorageSettings:
+        """The parsed extra config (``--file-storage-path`` seeds ``file_storage_path``, as in SGLang)."""
+        extra = parse_storage_extra_config(self.hicache_storage_backend_extra_config)
+        if self.file_storage_path:
+            extra.setdefault("file_storage_path", self.file_storage_path)
+        return StorageSettings.model_validate(extra)
+
+    def storage_dir(self) -> Path:
+        """The file backend's directory, first match wins: SGLang's env override, the config, /tmp/hicache."""
+        return Path(os.environ.get(FILE_STORAGE_DIR_ENV) or self.storage_settings().file_storage_path or "/tmp/hicache")
 
     @property
     def replay_port(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .kv_events import (
@@ -35,13 +36,32 @@ from .kv_events import (
     salt_prior,
 )
 
-__all__ = ["RadixCache", "TreeNode"]
+__all__ = ["RadixCache", "TierMatch", "TreeNode"]
 
 
 class TreeNode:
-    """One edge of the tree: a run of whole pages with their chained digests."""
+    """One edge of the tree: a run of whole pages with their chained digests.
 
-    __slots__ = ("children", "digests", "id", "key", "last_access", "lock_ref", "parent", "salt")
+    The tier fields are used by ``HiRadixCache`` (``sglang_workers.hiradix_cache``) only: without
+    HiCache every node lives on the GPU and the rest keep their defaults.
+    """
+
+    __slots__ = (
+        "backup",
+        "children",
+        "device",
+        "digests",
+        "from_storage",
+        "hit_count",
+        "host",
+        "host_lock",
+        "id",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "salt",
+    )
 
     _ids = itertools.count()
 
@@ -56,9 +76,25 @@ class TreeNode:
         self.last_access = tick
         self.id = next(TreeNode._ids)
         self.salt = salt
+        self.device = True  # KV in the GPU pool (SGLang: value is not None)
+        self.host = False  # KV in the host pool (SGLang: host_value is not None, "backuped")
+        self.hit_count = 0  # insert walks through the node (write_through_selective backs up at 2)
+        self.backup: Any = None  # the device-to-host copy in flight for it, if any
+        self.host_lock = 0  # pins the host copy (a load-back or prefetch reads it)
+        self.from_storage = False  # its host copy came from L3 storage (never written back there)
 
     def __lt__(self, other: TreeNode) -> bool:  # heap tie-break, like SGLang's TreeNode.__lt__
         return (self.last_access, self.id) < (other.last_access, other.id)
+
+
+@dataclass
+class TierMatch:
+    """A prefix match split by tier: the first ``device_len`` tokens on the GPU, then ``host_len`` in host memory."""
+
+    device_len: int
+    host_len: int
+    device_node: TreeNode  # deepest matched node on the GPU (the root when none)
+    node: TreeNode  # deepest matched node (== device_node without a host part)
 
 
 class RadixCache:
@@ -114,8 +150,16 @@ class RadixCache:
             key = key[n:]
         return matched, node
 
-    def insert(self, key: Sequence[int], salt: str | None = None) -> int:
-        """Cache ``key`` (cut to whole pages); returns how many of its tokens were already cached."""
+    def match(self, key: Sequence[int], salt: str | None = None) -> TierMatch:
+        """``match_prefix`` by tier; without a host tier everything matched is on the GPU."""
+        length, node = self.match_prefix(key, salt)
+        return TierMatch(length, 0, node, node)
+
+    def insert(self, key: Sequence[int], salt: str | None = None, inserted_len: int = 0) -> int:
+        """Cache ``key`` (cut to whole pages); returns how many of its tokens were already cached.
+
+        ``inserted_len`` (tokens this request inserted before) matters to HiCache's hit counts only.
+        """
         key = list(key[: self.page_align(len(key))])
         node = self.root
         tick = next(self._clock)

@@ -18,6 +18,15 @@ When decode runs out of KV, the requests with the fewest output tokens are retra
 The memory pool is counted in tokens and handed out in whole pages: tree pages (evictable or locked)
 plus each request's private pages (computed but not yet in the tree: its partial last page and, until
 it finishes, its output).
+
+With HiCache (``HiRadixCache``) the loop also does what SGLang's ``check_hicache_events`` and
+``PrefillAdder`` do for the host tier: at the start of each iteration it acknowledges finished
+device-to-host copies (publishing their ``CPU_PINNED`` stores, and writing them to L3 storage when a
+storage backend is on); admission counts a request's host hit as cached and loads it back (a host span
+of at least 10 tokens, if its pages fit), the copy overlapping the prefill layer by layer; a request
+whose storage prefetch is still running is skipped this pass (``StoragePrefetcher``); at the end of
+the iteration the step's write-through backups go out as one copy. Asynchronous work (copies, storage
+I/O) runs on the scheduler's clock: simulated seconds since start, wall time x ``--speedup``.
 """
 
 from __future__ import annotations
@@ -37,12 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import SimWorkerConfig
+from .hicache_storage import FileStorage, StoragePrefetcher
+from .hiradix_cache import LOAD_BACK_THRESHOLD, Backup, HiRadixCache
 from .kv_events import KVEventPublisher
 from .load_report import LoadCounters
-from .radix_cache import RadixCache, TreeNode
+from .radix_cache import RadixCache, TierMatch, TreeNode
 from .timing import TimingProfile
 
-__all__ = ["HEALTH_CHECK_RID_PREFIX", "Request", "Scheduler", "SchedulerStats", "Step"]
+__all__ = ["HEALTH_CHECK_RID_PREFIX", "Request", "Scheduler", "SchedulerStats", "Step", "device_pool_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +117,11 @@ ITL_BUCKETS = (
     6.0,
     8.0,
 )
+LOAD_BACK_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01)
+LOAD_BACK_BUCKETS += (0.02, 0.03, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0)  # SGLang's load_back_duration_seconds
+PREFETCH_PAGES_BUCKETS = (1, 5, 10, 50, 100)  # sglang:prefetch_pgs
+PREFETCH_GBPS_BUCKETS = (0.1, 0.5, 1, 5, 10, 50, 100)  # sglang:prefetch_bandwidth (GB/s)
+BACKUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (
     0.1,
     0.2,
@@ -143,6 +159,12 @@ class Request:
     cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     cached_tokens: int = -1  # prefix found in the cache at first admission (-1: not admitted yet)
+    cached_device: int = 0  # ... of which on the GPU, loaded back from host memory, from L3 storage
+    cached_host: int = 0
+    cached_storage: int = 0
+    inserted_len: int = 0  # tokens this request already inserted into the tree (HiCache hit counts)
+    load_tokens: int = 0  # host tokens loaded back for the chunk being prefilled
+    storage_landed: int = 0  # tokens its storage prefetch grafted into host memory
     kv_len: int = 0  # tokens whose KV exists (in the tree or private)
     tree_len: int = 0  # tokens of the locked tree path
     last_node: TreeNode | None = None
@@ -215,6 +237,28 @@ class SchedulerStats:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    # By tier, at first admission (SGLang cached_tokens_total{cache_source}, prefill_effective_tokens_total).
+    cached_device_tokens: int = 0
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
+    input_tokens: int = 0  # prompt tokens computed (not cached)
+    # HiCache transfers (RadixCacheMetricsCollector).
+    load_back_tokens: int = 0
+    load_back_bytes: int = 0
+    load_back_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BACK_BUCKETS))
+    backup_bytes: int = 0
+    backup_seconds: Histogram = field(default_factory=lambda: Histogram(BACKUP_BUCKETS))
+    prefetch_pages: Histogram = field(default_factory=lambda: Histogram(PREFETCH_PAGES_BUCKETS))
+    prefetch_gbps: Histogram = field(default_factory=lambda: Histogram(PREFETCH_GBPS_BUCKETS))
+    # Simulated GPU seconds spent (the fleet's compute cost; not an SGLang metric).
+    busy_prefill_s: float = 0.0
+    busy_decode_s: float = 0.0
+
+
+def device_pool_tokens(config: SimWorkerConfig, profile: TimingProfile) -> int:
+    """The KV pool in whole pages, as SGLang sizes it."""
+    pool = config.capacity_tokens or profile.kv_pool_tokens
+    return max(pool // config.page_size, 1) * config.page_size
 
 
 class Scheduler:
@@ -235,8 +279,25 @@ class Scheduler:
         self.cache = cache
         self.publisher = publisher
         self.vocab = list(vocab)
-        pool = config.capacity_tokens or profile.kv_pool_tokens
-        self.capacity = max(pool // config.page_size, 1) * config.page_size  # whole pages, as SGLang sizes it
+        self.capacity = device_pool_tokens(config, profile)
+        self._t0 = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stall = 0.0  # simulated seconds of write_back copies inside eviction, charged to the next step
+        self.hicache = cache if isinstance(cache, HiRadixCache) else None
+        self.prefetcher: StoragePrefetcher | None = None
+        if self.hicache is not None:
+            self.hicache.clock = self.clock
+            self.hicache.d2h_time = profile.d2h_time
+            if config.hicache_storage_backend == "file":
+                self.prefetcher = StoragePrefetcher(
+                    FileStorage(config.storage_dir(), config.model),
+                    self.hicache,
+                    config.storage_settings(),
+                    config.hicache_storage_prefetch_policy,
+                    profile.kv_bytes,
+                    self.clock,
+                    self._wake_threadsafe,
+                )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.chunked: Request | None = None
@@ -257,7 +318,8 @@ class Scheduler:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="sim-scheduler")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="sim-scheduler")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -266,6 +328,16 @@ class Scheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def clock(self) -> float:
+        """Simulated seconds since start (wall time x speedup): the clock of copies and storage I/O."""
+        return (time.monotonic() - self._t0) * self.config.speedup
+
+    def _wake_threadsafe(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wakeup.set)
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(
@@ -289,6 +361,9 @@ class Scheduler:
         self.waiting.append(req)
         if not req.health_check:
             self.stats.num_requests += 1
+        if self.prefetcher is not None:  # SGLang prefetches from storage as the request arrives
+            m = self.cache.match(req.input_ids[:-1], cache_salt)
+            self.prefetcher.start(req, req.input_ids, cache_salt, m.node, m.device_len + m.host_len)
         self._wakeup.set()
         return req
 
@@ -309,6 +384,8 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
             req.finished_at = time.monotonic()
+            if self.prefetcher is not None:
+                self.prefetcher.cancel(req)
         elif not req.finished:
             req.max_new_tokens = min(req.max_new_tokens, max(len(req.output_ids), 1))
 
@@ -360,7 +437,7 @@ class Scheduler:
         return self.free_tokens >= tokens
 
     # -- the loop ----------------------------------------------------------------------------------
-    async def _loop(self) -> None:
+    async def _run(self) -> None:
         while True:
             try:
                 await self._step()
@@ -377,45 +454,107 @@ class Scheduler:
             req.finished_at = time.monotonic()
             req.updates.put_nowait(None)
         self.waiting, self.prefilling, self.running, self.chunked = [], [], [], None
+        if self.prefetcher is not None:
+            for key in list(self.prefetcher.ops):
+                self.prefetcher.cancel(key)
         self.cache.reset()
         self._publish()
 
     async def _step(self) -> None:
         """One iteration of SGLang's event loop: a prefill batch if one forms, else a decode step."""
+        self._hicache_events()
         if self.idle:
-            await self._idle_wait()
+            self._publish()  # acknowledged host copies go out even when idle (SGLang's idle check)
+            await self._idle_wait(self._next_timer())
+            return
         batch = self._next_prefill_batch()
         if batch:
-            duration = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
+            compute = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
+            loaded = sum(r.load_tokens for r in batch)
+            h2d = self.profile.h2d_time(loaded)
+            duration = self.profile.overlapped_prefill(compute, h2d) + self._take_stall()
+            if loaded:
+                self.stats.load_back_tokens += loaded
+                self.stats.load_back_bytes += self.profile.kv_bytes(loaded)
+                self.stats.load_back_seconds.observe(h2d / self.config.speedup)  # reported in wall seconds
+            self.stats.busy_prefill_s += duration
             self.steps.append(Step("prefill", tuple(r.rid for r in batch), sum(r.chunk_len for r in batch), duration))
             launch = self.sim_time
             await self._sleep(duration)
             self._finish_prefill(batch, launch, duration)
         elif self.running:
             context = sum(r.kv_len for r in self.running) + len(self.running)
-            duration = self.profile.decode_time(len(self.running), context)
+            duration = self.profile.decode_time(len(self.running), context) + self._take_stall()
+            self.stats.busy_decode_s += duration
             self.steps.append(Step("decode", tuple(r.rid for r in self.running), len(self.running), duration))
             launch = self.sim_time
             await self._sleep(duration)
             self.counters.on_decode(launch, len(self.running), all(r.health_check for r in self.running))
             self._decode_step()
         else:
-            # Nothing fits right now (e.g. KV budget); wait for a request or a change.
-            await self._idle_wait()
+            # Nothing fits right now (KV budget, storage prefetches in flight); wait for a change.
+            self._publish()
+            await self._idle_wait(self._next_timer())
+            return
         if self._health_waiters:  # SGLang's maybe_send_health_check_signal after each batch
             self._health_waiters = 0
             self.last_output_at = time.monotonic()
+        if self.hicache is not None:
+            self.hicache.flush_backups()  # SGLang start_writing: this step's backups, one copy
         self._publish()
 
-    async def _idle_wait(self) -> None:
-        """No batch to run: SGLang's on_idle (the next batch starts after an idle gap), then wait for work."""
+    async def _idle_wait(self, until: float | None = None) -> None:
+        """No batch to run: SGLang's on_idle (the next batch starts after an idle gap), then wait for work,
+        or until ``until`` on the scheduler's clock (a copy acknowledgement or a storage prefetch is due)."""
         self.counters.on_idle()
         if self._health_waiters:  # nothing ran, but the loop is alive: answer waiting probes
             self._health_waiters = 0
             self.last_output_at = time.monotonic()
         self._wakeup.clear()
-        await self._wakeup.wait()
+        if until is None:
+            await self._wakeup.wait()
+        else:
+            delay = max(0.0, until - self.clock()) / self.config.speedup
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
         self._paced_until = None
+
+    def _next_timer(self) -> float | None:
+        """When a copy acknowledgement or a storage prefetch next needs the loop (None: nothing pending)."""
+        times = []
+        if self.hicache is not None and self.hicache.next_ack_at is not None:
+            times.append(self.hicache.next_ack_at)
+        if self.prefetcher is not None:
+            if any(op.hits is None and op.query.done() for op in self.prefetcher.ops.values()):
+                return self.clock()  # a storage lookup answered while the step ran
+            wake = self.prefetcher.next_wake()
+            if wake is not None:
+                times.append(wake)
+        return min(times) if times else None
+
+    def _hicache_events(self) -> None:
+        """SGLang ``check_hicache_events``: acknowledge finished host copies (their events, L3 writes)."""
+        if self.hicache is None:
+            return
+        for op in self.hicache.poll_backups():
+            self._backed_up(op)
+
+    def _backed_up(self, op: Backup) -> None:
+        self.stats.backup_bytes += self.profile.kv_bytes(op.tokens)
+        self.stats.backup_seconds.observe(op.seconds / self.config.speedup)
+        if self.prefetcher is not None:
+            self.prefetcher.write_nodes(op.nodes)
+
+    def _take_stall(self) -> float:
+        """Seconds of synchronous write_back copies done inside evictions since the last step."""
+        if self.hicache is not None:
+            for op in self.hicache.take_sync_backups():
+                self._stall += op.seconds
+                self._backed_up(op)
+        stall, self._stall = self._stall, 0.0
+        return stall
 
     async def _sleep(self, simulated: float) -> None:
         """Let a step take ``simulated / speedup`` seconds of wall time, without drift.
@@ -444,7 +583,10 @@ class Scheduler:
     # -- prefill -----------------------------------------------------------------------------------
     def _ordered_waiting(self) -> list[Request]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE:
-            prefix = {id(r): self.cache.match_prefix(r.fill_ids[:-1], r.cache_salt)[0] for r in self.waiting}
+            prefix = {}
+            for r in self.waiting:  # host hits count as matched too (num_matched_prefix_tokens)
+                m = self.cache.match(r.fill_ids[:-1], r.cache_salt)
+                prefix[id(r)] = m.device_len + m.host_len
             return sorted(self.waiting, key=lambda r: -prefix[id(r)])
         return list(self.waiting)
 
@@ -469,6 +611,7 @@ class Scheduler:
             take = remaining if remaining <= rem_chunk else self.cache.page_align(rem_chunk)
             if take > 0 and self._ensure_free(self._page_ceil(req.kv_len + take) - self._page_ceil(req.kv_len)):
                 req.chunk_prefix, req.chunk_len = req.kv_len, take
+                req.load_tokens = 0
                 req.kv_len += take
                 rem_chunk -= take
                 rem_input -= take
@@ -484,16 +627,31 @@ class Scheduler:
         for req in self._ordered_waiting():
             if len(self.running) + len(batch) >= cfg.max_running_requests or rem_chunk <= 0:
                 break
+            if self.prefetcher is not None:  # SGLang check_prefetch_progress: skip it while storage reads run
+                ready, landed = self.prefetcher.poll(req, req.input_ids, req.cache_salt)
+                req.storage_landed += landed
+                if not ready:
+                    continue
             fill = req.fill_ids
-            prefix_len, node = self.cache.match_prefix(fill[:-1], req.cache_salt)
-            extend = len(fill) - prefix_len
+            m = self.cache.match(fill[:-1], req.cache_salt)
+            prefix_len, node = m.device_len, m.device_node
+            host = m.host_len if m.host_len >= LOAD_BACK_THRESHOLD else 0  # shorter spans are recomputed
+            extend = len(fill) - prefix_len - host
             self.cache.lock(node)  # lock first: a locked prefix no longer counts as evictable
             budget = self.free_tokens + self.cache.evictable_size - offset
-            if extend + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) >= budget or (
-                extend > rem_input and batch
-            ):
+            need = extend + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+            if host:  # PrefillAdder reserves the loaded pages too (plus a page)
+                need += host + self.config.page_size
+            if need >= budget or (extend > rem_input and batch):
                 self.cache.unlock(node)
                 break
+            loaded = 0
+            if host:
+                held, loaded = self._load_back(m)
+                if held is None:
+                    break
+                node = held
+                prefix_len += loaded
             take = extend if extend <= rem_chunk else self.cache.page_align(rem_chunk)
             if take <= 0 or not self._ensure_free(self._page_ceil(prefix_len + take) - prefix_len):
                 self.cache.unlock(node)
@@ -502,11 +660,19 @@ class Scheduler:
             req.last_node, req.tree_len = node, prefix_len
             req.kv_len = prefix_len + take
             req.chunk_prefix, req.chunk_len = prefix_len, take
+            req.load_tokens = loaded
             if req.cached_tokens < 0:
                 req.cached_tokens = prefix_len
+                req.cached_storage = min(req.storage_landed, loaded)
+                req.cached_host = loaded - req.cached_storage
+                req.cached_device = prefix_len - loaded
                 if not req.health_check:
                     self.stats.prompt_tokens += len(req.input_ids)
                     self.stats.cached_tokens += prefix_len
+                    self.stats.cached_device_tokens += req.cached_device
+                    self.stats.cached_host_tokens += req.cached_host
+                    self.stats.cached_storage_tokens += req.cached_storage
+                    self.stats.input_tokens += len(req.input_ids) - prefix_len
                     self.stats.queue_time.observe(time.monotonic() - req.arrival)
             batch.append(req)
             rem_chunk -= take
@@ -516,6 +682,27 @@ class Scheduler:
                 break
             offset += take + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
         return batch
+
+    def _load_back(self, m: TierMatch) -> tuple[TreeNode | None, int]:
+        """Load a match's host part onto the GPU; moves the request's lock from its GPU part to all of it.
+
+        Returns (the node now locked, tokens loaded), or (None, 0) with nothing locked when the GPU
+        cannot make room (SGLang then answers NO_TOKEN).
+        """
+        cache = self.hicache
+        assert cache is not None
+        host_tokens = m.host_len
+        cache.host_lock(m.node, 1)  # evictions that make room must not take the pages being loaded
+        try:
+            if not self._ensure_free(host_tokens):
+                self.cache.unlock(m.device_node)
+                return None, 0
+            loaded = cache.load_back(m)
+        finally:
+            cache.host_lock(m.node, -1)
+        cache.lock(m.node)
+        cache.unlock(m.device_node)
+        return m.node, loaded
 
     def _finish_prefill(self, batch: list[Request], launch: float, duration: float) -> None:
         self.prefilling = []
@@ -583,7 +770,8 @@ class Scheduler:
         """Insert what the request has computed so far and move its lock to the new path."""
         tokens = req.fill_ids[: req.kv_len]
         aligned = self.cache.page_align(len(tokens))
-        self.cache.insert(tokens[:aligned], req.cache_salt)
+        self.cache.insert(tokens[:aligned], req.cache_salt, req.inserted_len)
+        req.inserted_len = max(req.inserted_len, aligned)
         _, node = self.cache.match_prefix(tokens[:aligned], req.cache_salt)
         self.cache.lock(node)
         if req.last_node is not None:
@@ -592,7 +780,7 @@ class Scheduler:
 
     def _cache_finished(self, req: Request, now: float) -> None:
         tokens = req.fill_ids[: req.kv_len]
-        self.cache.insert(tokens[: self.cache.page_align(len(tokens))], req.cache_salt)
+        self.cache.insert(tokens[: self.cache.page_align(len(tokens))], req.cache_salt, req.inserted_len)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.last_node, req.kv_len, req.tree_len = None, 0, 0
@@ -625,6 +813,15 @@ class Scheduler:
         req.updates.put_nowait([token])
 
     # -- load reports ------------------------------------------------------------------------------
+    def storage_histograms(self) -> tuple[Histogram, Histogram]:
+        """Pages and GB/s of each storage read operation so far (SGLang's prefetch_pgs, prefetch_bandwidth)."""
+        if self.prefetcher is not None:
+            ops, self.prefetcher.stats.prefetch_ops = self.prefetcher.stats.prefetch_ops, []
+            for pages, gbps in ops:
+                self.stats.prefetch_pages.observe(pages)
+                self.stats.prefetch_gbps.observe(gbps * self.config.speedup)  # per wall second, as measured
+        return self.stats.prefetch_pages, self.stats.prefetch_gbps
+
     def num_running_reqs(self) -> int:
         """Requests in the running batch: decoding, or in the prefill batch in flight (not the chunked one)."""
         return len(self.running) + sum(1 for r in self.prefilling if r is not self.chunked)
@@ -641,9 +838,9 @@ class Scheduler:
         total = 0
         for req in self.waiting:
             seqlen = len(req.input_ids) + len(req.output_ids)
-            if matched:
-                prefix, _ = self.cache.match_prefix(req.fill_ids[:-1], req.cache_salt)
-                total += max(0, seqlen - prefix)
+            if matched:  # host hits count as matched (num_matched_prefix_tokens)
+                m = self.cache.match(req.fill_ids[:-1], req.cache_salt)
+                total += max(0, seqlen - m.device_len - m.host_len)
             else:
                 total += int(seqlen * miss_rate)
         if self.chunked is not None:

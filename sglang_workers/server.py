@@ -33,10 +33,11 @@ from extproc.tokenization import (
 )
 
 from .config import SimWorkerConfig
+from .hiradix_cache import HiRadixCache, host_pool_tokens
 from .kv_events import KVEventPublisher
 from .metrics import render_metrics
 from .radix_cache import RadixCache
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, device_pool_tokens
 from .timing import get_profile
 
 __all__ = ["SGLANG_VERSION", "SimWorker"]
@@ -44,6 +45,7 @@ __all__ = ["SGLANG_VERSION", "SimWorker"]
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release whose wire behaviour this simulator reproduces
+STORAGE_BACKEND_CLASS = {"file": "HiCacheFile"}  # what cached_tokens_details.storage_backend names
 HEALTH_POLL_S = 1.0  # SGLang's health_generate sleeps this long before it first looks for an answer
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT default: no answer by then -> 503, unhealthy
 LOAD_SECTIONS = {
@@ -109,6 +111,24 @@ class SimWorker:
             self.tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         except TokenizerLoadError as exc:
             raise ValueError(str(exc)) from exc
+        self.host_tokens = 0  # HiCache host pool (0: no host tier)
+        if config.enable_hierarchical_cache:
+            device = device_pool_tokens(config, self.profile)
+            self.host_tokens = host_pool_tokens(
+                device, config.page_size, config.hicache_ratio, config.hicache_size, self.profile.kv_bytes_per_token
+            )
+            if self.host_tokens <= device:  # SGLang warns too; the host tier then adds little
+                logger.warning(
+                    "host pool (%d tokens) is smaller than the device pool (%d tokens): "
+                    "L2 cache effectiveness is reduced",
+                    self.host_tokens,
+                    device,
+                )
+            if config.hicache_storage_backend == "file":
+                try:
+                    config.storage_dir().mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ValueError(f"cannot create the HiCache file storage directory: {exc}") from None
         self.ready = False  # weights "loaded" and warmed up (SGLang's ServerStatus leaves Starting)
         self.healthy = True  # False after a /health found no answer in time (SGLang's ServerStatus.UnHealthy)
         self.publishers: list[KVEventPublisher] = []  # one per data-parallel rank
@@ -154,7 +174,16 @@ class SimWorker:
                 )
                 publisher.start()
                 self.publishers.append(publisher)
-            cache = RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+            cache = (
+                HiRadixCache(
+                    cfg.page_size,
+                    enable_events=cfg.kv_events,
+                    host_capacity=self.host_tokens,
+                    write_policy=cfg.hicache_write_policy,
+                )
+                if cfg.enable_hierarchical_cache
+                else RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+            )
             scheduler = Scheduler(rank_cfg, self.profile, cache, publisher, vocab)
             scheduler.start()
             self.schedulers.append(scheduler)
@@ -361,6 +390,20 @@ class SimWorker:
     def _finish_reason(req: Request) -> dict[str, Any]:
         return {"type": "length", "length": req.max_new_tokens}
 
+    def _cached_details(self, req: Request) -> dict[str, Any] | None:
+        """SGLang's ``get_cached_tokens_details``: cached tokens by tier (None when nothing was cached)."""
+        backend = self.config.hicache_storage_backend
+        if req.cached_device > 0 or req.cached_host > 0 or req.cached_storage > 0:
+            details: dict[str, Any] = {"device": req.cached_device, "host": req.cached_host}
+            if req.cached_storage > 0 or backend is not None:
+                details["storage"] = req.cached_storage
+            if backend is not None:
+                details["storage_backend"] = STORAGE_BACKEND_CLASS[backend]
+            return details
+        if req.cached_tokens > 0:
+            return {"device": req.cached_tokens, "host": 0}
+        return None
+
     def _meta(self, req: Request, finished: bool) -> dict[str, Any]:
         now = time.monotonic()
         return {
@@ -370,8 +413,20 @@ class SimWorker:
             "weight_version": "default",
             "completion_tokens": len(req.output_ids),
             "cached_tokens": max(req.cached_tokens, 0),
+            "cached_tokens_details": self._cached_details(req),
             "e2e_latency": round(now - req.arrival, 6),
         }
+
+    def _sglext_field(self, body: dict[str, Any], req: Request) -> dict[str, Any]:
+        sglext = self._sglext(body, req)
+        return {"sglext": sglext} if sglext is not None else {}
+
+    def _sglext(self, body: dict[str, Any], req: Request) -> dict[str, Any] | None:
+        """The response-level ``sglext`` block: cached-token details when the request asks for them."""
+        if body.get("return_cached_tokens_details") is not True:
+            return None
+        details = self._cached_details(req)
+        return {"cached_tokens_details": details} if details is not None else None
 
     def _usage(self, req: Request) -> dict[str, Any]:
         prompt, completion = len(req.input_ids), len(req.output_ids)
@@ -515,6 +570,7 @@ class SimWorker:
                     "usage": self._usage(req),
                     "metadata": {"weight_version": "default"},
                 }
+                | self._sglext_field(body, req)
             )
 
         resp = await self._sse(request)
@@ -551,6 +607,13 @@ class SimWorker:
                 ],
             },
         )
+        sglext = self._sglext(body, req)
+        if sglext is not None:
+            await self._send(
+                resp,
+                {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": []}
+                | {"sglext": sglext},
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(
                 resp,
@@ -613,6 +676,7 @@ class SimWorker:
                     "usage": self._usage(req),
                     "metadata": {"weight_version": "default"},
                 }
+                | self._sglext_field(body, req)
             )
 
         def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
@@ -633,6 +697,13 @@ class SimWorker:
         if await self._stream_failed(resp, req):
             return resp
         await self._send(resp, chunk({}, "length"))
+        sglext = self._sglext(body, req)
+        if sglext is not None:  # SGLang sends it in a chunk of its own, before the usage chunk
+            await self._send(
+                resp,
+                {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": []}
+                | {"sglext": sglext},
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
             await self._send(
                 resp,
@@ -749,6 +820,7 @@ class SimWorker:
             "enable_cache_report": True,
             "kv_events_config": kv_cfg,
             "kv_events": self.kv_events_info(),
+            **self.hicache_info(),
             "internal_states": [
                 {
                     "last_gen_throughput": load.get("gen_throughput", 0.0),
@@ -762,6 +834,44 @@ class SimWorker:
                 "seed": cfg.seed,
                 "event_format": cfg.event_format,
                 "replay_format": cfg.replay_format,
+                # Simulated GPU seconds spent so far, all ranks (what a fleet's compute costs; no SGLang field).
+                "busy_seconds": {
+                    "prefill": sum(s.stats.busy_prefill_s for s in self.schedulers),
+                    "decode": sum(s.stats.busy_decode_s for s in self.schedulers),
+                },
+                "host_pool_tokens": self.host_tokens,
+            },
+        }
+
+    def hicache_info(self) -> dict[str, Any]:
+        """The HiCache server args as SGLang 0.5.23 reports them, and its L3 layout block."""
+        cfg = self.config
+        reason = (
+            "Hierarchical cache is disabled"
+            if not cfg.enable_hierarchical_cache
+            else "Mooncake storage is not attached"
+        )
+        return {
+            "enable_hierarchical_cache": cfg.enable_hierarchical_cache,
+            "hicache_host_memory_mode": "cache",
+            "hicache_ratio": cfg.hicache_ratio,
+            "hicache_size": cfg.hicache_size,
+            "hicache_write_policy": cfg.hicache_write_policy,
+            "hicache_io_backend": cfg.hicache_io_backend,
+            "hicache_mem_layout": cfg.hicache_mem_layout,
+            "hicache_storage_backend": cfg.hicache_storage_backend,
+            "hicache_storage_prefetch_policy": cfg.hicache_storage_prefetch_policy,
+            "hicache_storage_backend_extra_config": cfg.hicache_storage_backend_extra_config,
+            "hicache_storage_prefetch_retry_poll_interval": 8,
+            "hicache_storage_prefetch_retry_max_attempts": 8,
+            "hicache_host_memory_fraction": 0.8 if cfg.hicache_size == 0 else None,
+            "file_storage_path": cfg.file_storage_path,
+            "hicache_object_layout": {
+                "enabled": False,
+                "backend": cfg.hicache_storage_backend if cfg.enable_hierarchical_cache else None,
+                "page_size": cfg.page_size,
+                "hicache_object_layout": {"pools": []},
+                "reason": reason,
             },
         }
 

@@ -149,6 +149,75 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Output length when a /generate or chat request sets none.",
     )
 
+    hi = parser.add_argument_group(
+        "hierarchical cache (SGLang HiCache: a host-memory tier, optionally an L3 storage tier shared by workers)"
+    )
+    hi.add_argument(
+        "--enable-hierarchical-cache",
+        "--enable-hicache",
+        action="store_true",
+        help="Keep pages evicted from the GPU in a host-memory pool and load them back on a hit; KV events then "
+        "carry medium CPU_PINNED for the host tier.",
+    )
+    hi.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=d["hicache_ratio"].default,
+        help="Host pool size as a multiple of the GPU pool (SGLang default 2.0).",
+    )
+    hi.add_argument(
+        "--hicache-size",
+        type=int,
+        default=d["hicache_size"].default,
+        help="Host pool size in GB (1e9 bytes, with the profile's KV bytes per token); overrides --hicache-ratio.",
+    )
+    hi.add_argument(
+        "--hicache-write-policy",
+        choices=["write_through", "write_through_selective", "write_back"],
+        default=d["hicache_write_policy"].default,
+        help="write_through: back every new page up at once; write_through_selective: on its second insert; "
+        "write_back: only when the GPU evicts it (a synchronous copy inside the eviction).",
+    )
+    hi.add_argument(
+        "--hicache-io-backend",
+        choices=["direct", "kernel", "kernel_ascend"],
+        default=d["hicache_io_backend"].default,
+        help="Accepted for SGLang compatibility and reported in /server_info.",
+    )
+    hi.add_argument(
+        "--hicache-mem-layout",
+        choices=["layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"],
+        default=d["hicache_mem_layout"].default,
+        help="Accepted for SGLang compatibility and reported in /server_info.",
+    )
+    hi.add_argument(
+        "--hicache-storage-backend",
+        choices=["file"],
+        default=None,
+        help="L3 storage behind the host pool: 'file' = one file per page in a directory that several workers "
+        "may share (pages one worker wrote are prefetched by any other).",
+    )
+    hi.add_argument(
+        "--hicache-storage-prefetch-policy",
+        choices=["best_effort", "wait_complete", "timeout"],
+        default=d["hicache_storage_prefetch_policy"].default,
+        help="How long admission waits for a storage prefetch: not at all, until it completes, or at most "
+        "prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens (1 s + 0.25 s).",
+    )
+    hi.add_argument(
+        "--hicache-storage-backend-extra-config",
+        default=None,
+        help="JSON object (or @file.json/.toml/.yaml): prefetch_threshold (256), prefetch_timeout_base (1), "
+        "prefetch_timeout_per_ki_token (0.25), file_storage_path, and the simulated I/O cost sim_read_gbps (5), "
+        "sim_write_gbps, sim_op_latency_us (100).",
+    )
+    hi.add_argument(
+        "--file-storage-path",
+        default=None,
+        help="Directory of the file backend (default /tmp/hicache; the env SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR "
+        "wins over it, as in SGLang).",
+    )
+
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "--profile",
@@ -208,6 +277,16 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
         speedup=args.speedup,
         seed=args.seed,
         load_time=args.load_time,
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size=args.hicache_size,
+        hicache_write_policy=args.hicache_write_policy,
+        hicache_io_backend=args.hicache_io_backend,
+        hicache_mem_layout=args.hicache_mem_layout,
+        hicache_storage_backend=args.hicache_storage_backend,
+        hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+        hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config,
+        file_storage_path=args.file_storage_path,
     )
 
 
@@ -235,9 +314,14 @@ async def serve(config: SimWorkerConfig) -> None:
     )
     grpc_note = f" and grpc://{config.host}:{grpc_door.bound_port}" if grpc_door is not None else ""
     capacity = worker.scheduler.capacity if worker.scheduler else 0
+    tiers = ""
+    if config.enable_hierarchical_cache:
+        tiers = f", host tier {worker.host_tokens} tokens ({config.hicache_write_policy})"
+        if config.hicache_storage_backend == "file":
+            tiers += f", file storage {config.storage_dir()}"
     print(
         f"sim-worker ready on http://{config.host}:{worker.bound_port}{grpc_note} ({config.profile}, "
-        f"page {config.page_size}, {capacity} KV tokens; {events})",
+        f"page {config.page_size}, {capacity} KV tokens{tiers}; {events})",
         flush=True,
     )
     stop = asyncio.Event()

@@ -9,6 +9,20 @@ published H100/H200 figures collected in ``docs/sim-worker.md``:
 * a decode step over ``B`` sequences holding ``C`` KV tokens in total takes ``d0 + d1*B + d2*C``
   (weight streaming, per-sequence overhead, KV reads).
 
+With HiCache (``--enable-hierarchical-cache``) pages also move between GPU and host memory, at the
+profile's PCIe figures: ``kv_bytes_per_token`` (per GPU: SGLang's ``get_size_per_token`` of the MHA
+host pool, ``(head_dim + v_head_dim) x kv_heads_per_rank x layers x 2`` bytes in BF16) over
+``h2d_gbps`` / ``d2h_gbps``. A load-back overlaps the prefill layer by layer (SGLang waits per layer
+on the host-to-device stream), so a prefill step that loads back ``t_h2d`` seconds of pages takes
+``max(t_compute, t_h2d + t_compute / layers)``: the copy hides behind compute unless it is longer.
+
+Sources of the transfer figures: NVIDIA nvbandwidth issue #24 (H100 SXM, SM copies, which SGLang's
+HiCache I/O kernels are): host-to-device ~35 GB/s, device-to-host ~52.8 GB/s; PCIe Gen5 x16 is
+~64 GB/s raw per direction with ~50-55 GB/s reached by pinned copy-engine copies. The profiles take
+45 GB/s host-to-device (the middle of 35-55) and 50 GB/s device-to-host, per GPU (each GPU of a TP
+group moves its own shard over its own link). SGLang's HiCache design doc and LMSYS's HiCache post
+(2025-09-10) give no absolute bandwidth, only that the copy overlaps compute.
+
 Times are in seconds of the simulated GPU; the scheduler divides them by ``--speedup``.
 """
 
@@ -16,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["PROFILES", "TimingProfile", "get_profile", "profile_list"]
 
@@ -40,6 +55,10 @@ class TimingProfile:
     weight_gb: float = 0.0  # per GPU, GiB, as SGLang's weight_load_mem_usage
     kv_bytes_per_token: int = 0  # per GPU: layers x KV heads on this GPU x head dim x 2 (K, V) x 2 bytes (bf16)
     graph_gb: float = 0.0  # CUDA-graph memory per GPU
+    # HiCache transfers (KV bytes per token above; 0 bytes or 0 GB/s: the copy is free).
+    layers: int = 32  # transformer layers (a load-back overlaps the prefill one layer at a time)
+    h2d_gbps: float = 0.0  # host-to-device copy bandwidth per GPU (GB/s, 1e9)
+    d2h_gbps: float = 0.0  # device-to-host copy bandwidth per GPU (GB/s, 1e9)
 
     def prefill_time(self, chunks: Iterable[tuple[int, int]]) -> float:
         """One prefill batch; ``chunks`` holds (new tokens L, cached context P) per request."""
@@ -56,6 +75,34 @@ class TimingProfile:
             return 0.0
         return self.d0 + self.d1 * batch_size + self.d2 * context_tokens
 
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of ``tokens`` tokens of KV on one GPU (what a HiCache copy moves per rank)."""
+        return tokens * self.kv_bytes_per_token
+
+    def h2d_time(self, tokens: int) -> float:
+        """Seconds to copy ``tokens`` tokens of KV from host memory to the GPU (a load-back)."""
+        return self.kv_bytes(tokens) / (self.h2d_gbps * 1e9) if self.h2d_gbps > 0 and tokens > 0 else 0.0
+
+    def d2h_time(self, tokens: int) -> float:
+        """Seconds to copy ``tokens`` tokens of KV from the GPU to host memory (a backup)."""
+        return self.kv_bytes(tokens) / (self.d2h_gbps * 1e9) if self.d2h_gbps > 0 and tokens > 0 else 0.0
+
+    def overlapped_prefill(self, compute: float, h2d: float) -> float:
+        """A prefill step that also loads back ``h2d`` seconds of pages, layer by layer."""
+        if h2d <= 0:
+            return compute
+        return max(compute, h2d + compute / max(self.layers, 1))
+
+
+# KV bytes per token per GPU (BF16): 8B = 32 layers x 8 KV heads x (128 + 128) x 2 B = 131,072;
+# 70B = 80 x 8 x 256 x 2 = 327,680 in all, 2 KV heads per GPU under TP4 = 81,920. Host links: see the
+# module docstring (45 GB/s H2D, 50 GB/s D2H per GPU, PCIe Gen5).
+_LLAMA_8B_PCIE5: dict[str, Any] = {"layers": 32, "h2d_gbps": 45.0, "d2h_gbps": 50.0}
+_LLAMA_70B_TP4_PCIE5: dict[str, Any] = {
+    "layers": 80,
+    "h2d_gbps": 45.0,
+    "d2h_gbps": 50.0,
+}
 
 # Constants derived in ../shared/reference/sglang-performance.md and docs/sim-worker.md (BF16,
 # FlashAttention-3): a from 2 x params FLOPs at ~650 TFLOPS effective, b from 4 x layers x d_model
@@ -78,6 +125,7 @@ PROFILES: dict[str, TimingProfile] = {
             weight_gb=14.96,
             kv_bytes_per_token=131_072,
             graph_gb=0.5,
+            **_LLAMA_8B_PCIE5,
         ),
         TimingProfile(
             "llama-3.1-8b-h200",
@@ -93,6 +141,7 @@ PROFILES: dict[str, TimingProfile] = {
             weight_gb=14.96,
             kv_bytes_per_token=131_072,
             graph_gb=0.5,
+            **_LLAMA_8B_PCIE5,
         ),
         # A100 80GB SXM: BF16 dense peak 312 TFLOPS and 2.04 TB/s HBM (NVIDIA A100 datasheet); the
         # linear part at ~220 TFLOPS effective (70% of peak, as the H100 profile's 650 is 66%), attention
@@ -124,6 +173,7 @@ PROFILES: dict[str, TimingProfile] = {
             weight_gb=32.87,
             kv_bytes_per_token=81_920,
             graph_gb=0.6,
+            **_LLAMA_70B_TP4_PCIE5,
         ),
         TimingProfile(
             "llama-3.1-70b-tp4-h200",
@@ -140,6 +190,7 @@ PROFILES: dict[str, TimingProfile] = {
             weight_gb=32.87,
             kv_bytes_per_token=81_920,
             graph_gb=0.6,
+            **_LLAMA_70B_TP4_PCIE5,
         ),
         TimingProfile(
             "instant",

@@ -73,3 +73,55 @@ def test_bench_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         cli_main(["bench", "--rates", "1,x"])
     assert cli_main(["bench", "--contenders", "envoy-foo", "--max-requests", "1"]) == 2
     assert "unknown contender 'envoy-foo'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_bench_tiered_suite_with_a_shared_storage_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiered.json"
+    rc = cli_main(
+        [
+            "bench",
+            "--suite",
+            "tiered",
+            "--contenders",
+            "ours:prefix-aware",
+            "--tiers",
+            "host+shared",
+            "--workers",
+            "2",
+            "--lc-docs",
+            "2",
+            "--lc-doc-len",
+            "512",
+            "--lc-questions",
+            "3",
+            "--lc-sessions",
+            "2",
+            "--lc-turns",
+            "2",
+            "--lc-system-len",
+            "64",
+            "--lc-turn-len",
+            "32",
+            "--lc-duration",
+            "3",
+            "--output-len",
+            "2",
+            "--speedup",
+            "20",
+            "--capacity-tokens",
+            "4096",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "**longctx, host + shared storage tier**" in table and "| ours:prefix-aware | 10 | 0 |" in table
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tier"] == "host+shared" and row["errors"] == 0
+    fleet = row["fleet"]
+    assert fleet["busy_prefill_s"] > 0 and row["gpu_seconds_per_request"] > 0
+    assert fleet["cached_tokens"]["device"] > 0  # the documents' repeat questions hit
+    assert sum(row["hit_rate_by_tier"].values()) == pytest.approx(row["hit_rate"], abs=0.02)

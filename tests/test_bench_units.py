@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.metrics import RequestResult, distribution, failed, max_over_mean, percentile, summarize
+from benchmarks.metrics import RequestResult, Summary, distribution, failed, max_over_mean, percentile, summarize
 from benchmarks.oracle import PooledCache, oracle_hit_rate
 from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
 from benchmarks.workloads import (
@@ -287,6 +287,72 @@ def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
     expected = {"envoy-rr": "ROUND_ROBIN", "envoy-lr": "LEAST_REQUEST", "envoy-ringhash": "RING_HASH"}[name]
     assert f"lb_policy: {expected}" in text
     assert ("header_name: x-prefix-hash" in text) == (name == "envoy-ringhash")
+
+
+# -- the tiered suite ---------------------------------------------------------------------------------
+def test_longctx_mixes_document_qa_and_growing_chat_sessions() -> None:
+    from benchmarks.workloads import longctx_workload
+
+    kwargs = {
+        "docs": 3,
+        "doc_len": 64,
+        "questions_per_doc": 2,
+        "question_len": 8,
+        "sessions": 2,
+        "turns": 3,
+        "system_prompt_len": 32,
+        "turn_len": 8,
+        "output_len": 4,
+        "duration_s": 10.0,
+        "seed": 1,
+    }
+    w = longctx_workload(**kwargs)  # type: ignore[arg-type]
+    assert len(w.requests) == 3 * 2 + 2 * 3 and w.name == "longctx"
+    assert [r.index for r in w.requests] == list(range(len(w.requests)))
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(w.requests))
+    qa = [r for r in w.requests if r.session is None]
+    docs = {r.messages[0]["content"] for r in qa}
+    assert len(docs) == 3 and all(sum(r.messages[0]["content"] == d for r in qa) == 2 for d in docs)
+    turns = sorted((r for r in w.requests if r.session == "s0"), key=lambda r: r.arrival_s)
+    assert [len(r.messages) for r in turns] == [2, 4, 6]  # system + the history, growing each turn
+    assert max(r.arrival_s for r in w.requests) <= 10.0 * 1.5
+    assert longctx_workload(**kwargs).requests == w.requests  # type: ignore[arg-type]  # deterministic
+
+
+def test_tiered_report_goodput_gpu_seconds_and_targets() -> None:
+    from benchmarks.metrics import FleetFigures
+    from benchmarks.report import TieredReport, gpu_seconds_per_request, tiered_table
+
+    def run(name: str, ttft: float, busy: float, cached: dict[str, int]) -> tuple[Summary, list[float]]:
+        results = [
+            RequestResult(index=i, sent_s=float(i), ttft_s=ttft * (1 + i / 10), e2e_s=ttft * 2, prompt_tokens=100)
+            for i in range(10)
+        ]
+        s = summarize(name, None, results, {}, 2)
+        s.fleet = FleetFigures(prompt_tokens=1000, cached_tokens=cached, busy_prefill_s=busy, busy_decode_s=busy)
+        return s, sorted(r.ttft_s or 0.0 for r in results)
+
+    rows = []
+    for tier, rr_ttft, ours_ttft in (("none", 1.0, 0.9), ("host", 0.9, 0.5)):
+        rr, rr_t = run("envoy-rr", rr_ttft, 1.0, {"device": 100})
+        ours, ours_t = run("ours:prefix-aware", ours_ttft, 0.7, {"device": 400, "host": 300})
+        rows += [(tier, rr, rr_t), (tier, ours, ours_t)]
+    report = TieredReport("longctx", {}, 0.3, rows, slo_s=1.0, setup={"missing_contenders": ["smg"]})
+    ours_host = report.find("host", "ours:prefix-aware")
+    assert ours_host is not None and gpu_seconds_per_request(ours_host) == pytest.approx(0.14)
+    rate, share = report.goodput(*rows[3][1:])
+    assert share == pytest.approx(1.0) and rate > 0  # 0.5 s .. 0.95 s: all within the 1 s SLO
+    assert report.goodput(*rows[0][1:])[1] == pytest.approx(0.1)  # envoy-rr, none: only the first one
+    targets = {t: m for t, m, _f in report.targets()}
+    assert targets["ours (host tier) TTFT p50 >= 40% below round robin without HiCache"] is True
+    assert targets["ours (host tier) >= 25% fewer GPU-seconds per request than round robin without HiCache"] is True
+    assert all(m for t, m in targets.items() if "every peer" in t)
+    table = tiered_table(report)
+    assert "| ours:prefix-aware | 10 | 0 |" in table and "0.400 | 0.300 | 0.000" in table
+    assert "not in this build, not run: smg" in table
+    data = report.to_json()
+    assert data["rows"][1]["hit_rate_by_tier"] == {"device": 0.4, "host": 0.3, "storage": 0.0}
+    assert data["targets"][0]["met"] is True
 
 
 def test_smg_contenders_talk_to_their_own_door_with_their_own_ports() -> None:

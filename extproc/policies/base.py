@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from extproc.config import Section
 from extproc.sync.load import WorkerLoad
+from extproc.sync.tier_stats import TierReport
 from extproc.sync.workers import Worker
 
 __all__ = ["Candidate", "Decision", "Policy", "PolicyError", "PolicyOptions", "RoutingRequest", "WorkerLoad"]
@@ -60,10 +61,20 @@ class Candidate:
     in_flight: int = 0
     load: WorkerLoad | None = None
     matched_blocks: int = 0  # leading blocks of the prompt this worker holds in GPU memory (index + speculative)
-    host_matched_blocks: int = 0  # ... counting its host-memory / disk tiers too (>= matched_blocks when reported)
+    host_matched_blocks: int = 0  # ... counting its host-memory tier too (>= matched_blocks when reported)
+    shared_matched_blocks: int = 0  # ... counting the storage tier it shares with others too (>= host_matched)
     index_state: str = "synced"  # synced | unknown (events lost or absent; matched_blocks from own record)
     block_size: int = 16  # this worker's page size (tokens per block)
     cached_blocks: int = 0  # blocks the worker's GPU cache holds as far as the index knows (its fill)
+    storage_group: str | None = None  # the shared storage tier it reads (HiCache L3), if any
+    tier_report: TierReport | None = None  # its reported load-back / storage-prefetch figures (HiCache workers)
+
+    @property
+    def tier_blocks(self) -> dict[str, int]:
+        """Leading blocks by tier: on its GPU, then in its host memory, then in the shared storage tier."""
+        host = max(self.host_matched_blocks, self.matched_blocks)
+        shared = max(self.shared_matched_blocks, host)
+        return {"gpu": self.matched_blocks, "host": host - self.matched_blocks, "shared": shared - host}
 
 
 @dataclass

@@ -41,6 +41,7 @@ from pydantic import Field
 
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 from extproc.policies.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.policies.tier_cost import costs_from_report, tier_extra
 from extproc.sync.workers import Worker
 
 __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
@@ -72,9 +73,6 @@ class PrefixAwareOptions(PolicyOptions):
         1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
     )
     max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
-    host_load_ratio: float = Field(
-        0.1, ge=0, le=1, description="Cost of loading a block from host memory relative to recomputing it."
-    )
     eviction_weight: float = Field(
         1.0,
         ge=0,
@@ -133,8 +131,13 @@ class PrefixAwarePolicy(Policy):
         limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
         gpu = min(c.matched_blocks * c.block_size, limit)
         host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
-        new = total - gpu - host
-        prefill = model.seconds(new, gpu + host) + opts.host_load_ratio * model.a * host
+        shared = max(min(c.shared_matched_blocks * c.block_size, limit) - gpu - host, 0)
+        # Host hits load back overlapping the prefill; shared-storage hits are read first (policies/tier_cost.py).
+        # The transfer costs are the worker's own reports, documented priors until it has made one.
+        compute = model.seconds(total - gpu - host - shared, gpu + host + shared)
+        tiers = tier_extra(host, shared, costs_from_report(c.tier_report), compute, c.block_size)
+        new = total - gpu - tiers.host_tokens - tiers.shared_tokens
+        prefill = model.seconds(new, total - new) + tiers.load_back_s
         queue = cost.queued_seconds(now)
         load = c.load
         running = load.num_running_reqs if load else c.in_flight
@@ -153,10 +156,13 @@ class PrefixAwarePolicy(Policy):
             room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
             evicted = min(float(new), max(0.0, new - room))
         eviction = opts.eviction_weight * cost.reuse * model.a * evicted
-        ttft = queue + prefill + penalty
+        ttft = queue + prefill + penalty + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
-            "cached_tokens": gpu + host,
+            "cached_tokens": total - new,
+            "host_tokens": tiers.host_tokens,
+            "shared_tokens": tiers.shared_tokens,
+            "tier_s": tiers.seconds,
             "new_tokens": new,
             "queue_s": queue,
             "prefill_s": prefill,

@@ -11,7 +11,10 @@ entries:
   (``extproc.sync.subscriber``) for a replay of the missing ones; if the replay cannot fill the
   hole, the worker's entries are dropped (removals may have been missed) and its state is
   ``unknown`` until it is provably whole again;
-- ``seq`` going backwards is a restarted worker: its entries are reset.
+- ``seq`` going backwards is a restarted worker: its entries are reset;
+- a host-tier store (``medium`` ``CPU_PINNED``) of a worker in a storage group (HiCache workers sharing
+  one L3 backend) is also recorded for the group: SGLang writes every acknowledged host copy to its
+  storage backend, and L3 publishes nothing of its own.
 
 No I/O here: the subscriber feeds ``ingest`` and ``replayed``; tests drive them directly.
 """
@@ -69,6 +72,7 @@ class WorkerCacheView:
     hashes: SharedBound | None = None
     max_hashes: int | None = None  # a bound of its own instead (tests)
     clock: Callable[[], float] = time.monotonic
+    storage_group: Callable[[], str | None] | None = None  # the worker's shared storage tier, read at use
     last_seq: int | None = None
     block_size: int | None = None  # learnt from events
     stats: ViewStats = field(default_factory=ViewStats)
@@ -264,6 +268,10 @@ class WorkerCacheView:
             bound.reclaim()
         stored = keys[: len(event.block_hashes)]
         self.index.store(self.worker_id, stored, tier)
+        if tier == "host" and self.storage_group is not None:
+            group = self.storage_group()
+            if group is not None:
+                self.index.store_shared(group, stored)
         self.stats.blocks_stored += len(stored)
 
     def _removed(self, event: BlockRemoved) -> None:

@@ -11,6 +11,7 @@ which ``event_endpoints`` derives from ``/server_info`` each time.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,9 @@ import aiohttp
 from extproc.addresses import substitute_wildcard
 from extproc.sync.workers import Worker
 
-__all__ = ["discover", "dp_size", "event_endpoints", "page_size"]
+__all__ = ["discover", "dp_size", "event_endpoints", "page_size", "storage_group"]
+
+DEFAULT_FILE_STORAGE_DIR = "/tmp/hicache"  # SGLang HiCacheFile's default directory
 
 
 async def _get_json(session: aiohttp.ClientSession, worker: Worker, *paths: str) -> dict[str, Any] | None:
@@ -112,3 +115,37 @@ def page_size(worker: Worker) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def storage_group(worker: Worker) -> str | None:
+    """Which shared storage tier the worker's HiCache writes to, from its ``/server_info``; None: none.
+
+    Workers name one tier when they report the same backend and location and serve the same model
+    with the same tensor-parallel layout (SGLang's ``file`` backend names each page's file by its
+    hash, the model and the TP rank and size, so only such workers read each other's pages). For
+    ``file`` the location is ``file_storage_path`` in the extra config, else ``--file-storage-path``,
+    else SGLang's default; a worker whose directory is overridden by the environment
+    (``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``) cannot say so, and the directory must be one
+    filesystem the workers share. Other backends are grouped by their whole extra config.
+    """
+    info = worker.info if isinstance(worker.info, dict) else {}
+    backend = info.get("hicache_storage_backend")
+    if not info.get("enable_hierarchical_cache") or not isinstance(backend, str) or not backend:
+        return None
+    raw = info.get("hicache_storage_backend_extra_config")
+    extra: dict[str, Any] = {}
+    if isinstance(raw, str) and raw.startswith("{"):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            extra = parsed
+    if backend == "file":
+        path = extra.get("file_storage_path") or info.get("file_storage_path") or DEFAULT_FILE_STORAGE_DIR
+        location = str(path)
+    else:
+        location = json.dumps(extra, sort_keys=True)
+    model = info.get("served_model_name") or worker.model or ""
+    tp = info.get("tp_size") if isinstance(info.get("tp_size"), int) else 1
+    return f"{backend}:{location}:{model}:tp{tp}"

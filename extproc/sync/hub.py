@@ -23,7 +23,7 @@ from extproc.config import EventsConfig
 from extproc.index import BlockIndex, rank_key
 from extproc.memory import HASH_BYTES, SharedBound
 from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
-from extproc.sync.discovery import discover, event_endpoints
+from extproc.sync.discovery import discover, event_endpoints, storage_group
 from extproc.sync.subscriber import EventSubscriber
 from extproc.sync.workers import Worker, WorkerRegistry
 
@@ -157,6 +157,9 @@ class EventHub:
         def model() -> str:  # read at use: the served model may be discovered after subscribing
             return worker.model or ""
 
+        def group() -> str | None:  # read at use too: /server_info may change on a rejoin
+            return storage_group(worker)
+
         for rank, (events_ep, replay_ep) in enumerate(endpoints):
             view = WorkerCacheView(
                 rank_key(worker.id, rank),
@@ -164,6 +167,7 @@ class EventHub:
                 model=model,
                 resync_after_s=self.config.resync_after_s,
                 hashes=self.hashes,
+                storage_group=group if self.index.config.shared_tier else None,
             )
             sub = EventSubscriber(view, events_ep, replay_ep, self.config, self._ctx)
             views.append(view)
