@@ -34,6 +34,16 @@ from typing import Any
 from benchmarks.client import ClientOptions, LatencyProbe, run_load
 from benchmarks.cluster import HICACHE_SETTINGS, Cluster, ClusterError, ClusterSpec, CpuWorkerPool
 from benchmarks.contenders import ContenderError, create_contender, validate_contender_names
+from benchmarks.matrix import (
+    FLEETS,
+    WORKLOADS,
+    MatrixOptions,
+    add_matrix_arguments,
+    load_matrix,
+    matrix_markdown,
+    plot_heatmap,
+    run_matrix,
+)
 from benchmarks.metrics import RequestResult, Summary, failed, percentile, summarize
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.report import (
@@ -103,6 +113,15 @@ def _positive(kind: type) -> Any:
         return value
 
     return parse
+
+
+def _profiles(text: str) -> str:
+    from sglang_workers.timing import profile_list
+
+    try:
+        return ",".join(profile_list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -234,8 +253,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--workers", type=_positive(int), default=4, help="Workers per cluster.")
     c.add_argument(
         "--profile",
+        type=_profiles,
         default="llama-3.1-8b-h100",
-        help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`).",
+        help="Timing profile of the simulated workers (see `prefix-router sim-worker --help`), or a "
+        "comma-separated list cycled over the workers, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100 (a mixed fleet).",
     )
     c.add_argument(
         "--speedup",
@@ -331,6 +352,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Measured sequential requests per prompt size and gateway.",
     )
     o.add_argument("--overhead-warmup", type=int, default=5, help="Unmeasured requests first, per size.")
+    add_matrix_arguments(parser)
     _PARSER_DEFAULTS.update({key: parser.get_default(key) for key in CPU_DEFAULTS})
 
 
@@ -719,7 +741,77 @@ def _overhead_body(seed: int, tokens: int, i: int) -> bytes:
     ).encode()
 
 
+MATRIX_CONTENDERS = "envoy-rr,sgl-router,ours:prefix-aware"
+
+
+def _csv(text: str, known: Any, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in known]
+    if not items or unknown:
+        raise ValueError(f"{what}: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(known)}")
+    return items
+
+
+def run_matrix_command(args: argparse.Namespace) -> int:
+    contenders_text = args.contenders if args.contenders != DEFAULT_CONTENDERS else MATRIX_CONTENDERS
+    try:
+        contenders = [n.strip() for n in contenders_text.split(",") if n.strip()]
+        validate_contender_names(contenders)
+        fleets = _csv(args.matrix_fleets, FLEETS, "--matrix-fleets")
+        workloads = _csv(args.matrix_workloads, WORKLOADS, "--matrix-workloads")
+        loads = [float(x) for x in args.matrix_loads.split(",") if x.strip()]
+        if not loads or any(x <= 0 for x in loads):
+            raise ValueError("--matrix-loads wants positive multiples of the knee")
+        if args.matrix_requests < 10:
+            raise ValueError("--matrix-requests must be at least 10")
+    except ValueError as exc:
+        print(f"prefix-router bench: {exc}", file=sys.stderr)
+        return 2
+    out: Path = args.matrix_out
+    out.mkdir(parents=True, exist_ok=True)
+    options = MatrixOptions(
+        requests=args.matrix_requests,
+        seed=args.seed,
+        trace=args.trace or MatrixOptions().trace,
+        page_size=args.page_size,
+        request_timeout_s=args.request_timeout,
+    )
+    started = time.monotonic()
+    previous = load_matrix(out / "matrix.json") if args.resume else None
+    try:
+        data = asyncio.run(
+            run_matrix(
+                contenders,
+                fleets,
+                workloads,
+                loads,
+                options,
+                run_one,
+                out / "matrix.json",
+                previous=previous,
+                progress=not args.no_progress,
+            )
+        )
+    except (TraceError, ValueError) as exc:
+        print(f"prefix-router bench: {exc}", file=sys.stderr)
+        return 2
+    data["versions"] = _versions()
+    (out / "matrix.json").write_text(json.dumps(data, indent=1, default=str))
+    table = matrix_markdown(data)
+    (out / "matrix.md").write_text(table)
+    print(table)
+    heatmap = plot_heatmap(data, out / "matrix-heatmap.png")
+    print(
+        f"matrix written to {out}/ (matrix.json, matrix.md{', matrix-heatmap.png' if heatmap else ''}) "
+        f"in {time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return run_matrix_command(args)
     if args.speedup is None:  # the tiered suite's long prompts need less stretching to load the fleet
         args.speedup = TIERED_SPEEDUP if args.suite == "tiered" else DEFAULT_SPEEDUP
     if args.suite == "tiered":

@@ -43,7 +43,9 @@ __all__ = [
     "TraceWindow",
     "Workload",
     "block_text",
+    "docqa_workload",
     "gsp_workload",
+    "hot_burst_workload",
     "longctx_workload",
     "multiturn_workload",
     "poisson_arrivals",
@@ -243,6 +245,127 @@ def multiturn_workload(
             "seed": seed,
         },
     )
+
+
+# -- hot-prefix bursts ---------------------------------------------------------------------
+
+
+def _zipf_weights(count: int, exponent: float) -> list[float]:
+    return [1.0 / (rank + 1) ** exponent for rank in range(count)]
+
+
+def hot_burst_workload(
+    *,
+    prefixes: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    burst_size: int,
+    burst_spacing_s: float,
+    zipf: float,
+    rate: float,
+    count: int,
+    seed: int,
+) -> Workload:
+    """Hot tenants in bursts: a few system prompts with Zipf popularity, each arrival a burst.
+
+    Bursts start as a Poisson process at ``rate / burst_size``; a burst is ``burst_size`` requests on
+    one prefix (Zipf-chosen), ``burst_spacing_s`` apart, each with its own question: siblings arrive
+    before any KV event of the first can, and the hottest prefix wants more than one worker.
+    """
+    if min(prefixes, prefix_len, question_len, output_len, burst_size, count) <= 0 or burst_spacing_s < 0:
+        raise ValueError("hot-burst sizes must all be positive")
+    ns = f"hot/{seed}"
+    rng = random.Random(seed)
+    weights = _zipf_weights(prefixes, zipf)
+    starts = poisson_arrivals(-(-count // burst_size), rate / burst_size, rng)
+    timed: list[tuple[float, int, int]] = []
+    for b, start in enumerate(starts):
+        prefix = rng.choices(range(prefixes), weights)[0]
+        timed.extend((start + k * burst_spacing_s, prefix, b * burst_size + k) for k in range(burst_size))
+    timed.sort()
+    requests = [
+        BenchRequest(
+            index=i,
+            arrival_s=t,
+            max_tokens=output_len,
+            messages=[
+                {"role": "system", "content": block_text(ns + "/system", prefix, prefix_len)},
+                {"role": "user", "content": block_text(ns + "/q", q, question_len)},
+            ],
+        )
+        for i, (t, prefix, q) in enumerate(timed[:count])
+    ]
+    params = {
+        "prefixes": prefixes,
+        "prefix_len": prefix_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "burst_size": burst_size,
+        "burst_spacing_s": burst_spacing_s,
+        "zipf": zipf,
+        "rate": rate,
+        "count": count,
+        "seed": seed,
+    }
+    return Workload("hot-burst", requests, params)
+
+
+# -- long-document QA -----------------------------------------------------------------------
+
+
+def docqa_workload(
+    *,
+    documents: int,
+    document_len: int,
+    question_len: int,
+    output_len: int,
+    zipf: float,
+    rate: float,
+    count: int,
+    seed: int,
+) -> Workload:
+    """Questions about long documents: each request is a short instruction, one document, a question.
+
+    Documents are Zipf-popular and long (several thousand tokens), so the fleet's GPU caches hold
+    only part of the working set: where a document is cached decides most of the prefill.
+    """
+    if min(documents, document_len, question_len, output_len, count) <= 0:
+        raise ValueError("docqa sizes must all be positive")
+    ns = f"docqa/{seed}"
+    rng = random.Random(seed)
+    weights = _zipf_weights(documents, zipf)
+    instruction = block_text(ns + "/instruction", 0, 64)
+    requests = []
+    for i, t in enumerate(poisson_arrivals(count, rate, rng)):
+        doc = rng.choices(range(documents), weights)[0]
+        requests.append(
+            BenchRequest(
+                index=i,
+                arrival_s=t,
+                max_tokens=output_len,
+                messages=[
+                    {"role": "system", "content": instruction},
+                    {
+                        "role": "user",
+                        "content": block_text(ns + "/doc", doc, document_len)
+                        + "\n\nQuestion:"
+                        + block_text(ns + "/q", i, question_len),
+                    },
+                ],
+            )
+        )
+    params = {
+        "documents": documents,
+        "document_len": document_len,
+        "question_len": question_len,
+        "output_len": output_len,
+        "zipf": zipf,
+        "rate": rate,
+        "count": count,
+        "seed": seed,
+    }
+    return Workload("docqa", requests, params)
 
 
 # -- long-context: document QA + multi-turn chat ----------------------------------------------

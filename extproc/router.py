@@ -241,6 +241,7 @@ class Router:
                 block_size=self.block_size_for(w),
                 storage_group=storage_group(w) if shared else None,
                 tier_report=tiers.get(w),
+                cached_blocks=self.index.size(w.id),
             )
             for w in workers
         ]

@@ -21,9 +21,12 @@ the simulator's step durations in place of measured ones:
 * ``utilization`` stays 0.0: 0.5.23 computes it from ``max_running_requests_under_SLO``, which nothing
   sets (the source says so), so a real worker always reports 0.0.
 
-Durations are simulated GPU seconds (the step durations the timing profile gives); wall-clock intervals
-(throughput, the hit-rate window) are scaled by ``--speedup`` so that a sped-up worker reports the rates
-of the GPU it models.
+Everything is reported in wall-clock time, as a real worker reports it: a step the timing profile says
+takes ``d`` seconds takes ``d / --speedup`` seconds here and counts that much busy time, throughputs are
+per wall second, and the windows are wall seconds. A worker at ``--speedup 0.25`` is a GPU four times
+slower than its profile, and reports exactly what SGLang on such a GPU would: a router that learns a
+worker's speed from these counters (``extproc.policies.cost_model``) sees the speed its requests get,
+without being told any simulator setting.
 """
 
 from __future__ import annotations
@@ -66,8 +69,7 @@ class LoadCounters:
 
     # -- the clock -------------------------------------------------------------------------------
     def _now(self) -> float:
-        """Wall time scaled to the simulated GPU (equal to wall time at speedup 1)."""
-        return time.monotonic() * self.speedup
+        return time.monotonic()
 
     # -- events from the scheduler loop ------------------------------------------------------------
     def on_idle(self) -> None:
@@ -87,7 +89,7 @@ class LoadCounters:
         effective_hit: int,
         health_only: bool,
     ) -> None:
-        """One prefill batch that started at simulated time ``launch`` and took ``duration`` seconds.
+        """One prefill batch that started at simulated time ``launch`` and took ``duration`` simulated seconds.
 
         ``new_tokens`` counts every request's uncached tokens (health checks included, as SGLang's
         ``extend_num_tokens`` does); ``effective_new`` and ``effective_hit`` the new and cached tokens of
@@ -102,7 +104,7 @@ class LoadCounters:
         if self._prev_prefill_end is not None:
             start = self._prev_prefill_end if contiguous else max(start, self._prev_prefill_end)
         self._prev_prefill_end = end
-        step_us = int((end - start) * 1e6)
+        step_us = int((end - start) / self.speedup * 1e6)  # wall time, as a real worker measures it
         if step_us <= 0:
             return
         self.total_prefill_busy_us += step_us
@@ -117,7 +119,7 @@ class LoadCounters:
         self._report_decode(batch_size)
         if not contiguous or prev is None:
             return
-        step_us = int((launch - prev[1]) * 1e6)
+        step_us = int((launch - prev[1]) / self.speedup * 1e6)
         if step_us <= 0 or step_us >= STEP_MAX_US or batch_size <= 0:
             return
         b, t = float(batch_size), float(step_us)
@@ -149,7 +151,7 @@ class LoadCounters:
             self._window_hit += hit_tokens
             self._window_total += total
         self._expire_window(now)
-        if now - self._last_decode_report > GEN_THROUGHPUT_STALENESS_S * self.speedup:
+        if now - self._last_decode_report > GEN_THROUGHPUT_STALENESS_S:
             self._last_throughput = 0.0
         self.gen_throughput = self._last_throughput
         self._take_retractions()
@@ -171,7 +173,7 @@ class LoadCounters:
         self.num_retracted_reqs, self._pending_retractions = self._pending_retractions, 0
 
     def _expire_window(self, now: float) -> None:
-        cutoff = now - CACHE_HIT_RATE_WINDOW_S * self.speedup
+        cutoff = now - CACHE_HIT_RATE_WINDOW_S
         while self._hit_window and self._hit_window[0][0] <= cutoff:
             _, hit, total = self._hit_window.popleft()
             self._window_hit -= hit

@@ -227,7 +227,10 @@ def start_sim_workers(
     A worker that loses a port race (another process took a port between the check and the bind)
     is started again on new ports, up to three times.
     """
-    workers = [_spawn(host, opts, env, grpc) for _ in range(count)]
+    # ``profile="a,b"`` cycles the named timing profiles over the workers (a mixed fleet).
+    profiles = str(opts["profile"]).split(",") if opts.get("profile") else []
+    per_worker = [{**opts, "profile": profiles[i % len(profiles)].strip()} if profiles else opts for i in range(count)]
+    workers = [_spawn(host, per_worker[i], env, grpc) for i in range(count)]
     try:
         for i in range(count):
             for attempt in range(3):
@@ -238,7 +241,7 @@ def start_sim_workers(
                     workers[i].stop()
                     if attempt == 2 or "in use" not in str(exc).lower():
                         raise
-                    workers[i] = _spawn(host, opts, env, grpc)
+                    workers[i] = _spawn(host, per_worker[i], env, grpc)
     except BaseException:
         for worker in workers:
             worker.stop()

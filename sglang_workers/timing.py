@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PROFILES", "TimingProfile", "get_profile"]
+__all__ = ["PROFILES", "TimingProfile", "get_profile", "profile_list"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,21 @@ PROFILES: dict[str, TimingProfile] = {
             graph_gb=0.5,
             **_LLAMA_8B_PCIE5,
         ),
+        # A100 80GB SXM: BF16 dense peak 312 TFLOPS and 2.04 TB/s HBM (NVIDIA A100 datasheet); the
+        # linear part at ~220 TFLOPS effective (70% of peak, as the H100 profile's 650 is 66%), attention
+        # at FlashAttention-2's ~225 TFLOPS (arXiv 2307.08691: up to 230 on A100) instead of FA3's 640 on
+        # H100, decode from 16 GB of weights and 131 kB of KV per token over 2.04 TB/s.
+        TimingProfile(
+            "llama-3.1-8b-a100",
+            "Llama-3.1-8B BF16 on 1x A100 80GB",
+            c0=0.020,
+            a=73e-6,
+            b=1.48e-9,
+            d0=0.010,
+            d1=0.08e-3,
+            d2=80e-9,
+            kv_pool_tokens=400_000,
+        ),
         TimingProfile(
             "llama-3.1-70b-tp4-h100",
             "Llama-3.1-70B BF16 on 4x H100 80GB (TP4)",
@@ -197,3 +212,13 @@ def get_profile(name: str) -> TimingProfile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown timing profile {name!r}; choose one of: {', '.join(PROFILES)}") from None
+
+
+def profile_list(text: str) -> list[str]:
+    """``name`` or ``name,name,...`` (cycled over workers): the names, each checked."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("no timing profile given")
+    for name in names:
+        get_profile(name)
+    return names

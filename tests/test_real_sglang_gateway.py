@@ -9,6 +9,7 @@ the last test restarts one of them.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -240,23 +241,29 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
         await tracker.start()
         try:
             await tracker.poll_once()
+            first = tracker.get(router_view)
             ids = list(range(5000, 5000 + 20 * PAGE + 1))
             await asyncio.to_thread(
                 post, worker.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
             )
             await asyncio.sleep(1.5)  # SGLang republishes its load snapshot every few scheduler steps
             await tracker.poll_once()
-            return tracker.get(router_view)
+            return copy.copy(first), tracker.get(router_view)
         finally:
             await tracker.stop()
 
-    load = asyncio.run(two_polls())
-    assert load is not None
-    unset = [name for name, value in vars(load).items() if value is None]
+    before, after = asyncio.run(two_polls())
+    assert after is not None and before is not None
+    unset = [name for name, value in vars(after).items() if value is None]
     assert unset == [], f"fields /v1/loads did not fill: {unset}"
-    assert load.max_total_num_tokens == 2048 and load.total_prefill_uncached_tokens > 0
-    assert load.prefill_tokens_per_s > 0  # measured from the two polls' counter deltas
-    assert load.memory[0]["token_capacity"] == 2048 and load.disaggregation[0]["mode"] == "null"
+    assert after.max_total_num_tokens == 2048 and after.memory is not None and after.disaggregation is not None
+    assert after.memory[0]["token_capacity"] == 2048 and after.disaggregation[0]["mode"] == "null"
+    # The cumulative counters moved by the request between the polls: the worker's measured prefill speed.
+    assert after.total_prefill_uncached_tokens is not None and before.total_prefill_uncached_tokens is not None
+    assert after.total_prefill_busy_us is not None and before.total_prefill_busy_us is not None
+    tokens = after.total_prefill_uncached_tokens - before.total_prefill_uncached_tokens
+    busy_us = after.total_prefill_busy_us - before.total_prefill_busy_us
+    assert tokens >= 20 * PAGE and busy_us > 0
 
 
 def test_streaming_passes_through_unbuffered(stack: GatewayStack) -> None:

@@ -208,7 +208,10 @@ def test_the_router_reports_the_per_tier_match_in_spans_and_metrics() -> None:
     for w in workers:
         w.info = _hicache_info()
         w.model = "m"
-    router = Router(RouterConfig(), WorkerRegistry(workers))
+    # Priors of an H100-class GPU, the hardware the transfer priors describe: with slower compute priors
+    # the shared-tier prefetch on w1 would tie with w0's mixed match (this test is about reporting).
+    h100 = {"prefill_floor_s": 0.015, "prefill_per_token_s": 23e-6, "attention_per_token2_s": 0.52e-9}
+    router = Router(RouterConfig(policy={"name": "prefix-aware", "prefix_aware": h100}), WorkerRegistry(workers))
     exporter = InMemorySpanExporter()
     router.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
     ids = list(range(640))  # 40 blocks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -10,8 +11,9 @@ from prometheus_client import generate_latest
 from extproc.blocks import block_keys
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
-from extproc.policies import Candidate, PolicyError, RoutingRequest, WorkerLoad, create_policy
-from extproc.policies.prefix_aware import PrefixAwareOptions, prefill_seconds
+from extproc.policies import Candidate, Decision, PolicyError, RoutingRequest, WorkerLoad, create_policy
+from extproc.policies.cost_model import PrefillModel
+from extproc.policies.prefix_aware import PrefixAwareOptions
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
@@ -116,14 +118,14 @@ def test_memory_is_bounded_across_the_fleet() -> None:
 
 
 # -- prefix-aware -----------------------------------------------------------------------------------
-def test_prefill_cost_model_defaults_match_the_8b_h100_figures() -> None:
+def test_prefill_cost_model_shape() -> None:
     opts = PrefixAwareOptions()
-    # ~24 ms at 1k and ~1.3 s at 32k tokens of compute (docs/routing.md), plus the 15 ms floor.
-    assert prefill_seconds(opts, 1024, 0) == pytest.approx(0.015 + 0.0236 + 0.00055, rel=0.01)
-    assert 1.2 < prefill_seconds(opts, 32768, 0) < 1.4
+    prior = PrefillModel(opts.prefill_floor_s, opts.prefill_per_token_s, opts.attention_per_token2_s)
+    assert prior.seconds(0, 4096) == 0.0
+    assert prior.seconds(1024, 0) == pytest.approx(0.02 + 1024 * 4e-5 + 1024**2 * 1e-9)
     # cached context makes new tokens dearer (attention over it), but far cheaper than recomputing
-    assert prefill_seconds(opts, 100, 8000) > prefill_seconds(opts, 100, 0)
-    assert prefill_seconds(opts, 100, 8000) < prefill_seconds(opts, 8100, 0) / 10
+    assert prior.seconds(100, 8000) > prior.seconds(100, 0)
+    assert prior.seconds(100, 8000) < prior.seconds(8100, 0) / 10
 
 
 def _candidates(
@@ -146,7 +148,7 @@ def test_longest_cached_prefix_wins_when_idle() -> None:
 def test_busy_holder_spills_to_an_idle_worker() -> None:
     policy = create_policy("prefix-aware")
     workers = _workers(2)
-    busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5)
+    busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5, polled_at=time.monotonic())
     decision = policy.select(_request(4096), _candidates(workers, [200, 0], [busy, None]))
     assert decision.ranked[0] is workers[1] and decision.reason == "prefix-spill"
     # own decisions queue up too: a long cold prompt routed to w0 delays the next one there
@@ -172,12 +174,25 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
     )  # one prefix keeps its worker
 
 
-def test_kv_pressure_is_penalised() -> None:
+def test_a_full_cache_costs_the_evictions_it_forces() -> None:
+    """A cold prompt goes where storing it evicts nothing, even against the traffic tie-break."""
     policy = create_policy("prefix-aware")
-    workers = _workers(2)
-    full = WorkerLoad(token_usage=0.99)
-    decision = policy.select(_request(2048), _candidates(workers, [4, 0], [full, None]))
-    assert decision.ranked[0] is workers[1]
+    full, empty = _workers(2)
+    now = time.monotonic()
+    loads = [
+        WorkerLoad(max_total_num_tokens=24576, polled_at=now),
+        WorkerLoad(max_total_num_tokens=24576, polled_at=now),
+    ]
+    for _ in range(20):  # the empty worker received more traffic lately: the tie-break alone would pick the full one
+        policy.on_routed(
+            _request(64),
+            Decision(ranked=[empty], reason="test", scores={empty.id: {"new_tokens": 0, "cached_tokens": 64}}),
+        )
+    candidates = _candidates([full, empty], [0, 0], loads)
+    candidates[0].cached_blocks = 24576 * 8 // 10 // 16  # its cached prefixes fill the pool's cacheable share
+    decision = policy.select(_request(4096, keys=[3]), candidates)
+    assert decision.ranked[0] is empty
+    assert decision.scores[full.id]["eviction_s"] > 0 == decision.scores[empty.id]["eviction_s"]
 
 
 def test_bad_options_are_reported() -> None:
@@ -344,8 +359,8 @@ def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
     assert parse_loads({"unrelated": 1}) is None and parse_metrics("up 1\n") is None
 
 
-def test_every_field_of_sglang_0_5_23_loads_is_read_and_prefill_speed_derived() -> None:
-    from extproc.sync.load import LoadTracker, WorkerLoad, parse_loads
+def test_every_field_of_sglang_0_5_23_loads_is_read() -> None:
+    from extproc.sync.load import WorkerLoad, parse_loads
 
     rank = {
         "timestamp": 100.0,
@@ -375,21 +390,12 @@ def test_every_field_of_sglang_0_5_23_loads_is_read_and_prefill_speed_derived() 
     assert (load.num_waiting_uncached_tokens, load.num_total_tokens, load.max_running_requests) == (1800, 2600, 4096)
     assert load.gen_throughput == 241.0 and load.cache_hit_rate == 0.5 and load.utilization == 0.0
     assert (load.total_prefill_uncached_tokens, load.total_prefill_busy_us) == (20_000, 4_000_000)
-    assert load.decode_moments == [60.0, 60.0, 424458.0, 60.0, 424458.0, 60.0]
+    assert load.decode_moments == (60.0, 60.0, 424458.0, 60.0, 424458.0)  # what the cost model regresses on
     assert load.memory is not None and len(load.memory) == 2 and load.queues is not None
     assert load.reported_at == 100.0
     # Every flat key real SGLang reports lands in a field of the same name (none is dropped on the floor).
     fields = set(WorkerLoad.__dataclass_fields__)
     assert {k for k, v in rank.items() if k not in ("timestamp", "dp_rank")} <= fields
-    # Two polls: the counters' deltas give the measured prefill speed.
-    from extproc.config import LoadConfig
-    from extproc.sync.workers import WorkerRegistry
-
-    worker = _workers(1)[0]
-    tracker = LoadTracker(LoadConfig(), WorkerRegistry([worker]))
-    tracker.set(worker, WorkerLoad(total_prefill_uncached_tokens=1000, total_prefill_busy_us=100_000))
-    tracker.set(worker, WorkerLoad(total_prefill_uncached_tokens=5000, total_prefill_busy_us=300_000))
-    assert tracker.get(worker).prefill_tokens_per_s == pytest.approx(20_000.0)  # type: ignore[union-attr]
 
 
 def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None:
@@ -445,14 +451,69 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     assert outcome.upstream_headers["traceparent"].split("-")[1] == trace_id
 
 
-def test_simulated_workers_time_scale_is_applied() -> None:
+def test_decisions_ignore_the_simulator_block_of_server_info() -> None:
+    """Nothing a simulated worker says about its own timing (``simulator`` in /server_info) is read."""
+    load = WorkerLoad(num_running_reqs=2, num_waiting_reqs=1, num_waiting_uncached_tokens=900, polled_at=1.0)
+    ranked = []
+    for info in ({"simulator": {"speedup": 0.25, "profile": "llama-3.1-8b-h100"}}, {}):
+        policy = create_policy("prefix-aware")
+        workers = _workers(3)
+        for w in workers:
+            w.info = dict(info)
+        decisions = [
+            policy.select(_request(2048, keys=[k]), _candidates(workers, m, [load, None, None]))
+            for k, m in ((1, [0, 0, 0]), (2, [100, 10, 0]), (3, [0, 40, 120]))
+        ]
+        ranked.append([([w.id for w in d.ranked], d.reason, d.scores) for d in decisions])
+    assert ranked[0] == ranked[1]
+
+
+def test_each_worker_is_judged_by_its_own_learned_speed() -> None:
+    """Two idle workers, neither holding the prompt: the one measured faster wins (no prior decides)."""
     policy = create_policy("prefix-aware")
     slow, fast = _workers(2)
-    slow.info = {"simulator": {"speedup": 0.25}}  # four times slower than its profile
-    fast.info = {"simulator": {"speedup": 4.0}}
-    decision = policy.select(_request(4096), _candidates([slow, fast], [0, 0]))
-    assert decision.scores["w0"]["prefill_s"] == pytest.approx(16 * decision.scores["w1"]["prefill_s"])
+    truth = {"w0": PrefillModel(0.06, 92e-6, 2.1e-9), "w1": PrefillModel(0.015, 23e-6, 0.52e-9)}
+    busy = dict.fromkeys(truth, 0.0)
+    tokens = dict.fromkeys(truth, 0)
+    now = 0.0
+    for step in range(40):  # 20 s of traffic, 1k-token prompts, both workers idle between them
+        now = step * 0.5
+        for worker in (slow, fast):
+            model = policy.cost_model(worker)
+            model.sent(1024 + 64 * (step % 5), 512 * (step % 3), now)
+            busy[worker.id] += truth[worker.id].seconds(1024 + 64 * (step % 5), 512 * (step % 3))
+            tokens[worker.id] += 1024 + 64 * (step % 5)
+            model.observe(
+                WorkerLoad(
+                    num_waiting_uncached_tokens=0,
+                    total_prefill_busy_us=int(busy[worker.id] * 1e6),
+                    total_prefill_uncached_tokens=tokens[worker.id],
+                    polled_at=now + 0.4,
+                )
+            )
+    for worker in (slow, fast):
+        assert policy.cost_model(worker).prefill.seconds(2048, 0) == pytest.approx(
+            truth[worker.id].seconds(2048, 0), rel=0.1
+        )
+    decision = policy.select(_request(4096, keys=[9]), _candidates([slow, fast], [0, 0]))
     assert decision.ranked[0] is fast
+    assert decision.scores["w0"]["prefill_s"] > 3 * decision.scores["w1"]["prefill_s"]
+
+
+def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
+    """The same queue imbalance spills a hot prefix on an idle fleet but not on a saturated one."""
+    workers = _workers(2)
+    for utilization, expected in ((0.1, "prefix-spill"), (0.97, "prefix-hit")):
+        policy = create_policy("prefix-aware")
+        for w in workers:
+            policy.cost_model(w).utilization = utilization
+        # w0 holds 3k of a 3.2k-token prompt but has ~0.65 s of work queued; w1 holds nothing and has ~0.1 s.
+        loads = [
+            WorkerLoad(num_waiting_reqs=8, num_waiting_uncached_tokens=12000, polled_at=time.monotonic()),
+            WorkerLoad(num_waiting_reqs=2, num_waiting_uncached_tokens=2000, polled_at=time.monotonic()),
+        ]
+        decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
+        assert decision.reason == expected, (utilization, decision.scores)
 
 
 def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:

@@ -31,7 +31,7 @@ async def make() -> AsyncIterator[Factory]:
     made: list[Scheduler] = []
 
     def factory(**overrides: object) -> Scheduler:
-        config = SimWorkerConfig(**{"page_size": 16, "speedup": 1e9, "kv_events": False, **overrides})
+        config = SimWorkerConfig(**{"page_size": 16, "speedup": SPEEDUP, "kv_events": False, **overrides})
         scheduler = Scheduler(config, PROFILE, RadixCache(config.page_size, enable_events=False), None, VOCAB)
         scheduler.start()
         made.append(scheduler)
@@ -50,8 +50,12 @@ async def finish(*reqs: Request) -> None:
     await asyncio.wait_for(asyncio.gather(*(drain(r) for r in reqs)), timeout=10)
 
 
+SPEEDUP = 20.0  # the steps' wall time is what the counters report: profile time / speedup
+
+
 def prefill_s(new: int, cached: int = 0) -> float:
-    return PROFILE.c0 + PROFILE.a * new + PROFILE.b * (new * new + 2 * cached * new)
+    """Wall seconds of one prefill at ``SPEEDUP`` (what the worker reports as busy time)."""
+    return (PROFILE.c0 + PROFILE.a * new + PROFILE.b * (new * new + 2 * cached * new)) / SPEEDUP
 
 
 async def test_prefill_counters_give_the_profiles_prefill_speed(make: Factory) -> None:
@@ -79,7 +83,7 @@ async def test_decode_moments_sum_contiguous_decode_intervals(make: Factory) -> 
     count, sum_b, sum_t, sum_bb, sum_bt, generated = s.load()["decode_moments"]
     # The first decode step follows a prefill: no interval. Each later one is timed from the previous launch.
     assert (count, sum_b, sum_bb, generated) == (9, 9, 9, 9)
-    expected_us = sum(int(st.duration * 1e6) for st in decodes[:9])
+    expected_us = sum(int(st.duration / SPEEDUP * 1e6) for st in decodes[:9])
     assert sum_t == pytest.approx(expected_us, abs=9) and sum_bt == sum_t
 
 

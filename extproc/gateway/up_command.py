@@ -71,6 +71,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="Simulated workers run this many times faster than the GPU they model.",
     )
+    parser.add_argument(
+        "--sim-profile",
+        default="llama-3.1-8b-h100",
+        help="Timing profile of the simulated workers, or a comma-separated list cycled over them "
+        "(a mixed fleet, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100); see `prefix-router sim-worker --help`.",
+    )
     parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
     parser.add_argument(
         "--max-restarts",
@@ -137,6 +143,8 @@ async def _run_up(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.sim_speedup != 1.0:
         options["speedup"] = args.sim_speedup
+    if args.sim_profile:
+        options["profile"] = args.sim_profile
     count = 0 if args.worker else worker_count(args)
     config = args.config
     cpu_config: Path | None = None
@@ -222,4 +230,12 @@ def main(args: argparse.Namespace) -> int:
         if reason is not None:
             print(f"prefix-router up: {reason}", file=sys.stderr)
             return 1
+    else:
+        from sglang_workers.timing import profile_list
+
+        try:
+            args.sim_profile = ",".join(profile_list(args.sim_profile))
+        except ValueError as exc:
+            print(f"prefix-router up: --sim-profile: {exc}", file=sys.stderr)
+            return 2
     return asyncio.run(_run_up(args))

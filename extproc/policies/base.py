@@ -65,6 +65,7 @@ class Candidate:
     shared_matched_blocks: int = 0  # ... counting the storage tier it shares with others too (>= host_matched)
     index_state: str = "synced"  # synced | unknown (events lost or absent; matched_blocks from own record)
     block_size: int = 16  # this worker's page size (tokens per block)
+    cached_blocks: int = 0  # blocks the worker's GPU cache holds as far as the index knows (its fill)
     storage_group: str | None = None  # the shared storage tier it reads (HiCache L3), if any
     tier_report: TierReport | None = None  # its reported load-back / storage-prefetch figures (HiCache workers)
 

@@ -1,27 +1,32 @@
-"""``prefix-aware`` (the default): send each request where its first token comes soonest.
+"""``prefix-aware`` (the default): each request goes where it costs the fleet least, now and later.
 
 For every healthy worker the policy predicts time-to-first-token as
 
-    queue wait + prefill of the uncached tokens + a small penalty per running request
-    (+ a KV-pressure penalty when the worker's cache is nearly full)
+    queued prefill + prefill of the uncached tokens + the rest of one decode step (+ KV pressure)
 
-with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones
-(linear part: the weights; quadratic part: attention over the whole context). The queue wait is
-a virtual FCFS queue per worker: each decision appends its predicted prefill, which drains in real
-time; what the worker itself reports waiting (requests from elsewhere) sets a floor. A request
-that arrives during a prefill batch waits for all of it, so the whole predicted prefill (``c0``
-included) queues up.
+with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones, the
+constants of that worker learned online from what it reports (``extproc.policies.cost_model``; the
+configured constants are only priors). The queued prefill is the worker's own report
+(``num_waiting_uncached_tokens``) plus what the router sent since, drained in real time.
 
-The ranking adds ``work_weight`` times the request's own prefill time, the GPU time the decision
-spends: recomputing a prefix another worker holds costs the fleet capacity that later requests
-queue for, so back-to-back requests with one prefix stay together, and a hot prefix spills to a
-second worker only once queueing behind its holder costs more than the recomputation (about
-``(1 + work_weight)`` times the prefix's prefill time). Near-ties (within ``tie_abs_s`` or
-``tie_rel``) go to the worker that received the least traffic recently (requests, exponentially
-decayed over ``balance_window_s``): a new prefix is placed where it will least unbalance the
-fleet, since it attracts its followers there, instead of every tie herding onto one argmax.
-Exact ties fall to rendezvous hashing of the first block not every tied worker holds, so
-placement is deterministic per prefix.
+The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
+Recomputing a prefix that another worker holds delays every request that later queues behind it on
+the worker that recomputes; in a queue at utilisation ``rho`` that is about ``rho / (1 - rho)``
+requests (the mean number waiting in an M/G/1 queue). So the price of a second of prefill on a
+worker is ``clamp(rho / (1 - rho), min_work_price, max_work_price)``, with ``rho`` the worker's
+measured prefill utilisation. Lightly loaded workers spend cheap seconds: a hot prefix whose holder
+is busy spills to an idle worker (replication, as Preble does). As the fleet nears saturation every
+second becomes expensive, requests stay with the workers that hold their prefixes, and total work
+stays as low as the cache allows: the "death spiral on misses" cannot start, because moving a
+prefix off its holder only pays when the holder's queue is longer than the recomputation times its
+price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together even on an idle
+fleet.
+
+Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
+recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
+it will least unbalance the fleet, since it attracts its followers there, instead of every tie
+herding onto one argmax. Exact ties fall to rendezvous hashing of the first block not every tied
+worker holds, so placement is deterministic per prefix.
 """
 
 from __future__ import annotations
@@ -35,74 +40,53 @@ import xxhash
 from pydantic import Field
 
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.policies.cost_model import DecodeModel, PrefillModel, WorkerCostModel
 from extproc.policies.tier_cost import costs_from_report, tier_extra
 from extproc.sync.workers import Worker
 
-__all__ = ["PrefixAwareOptions", "PrefixAwarePolicy", "prefill_seconds"]
+__all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
 
 
 class PrefixAwareOptions(PolicyOptions):
-    """Constants of the ``prefix-aware`` policy: a predicted time-to-first-token per worker.
+    """Constants of the ``prefix-aware`` policy.
 
-    Prefill of ``L`` uncached tokens after ``P`` cached ones costs ``c0 + a*L + b*(L^2 + 2*P*L)``
-    (linear part: weights; quadratic part: attention over the whole context). Defaults are an 8B
-    model on one H100 in BF16 (docs/routing.md derives them).
+    The time constants are priors: each worker's own are learned from its reports within seconds
+    of traffic, and a worker that reports nothing keeps these. They describe an 8B-class model on
+    one current datacenter GPU to an order of magnitude, not any measured setup.
     """
 
-    prefill_floor_s: float = Field(0.015, ge=0, description="c0: fixed cost of one prefill (scheduling, launch).")
-    prefill_per_token_s: float = Field(23e-6, ge=0, description="a: seconds per uncached prompt token (~43k tok/s).")
-    attention_per_token2_s: float = Field(0.52e-9, ge=0, description="b: attention seconds per token^2 of context.")
-    running_penalty_s: float = Field(
-        0.0005,
-        ge=0,
-        description="Added per request decoding on the worker (decode steps interleave with prefill chunks).",
+    prefill_floor_s: float = Field(0.02, ge=0, description="Prior c0: fixed cost of one request's prefill.")
+    prefill_per_token_s: float = Field(4e-5, gt=0, description="Prior a: seconds per uncached prompt token.")
+    attention_per_token2_s: float = Field(1e-9, ge=0, description="Prior b: attention seconds per token^2 of context.")
+    decode_step_s: float = Field(0.01, ge=0, description="Prior d0: one decode step of a small batch.")
+    decode_per_request_s: float = Field(1e-4, ge=0, description="Prior d1: added per request in the decode batch.")
+    prior_weight: float = Field(
+        1.0, gt=0, description="Confidence in the priors (an inverse variance of their scale): higher learns slower."
     )
-    waiting_prefill_s: float = Field(
-        0.05,
-        ge=0,
-        description="Assumed prefill time of each request the worker reports waiting that the router did not send.",
+    memory_s: float = Field(
+        10.0, gt=0, description="Time constant of the learned constants' memory (how fast a changed worker is tracked)."
     )
-    kv_pressure_threshold: float = Field(
-        0.92, ge=0, le=1, description="KV usage above which a worker must evict or retract before admitting more."
+    utilization_window_s: float = Field(
+        5.0, gt=0, description="Time constant of the measured prefill utilisation that prices GPU time."
     )
-    kv_pressure_penalty_s: float = Field(0.25, ge=0, description="Penalty at 100% KV usage, linear from the threshold.")
-    tie_abs_s: float = Field(
-        0.003, ge=0, description="Predicted TTFTs within this many seconds of the best count as a tie."
+    min_work_price: float = Field(
+        1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
     )
-    tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
-    work_weight: float = Field(
+    max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
+    eviction_weight: float = Field(
         1.0,
         ge=0,
-        description=(
-            "Ranking adds this times the request's own prefill seconds (GPU time spent); 0 ranks by TTFT alone."
-        ),
+        description="Weight of the future recomputation a full cache's eviction causes (0: ignore evictions).",
     )
+    fleet_price: bool = Field(False, description="Price GPU time by the fleet's mean utilisation when higher.")
+    cache_full_fraction: float = Field(
+        0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
+    )
+    tie_abs_s: float = Field(0.003, ge=0, description="Scores within this many seconds of the best count as a tie.")
+    tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
     balance_window_s: float = Field(
         10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window."
     )
-    speedup: float = Field(
-        1.0,
-        gt=0,
-        description=(
-            "Divides every time constant (a fleet faster than the constants describe). Simulated workers "
-            "report their own --speedup in /server_info and are scaled by it automatically."
-        ),
-    )
-
-
-def prefill_seconds(opts: PrefixAwareOptions, new_tokens: int, cached_tokens: int) -> float:
-    """Predicted prefill time of ``new_tokens`` on top of ``cached_tokens`` already in the KV cache."""
-    n, p = new_tokens, cached_tokens
-    return (
-        opts.prefill_floor_s + opts.prefill_per_token_s * n + opts.attention_per_token2_s * (n * n + 2 * p * n)
-    ) / opts.speedup
-
-
-def _time_scale(worker: Worker) -> float:
-    """A simulated worker says how much faster than its profile it runs; real GPUs say nothing."""
-    sim = worker.info.get("simulator") if isinstance(worker.info, dict) else None
-    speedup = sim.get("speedup") if isinstance(sim, dict) else None
-    return 1.0 / speedup if isinstance(speedup, (int, float)) and speedup > 0 else 1.0
 
 
 class PrefixAwarePolicy(Policy):
@@ -115,39 +99,63 @@ class PrefixAwarePolicy(Policy):
         self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
     ) -> None:
         super().__init__(options, sections)
-        self._busy_until: dict[str, float] = {}  # worker id -> when its predicted prefill queue drains
+        o = self.opts
+        self._prior = PrefillModel(o.prefill_floor_s, o.prefill_per_token_s, o.attention_per_token2_s)
+        self._decode_prior = DecodeModel(o.decode_step_s, o.decode_per_request_s)
+        self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._turn = 0
+        self._fleet_utilization = 0.0
+
+    def cost_model(self, worker: Worker) -> WorkerCostModel:
+        """The worker's learned cost model (started from the priors on first sight)."""
+        model = self.costs.get(worker.id)
+        if model is None:
+            o = self.opts
+            model = self.costs[worker.id] = WorkerCostModel(
+                self._prior,
+                self._decode_prior,
+                memory_s=o.memory_s,
+                prior_weight=o.prior_weight,
+                utilization_window_s=o.utilization_window_s,
+            )
+        return model
 
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
-        """The figures behind one candidate's predicted TTFT (also reported on the decision span)."""
+        """The figures behind one candidate's predicted TTFT and score (also reported on the decision span)."""
         opts = self.opts
-        scale = _time_scale(c.worker)  # on top of opts.speedup, which is already in every constant
+        cost = self.cost_model(c.worker)
+        cost.observe(c.load)
+        model = cost.prefill
         total = request.prompt_tokens
         limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
         gpu = min(c.matched_blocks * c.block_size, limit)
         host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
         shared = max(min(c.shared_matched_blocks * c.block_size, limit) - gpu - host, 0)
         # Host hits load back overlapping the prefill; shared-storage hits are read first (policies/tier_cost.py).
-        compute = prefill_seconds(opts, total - gpu - host - shared, gpu + host + shared) * scale
-        tiers = tier_extra(host, shared, costs_from_report(c.tier_report, scale / opts.speedup), compute, c.block_size)
+        # The transfer costs are the worker's own reports, documented priors until it has made one.
+        compute = model.seconds(total - gpu - host - shared, gpu + host + shared)
+        tiers = tier_extra(host, shared, costs_from_report(c.tier_report), compute, c.block_size)
         new = total - gpu - tiers.host_tokens - tiers.shared_tokens
-        prefill = prefill_seconds(opts, new, total - new) * scale + tiers.load_back_s
-        backlog = max(0.0, self._busy_until.get(c.worker.id, 0.0) - now)
+        prefill = model.seconds(new, total - new) + tiers.load_back_s
+        queue = cost.queued_seconds(now)
         load = c.load
-        waiting = load.num_waiting_reqs if load else 0
-        queue = max(backlog, waiting * opts.waiting_prefill_s / opts.speedup * scale)
-        running = max(load.num_running_reqs if load else 0, c.in_flight)
-        penalty = running * opts.running_penalty_s / opts.speedup * scale
-        usage = load.token_usage if load else 0.0
-        if usage > opts.kv_pressure_threshold and opts.kv_pressure_threshold < 1:
-            penalty += (
-                opts.kv_pressure_penalty_s
-                * (usage - opts.kv_pressure_threshold)
-                / (1 - opts.kv_pressure_threshold)
-                / opts.speedup
-                * scale
-            )
+        running = load.num_running_reqs if load else c.in_flight
+        # A request that arrives during a decode step waits for its end: half a step on average.
+        step = cost.decode.step_seconds(running)
+        penalty = step / 2
+        rho = min(max(cost.utilization, self._fleet_utilization if opts.fleet_price else 0.0), 0.999)
+        price = min(max(rho / (1.0 - rho), opts.min_work_price), opts.max_work_price)
+        # Storing the new tokens in a full cache evicts as many cached ones (least recently used), which
+        # later requests may want again: as often as requests here find their prefix cached.
+        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
+        evicted = 0.0
+        if capacity:
+            # Past ``cache_full_fraction`` of the pool the rest is running requests' working room
+            # (SGLang reserves for their decodes): new tokens there push cached ones out.
+            room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
+            evicted = min(float(new), max(0.0, new - room))
+        eviction = opts.eviction_weight * cost.reuse * model.a * evicted
         ttft = queue + prefill + penalty + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
@@ -155,15 +163,21 @@ class PrefixAwarePolicy(Policy):
             "host_tokens": tiers.host_tokens,
             "shared_tokens": tiers.shared_tokens,
             "tier_s": tiers.seconds,
+            "new_tokens": new,
             "queue_s": queue,
             "prefill_s": prefill,
             "in_flight": c.in_flight,
+            "utilization": rho,
+            "work_price": price,
             "ttft_s": ttft,
-            "score": ttft + opts.work_weight * prefill,
+            "eviction_s": eviction,
+            "score": ttft + price * (prefill + eviction),
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = time.monotonic()
+        models = [self.cost_model(c.worker) for c in candidates]
+        self._fleet_utilization = sum(m.utilization for m in models) / len(models)
         figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
@@ -176,7 +190,7 @@ class PrefixAwarePolicy(Policy):
         if winner.matched_blocks and winner.matched_blocks == top:
             reason = "prefix-hit"
         elif top:
-            reason = "prefix-spill"  # a holder exists but is predicted slower than recomputing here
+            reason = "prefix-spill"  # a holder exists but recomputing here costs the fleet less
         else:
             reason = "cold"
         if winner.index_state != "synced" and winner.matched_blocks:
@@ -208,8 +222,7 @@ class PrefixAwarePolicy(Policy):
         if figures is None:
             return
         now = time.monotonic()
-        start = max(now, self._busy_until.get(worker.id, 0.0))
-        self._busy_until[worker.id] = start + figures["prefill_s"]
+        self.cost_model(worker).sent(int(figures["new_tokens"]), int(figures["cached_tokens"]), now)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
@@ -218,4 +231,4 @@ class PrefixAwarePolicy(Policy):
 
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
         if worker.in_flight == 0:
-            self._busy_until.pop(worker.id, None)  # nothing outstanding: no queue either
+            self.cost_model(worker).idle()  # nothing outstanding from this router: no queue of its own either

@@ -1,15 +1,14 @@
 """Worker load as the workers report it: queue, running requests, KV usage, measured speed.
 
-Polled on an interval (never on the request path): ``GET /v1/loads?include=all&format=json`` first
-(SGLang 0.5.23 answers it from a shared-memory snapshot: a few ms, no scheduler round trip),
-``/get_load`` for older SGLang releases, then ``/metrics`` (Prometheus text, needs
+Polled on an interval (never on the request path): ``GET /v1/loads?include=all&format=json``
+first, ``/get_load`` for older SGLang releases, then ``/metrics`` (Prometheus text, needs
 ``--enable-metrics``). Whichever answers first is remembered per worker. The router's own in-flight
 count lives on ``Worker.in_flight``; this module only adds what the worker itself knows (requests
-from other routers, the real queue, KV pressure) and keeps every field 0.5.23 reports, summed over
-DP ranks. Two of them are cumulative (``total_prefill_uncached_tokens``, ``total_prefill_busy_us``):
-the tracker turns the deltas between two polls into the worker's measured prefill speed. A poll whose
-connection is refused is also the router's fastest sign that a worker died: it leaves the candidate set
-at once.
+from other routers, the real queue, KV pressure) and, from SGLang 0.5.23's ``/v1/loads``, the
+cumulative counters from which a worker's own prefill and decode speed can be learned
+(``total_prefill_uncached_tokens``, ``total_prefill_busy_us``, ``decode_moments``; see
+``extproc.policies.cost_model``). A poll whose connection is refused is also the router's fastest
+sign that a worker died: it leaves the candidate set at once.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ __all__ = ["LoadTracker", "WorkerLoad", "parse_loads", "parse_metrics"]
 
 log = logging.getLogger(__name__)
 
+# include=all: the sections too (memory, queues, disaggregation). SGLang 0.5.23 answers from a shared-memory
+# snapshot (a few ms, no scheduler round trip), so every field costs the worker nothing more.
 _LOAD_PATHS = ("/v1/loads?include=all&format=json", "/get_load", "/metrics")
 
 
@@ -37,8 +38,7 @@ _LOAD_PATHS = ("/v1/loads?include=all&format=json", "/get_load", "/metrics")
 class WorkerLoad:
     """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported.
 
-    Counts and token figures are summed over the worker's DP ranks, rates averaged where a sum would
-    mean nothing (hit rate, utilization); the sections are kept as reported, one dict per rank.
+    Counts are summed over the worker's DP ranks (``ranks`` says how many reported).
     """
 
     num_running_reqs: int = 0
@@ -47,26 +47,29 @@ class WorkerLoad:
     max_total_num_tokens: int | None = None
     token_usage: float = 0.0
     age_s: float = 0.0  # seconds since it was polled
-    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
-    rank_requests: dict[int, int] = field(default_factory=dict)
-    # SGLang 0.5.23's further /v1/loads fields (None: the worker does not report them).
-    num_waiting_uncached_tokens: int | None = None  # prefill work queued, in tokens
+    # SGLang 0.5.23 and later: prefill work queued, in uncached prompt tokens.
+    num_waiting_uncached_tokens: int | None = None
+    # Cumulative since the worker started: uncached tokens prefilled, and time spent in prefill steps.
+    total_prefill_uncached_tokens: int | None = None
+    total_prefill_busy_us: int | None = None
+    # Cumulative decode-step moments: (steps, sum batch, sum step_us, sum batch^2, sum batch*step_us).
+    decode_moments: tuple[float, ...] | None = None
+    # The rest of what 0.5.23 reports (None: not reported), so that nothing it says is lost on the way.
     num_total_tokens: int | None = None  # used + queued tokens
     num_active_tokens: int | None = None
     num_prealloc_ready_tokens: int | None = None
     max_running_requests: int | None = None
-    gen_throughput: float | None = None  # tokens/s over the last decode report
-    cache_hit_rate: float | None = None
+    gen_throughput: float | None = None  # tokens/s over the worker's last decode report (summed over ranks)
+    cache_hit_rate: float | None = None  # of its last prefill batch (mean over ranks)
     utilization: float | None = None
-    total_prefill_uncached_tokens: int | None = None  # cumulative
-    total_prefill_busy_us: int | None = None  # cumulative
-    decode_moments: list[float] | None = None  # [n, sum b, sum t_us, sum b^2, sum b*t, sum generated]
-    memory: list[dict[str, Any]] | None = None
+    memory: list[dict[str, Any]] | None = None  # per rank: weight_gb, kv_cache_gb, graph_gb, token_capacity
     disaggregation: list[dict[str, Any]] | None = None
-    queues: list[dict[str, Any]] | None = None
-    reported_at: float | None = None  # the worker's own timestamp of the (newest) snapshot
-    # Derived by the tracker from two polls: prefill tokens per second of prefill busy time.
-    prefill_tokens_per_s: float | None = None
+    queues: list[dict[str, Any]] | None = None  # per rank: waiting, grammar, paused, retracted, prealloc_ready
+    reported_at: float | None = None  # the worker's own timestamp of its newest snapshot
+    ranks: int = 1
+    polled_at: float = 0.0  # time.monotonic() when the report arrived
+    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
+    rank_requests: dict[int, int] = field(default_factory=dict)
 
 
 def _num(value: Any) -> float:
@@ -89,23 +92,6 @@ def parse_loads(body: Any) -> WorkerLoad | None:
     total_tokens = sum(_num(r.get("max_total_num_tokens") or r.get("num_total_tokens")) for r in ranks)
     used = sum(_num(r.get("num_used_tokens")) for r in ranks)
     usage = used / total_tokens if total_tokens else max((_num(r.get("token_usage")) for r in ranks), default=0.0)
-
-    def total(key: str) -> int | None:
-        values = [r[key] for r in ranks if _is_number(r.get(key))]
-        return int(sum(values)) if values else None
-
-    def rate(key: str, mean: bool) -> float | None:
-        values = [float(r[key]) for r in ranks if _is_number(r.get(key))]
-        if not values:
-            return None
-        return sum(values) / len(values) if mean else sum(values)
-
-    def section(key: str) -> list[dict[str, Any]] | None:
-        values = [r[key] for r in ranks if isinstance(r.get(key), dict)]
-        return values or None
-
-    moments = [r["decode_moments"] for r in ranks if isinstance(r.get("decode_moments"), list)]
-    stamps = [float(r["timestamp"]) for r in ranks if _is_number(r.get("timestamp"))]
     rank_requests = {
         r["dp_rank"] if isinstance(r.get("dp_rank"), int) else i: int(
             _num(r.get("num_running_reqs")) + _num(r.get("num_waiting_reqs"))
@@ -119,26 +105,57 @@ def parse_loads(body: Any) -> WorkerLoad | None:
         num_used_tokens=int(used),
         max_total_num_tokens=int(total_tokens) if total_tokens else None,
         token_usage=usage,
-        num_waiting_uncached_tokens=total("num_waiting_uncached_tokens"),
-        num_total_tokens=total("num_total_tokens"),
-        num_active_tokens=total("num_active_tokens"),
-        num_prealloc_ready_tokens=total("num_prealloc_ready_tokens"),
-        max_running_requests=total("max_running_requests"),
-        gen_throughput=rate("gen_throughput", mean=False),
-        cache_hit_rate=rate("cache_hit_rate", mean=True),
-        utilization=rate("utilization", mean=True),
-        total_prefill_uncached_tokens=total("total_prefill_uncached_tokens"),
-        total_prefill_busy_us=total("total_prefill_busy_us"),
-        decode_moments=[sum(float(m[i]) for m in moments) for i in range(len(moments[0]))] if moments else None,
-        memory=section("memory"),
-        disaggregation=section("disaggregation"),
-        queues=section("queues"),
-        reported_at=max(stamps) if stamps else None,
+        num_waiting_uncached_tokens=_sum_int(ranks, "num_waiting_uncached_tokens"),
+        total_prefill_uncached_tokens=_sum_int(ranks, "total_prefill_uncached_tokens"),
+        total_prefill_busy_us=_sum_int(ranks, "total_prefill_busy_us"),
+        decode_moments=_sum_moments(ranks),
+        num_total_tokens=_sum_int(ranks, "num_total_tokens"),
+        num_active_tokens=_sum_int(ranks, "num_active_tokens"),
+        num_prealloc_ready_tokens=_sum_int(ranks, "num_prealloc_ready_tokens"),
+        max_running_requests=_sum_int(ranks, "max_running_requests"),
+        gen_throughput=_rate(ranks, "gen_throughput", mean=False),
+        cache_hit_rate=_rate(ranks, "cache_hit_rate", mean=True),
+        utilization=_rate(ranks, "utilization", mean=True),
+        memory=_sections(ranks, "memory"),
+        disaggregation=_sections(ranks, "disaggregation"),
+        queues=_sections(ranks, "queues"),
+        reported_at=max((float(r["timestamp"]) for r in ranks if _is_number(r.get("timestamp"))), default=None),
+        ranks=len(ranks),
     )
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rate(ranks: list[dict[str, Any]], key: str, mean: bool) -> float | None:
+    values = [float(r[key]) for r in ranks if _is_number(r.get(key))]
+    if not values:
+        return None
+    return sum(values) / len(values) if mean else sum(values)
+
+
+def _sections(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]] | None:
+    values = [r[key] for r in ranks if isinstance(r.get(key), dict)]
+    return values or None
+
+
+def _sum_int(ranks: list[dict[str, Any]], key: str) -> int | None:
+    """The sum over ranks of a counter every rank reports; None when one of them does not."""
+    values = [r.get(key) for r in ranks]
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    return int(sum(values))  # type: ignore[arg-type]
+
+
+def _sum_moments(ranks: list[dict[str, Any]]) -> tuple[float, ...] | None:
+    moments: list[list[Any]] = []
+    for rank in ranks:
+        value = rank.get("decode_moments")
+        if not isinstance(value, list) or len(value) < 5:
+            return None  # absent, or null before the rank's first decode step
+        moments.append(value)
+    return tuple(sum(_num(m[i]) for m in moments) for i in range(5)) if moments else None
 
 
 def parse_metrics(text: str) -> WorkerLoad | None:
@@ -170,19 +187,6 @@ def parse_metrics(text: str) -> WorkerLoad | None:
     )
 
 
-def _prefill_speed(before: WorkerLoad, after: WorkerLoad) -> float | None:
-    """Uncached prefill tokens per second of prefill busy time between two reports (the last known
-    speed when the worker prefilled nothing meanwhile; None when it never reported the counters)."""
-    busy = (before.total_prefill_busy_us, after.total_prefill_busy_us)
-    tokens = (before.total_prefill_uncached_tokens, after.total_prefill_uncached_tokens)
-    if busy[0] is None or busy[1] is None or tokens[0] is None or tokens[1] is None:
-        return None
-    busy_us, new_tokens = busy[1] - busy[0], tokens[1] - tokens[0]
-    if busy_us <= 0 or new_tokens < 0:  # nothing new (or the worker restarted: counters began again)
-        return before.prefill_tokens_per_s
-    return new_tokens / (busy_us / 1e6)
-
-
 def _refused(exc: BaseException) -> bool:
     """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
     return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
@@ -209,10 +213,8 @@ class LoadTracker:
         return load
 
     def set(self, worker: Worker, load: WorkerLoad) -> None:
-        previous = self._loads.get(worker.id)
-        if previous is not None:
-            load.prefill_tokens_per_s = _prefill_speed(previous[1], load)
-        self._loads[worker.id] = (time.monotonic(), load)
+        load.polled_at = time.monotonic()
+        self._loads[worker.id] = (load.polled_at, load)
 
     async def start(self) -> None:
         if self._task is None:

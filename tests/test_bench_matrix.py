@@ -1,0 +1,141 @@
+"""The matrix's bookkeeping: the knee search, a cell's figures, the report (no clusters started)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.matrix import (
+    FLEETS,
+    WORKLOADS,
+    MatrixOptions,
+    cell_figures,
+    find_knee,
+    matrix_markdown,
+    plot_heatmap,
+)
+from benchmarks.metrics import Summary, distribution
+from benchmarks.workloads import Workload, docqa_workload, hot_burst_workload
+
+
+def _summary(name: str, p50: float, p99: float, hit: float = 0.5, start_error: str | None = None) -> Summary:
+    ttft = distribution([p50, p99]) | {"p50": p50, "p99": p99}
+    return Summary(
+        name=name,
+        rate=4.0,
+        requests=100,
+        errors=0,
+        ttft_s=ttft,
+        e2e_s=ttft,
+        output_tok_s=1.0,
+        hit_rate=hit,
+        requests_per_worker={"a": 60, "b": 40},
+        max_mean_requests=1.2,
+        duration_s=10.0,
+        start_error=start_error,
+    )
+
+
+def test_knee_is_the_probe_rate_over_the_measured_utilisation() -> None:
+    seen: list[float] = []
+
+    async def fake_load_on(name: str, workload: Workload, spec: object) -> tuple[float, float]:
+        assert name == "envoy-rr"
+        rate = workload.params["rate"]
+        seen.append(rate)
+        capacity = 12.0  # the fleet is fully busy at 12 req/s
+        wall = 10.0
+        return min(rate / capacity, 1.0) * wall * 4, wall  # busy seconds over 4 workers
+
+    fleet = FLEETS["4x8b-h100"]
+    knee, info = asyncio.run(find_knee(fleet, "gsp", MatrixOptions(requests=40), fake_load_on, lambda _m: None))
+    assert knee == pytest.approx(12.0, rel=0.01)
+    assert 0.15 <= info["probes"][-1]["utilization"] <= 0.7
+    assert seen[0] == 2.0 and len(seen) <= 4
+
+
+def test_cell_compares_ours_with_the_best_peer_per_metric() -> None:
+    summaries = [
+        _summary("envoy-rr", 1.0, 10.0, hit=0.3),
+        _summary("sgl-router", 0.4, 8.0),
+        _summary("smg", 0.5, 4.0),
+        _summary("smg-grpc", math.nan, math.nan, start_error="did not start: no binary"),
+        _summary("ours:prefix-aware", 0.3, 3.0, hit=0.76),
+    ]
+    ttfts = {"ours:prefix-aware": [0.1] * 90 + [5.0] * 10, "smg": [0.1] * 50 + [9.0] * 50}
+    cell = cell_figures(summaries, ttfts, oracle=0.8, slo=2.0, ours="ours:prefix-aware")
+    assert cell["best_peer_p50"] == "sgl-router" and cell["best_peer_p99"] == "smg"
+    assert cell["p50_vs_best_peer"] == pytest.approx(0.75) and cell["p99_vs_best_peer"] == pytest.approx(0.75)
+    assert cell["p50_vs_rr"] == pytest.approx(0.3) and cell["hit_vs_oracle"] == pytest.approx(0.95)
+    assert cell["goodput"]["ours:prefix-aware"] == pytest.approx(9.0) and cell["goodput"]["smg"] == pytest.approx(5.0)
+
+
+def test_report_counts_the_cells_that_meet_the_targets(tmp_path: Path) -> None:
+    good = cell_figures(
+        [_summary("envoy-rr", 1, 10), _summary("smg", 0.5, 4), _summary("ours:prefix-aware", 0.4, 3, hit=0.78)],
+        {},
+        0.8,
+        2.0,
+        "ours:prefix-aware",
+    )
+    bad = cell_figures(
+        [_summary("envoy-rr", 1, 10), _summary("smg", 0.5, 4), _summary("ours:prefix-aware", 0.6, 3.9, hit=0.7)],
+        {},
+        0.8,
+        2.0,
+        "ours:prefix-aware",
+    )
+    for cell, load in ((good, 0.5), (bad, 1.3)):
+        cell.update({"rate": 4.0 * load, "load": load})
+    data = {
+        "fleets": {"4x8b-h100": {}},
+        "workloads": ["gsp"],
+        "loads": [0.5, 1.3],
+        "knees": {"4x8b-h100/gsp": {"knee_rate": 4.0}},
+        "cells": {"4x8b-h100/gsp/0.5": good, "4x8b-h100/gsp/1.3": bad},
+    }
+    text = matrix_markdown(data)
+    assert "| gsp | 0.5 (2.00) | 400 / 3000 |" in text
+    assert "1 of 2" in text and "Missed: 4x8b-h100/gsp/1.3." in text
+    path = plot_heatmap(data, tmp_path / "heat.png")
+    assert path is not None and path.stat().st_size > 1000
+
+
+def test_matrix_workloads_are_deterministic_and_sized() -> None:
+    o = MatrixOptions(requests=48)
+    for name, build in WORKLOADS.items():
+        if name == "trace" and not o.trace.is_file():
+            continue
+        a, b, slow = build(6.0, o), build(6.0, o), build(3.0, o)
+        assert [r.messages for r in a.requests] == [r.messages for r in b.requests], name
+        assert 0 < len(a.requests) <= 48, name
+        # the offered load follows the nominal rate (the knee and the cells use the same builder and size)
+        assert a.offered_rate > 1.5 * slow.offered_rate > 0, name
+
+
+def test_hot_bursts_and_document_qa_shapes() -> None:
+    hot = hot_burst_workload(
+        prefixes=8,
+        prefix_len=64,
+        question_len=8,
+        output_len=4,
+        burst_size=6,
+        burst_spacing_s=0.02,
+        zipf=1.2,
+        rate=6.0,
+        count=120,
+        seed=1,
+    )
+    systems = [r.messages[0]["content"] for r in hot.requests]
+    top = max(set(systems), key=systems.count)
+    assert systems.count(top) > len(systems) / 4  # Zipf: the hottest tenant dominates
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(hot.requests, hot.requests[1:])]
+    assert sum(1 for g in gaps if g <= 0.021) > len(gaps) / 2  # bursts: siblings 20 ms apart
+    doc = docqa_workload(
+        documents=24, document_len=256, question_len=8, output_len=4, zipf=0.8, rate=5.0, count=60, seed=1
+    )
+    documents = {r.messages[1]["content"].split("\n\nQuestion:")[0] for r in doc.requests}
+    assert 5 < len(documents) <= 24

@@ -1,0 +1,171 @@
+"""The learned cost model against a worker whose true constants are known.
+
+``FifoWorker`` serves requests one at a time in arrival order, each taking ``c0 + a*L + b*(L^2 +
+2*P*L)`` seconds of prefill, and reports what SGLang 0.5.23's ``/v1/loads`` reports (cumulative
+prefill busy time and tokens, the waiting queue) every poll. The model sees only those reports and
+the requests the router sent: the tests check that the constants it learns converge to the true
+ones, track a worker that slows down, and that its queue estimate follows the real queue.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from extproc.policies.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.sync.load import WorkerLoad
+
+PRIOR = PrefillModel(0.02, 4e-5, 1e-9)
+DECODE_PRIOR = DecodeModel(0.01, 1e-4)
+
+
+@dataclass
+class FifoWorker:
+    truth: PrefillModel
+    clock: float = 0.0
+    busy_until: float = 0.0
+    busy_s: float = 0.0
+    tokens: int = 0
+    queue: list[tuple[float, int, int]] = field(default_factory=list)  # (start, new, cached) not yet begun
+
+    def submit(self, now: float, new: int, cached: int) -> None:
+        self.advance(now)
+        start = max(now, self.busy_until)
+        self.busy_until = start + self.truth.seconds(new, cached)
+        self.queue.append((start, new, cached))
+
+    def advance(self, now: float) -> None:
+        """Account every prefill that has finished by ``now`` (counters move when a step ends, as in SGLang)."""
+        self.clock = now
+        done = []
+        for item in self.queue:
+            start, new, cached = item
+            end = start + self.truth.seconds(new, cached)
+            if end <= now:
+                self.busy_s += end - start
+                self.tokens += new
+                done.append(item)
+        for item in done:
+            self.queue.remove(item)
+
+    def report(self, now: float) -> WorkerLoad:
+        self.advance(now)
+        waiting = [(new, cached) for start, new, cached in self.queue if start > now]
+        return WorkerLoad(
+            num_running_reqs=len(self.queue) - len(waiting),
+            num_waiting_reqs=len(waiting),
+            num_waiting_uncached_tokens=sum(new for new, _ in waiting),
+            total_prefill_uncached_tokens=self.tokens,
+            total_prefill_busy_us=int(self.busy_s * 1e6),
+            polled_at=now,
+        )
+
+
+def _drive(
+    model: WorkerCostModel,
+    worker: FifoWorker,
+    seconds: float,
+    rate: float,
+    rng: random.Random,
+    start: float = 0.0,
+    poll_s: float = 0.5,
+) -> float:
+    """Poisson arrivals of varied prompts for ``seconds``; the model gets every send and every poll."""
+    now, next_poll = start, start + poll_s
+    end = start + seconds
+    while now < end:
+        now += rng.expovariate(rate)
+        while next_poll <= now:
+            model.observe(worker.report(next_poll))
+            next_poll += poll_s
+        new = rng.choice([64, 256, 1024, 2048, 4096])
+        cached = rng.choice([0, 0, 1024, 4096, 8192])
+        model.sent(new, cached, now)
+        worker.submit(now, new, cached)
+    return now
+
+
+@pytest.mark.parametrize(
+    "truth",
+    [
+        PrefillModel(0.015, 23e-6, 0.52e-9),  # the 8B-on-H100 shape
+        PrefillModel(0.030, 64e-6, 0.64e-9),  # 70B TP4 on H200
+        PrefillModel(0.060, 92e-6, 2.1e-9),  # the 8B profile on a GPU four times slower
+    ],
+)
+def test_learned_constants_converge_to_the_workers_own(truth: PrefillModel) -> None:
+    model = WorkerCostModel(PRIOR, DECODE_PRIOR)
+    worker = FifoWorker(truth)
+    rng = random.Random(1)
+    rate = 0.4 / truth.seconds(1500, 2500)  # ~40% utilisation
+    _drive(model, worker, 120.0, rate, rng)
+    learned = model.prefill
+    assert model.windows > 50
+    assert learned.c0 == pytest.approx(truth.c0, rel=0.15)
+    assert learned.a == pytest.approx(truth.a, rel=0.10)
+    assert learned.b == pytest.approx(truth.b, rel=0.20)
+    # what routing uses: the predicted prefill of typical requests
+    for new, cached in ((128, 4096), (2048, 0), (4096, 8192)):
+        assert learned.seconds(new, cached) == pytest.approx(truth.seconds(new, cached), rel=0.05)
+    assert model.utilization == pytest.approx(0.4, abs=0.2)  # a 5 s average of Poisson traffic at 40%
+
+
+def test_a_worker_that_slows_down_is_tracked_within_seconds() -> None:
+    fast = PrefillModel(0.015, 23e-6, 0.52e-9)
+    model = WorkerCostModel(PRIOR, DECODE_PRIOR)
+    worker = FifoWorker(fast)
+    rng = random.Random(2)
+    rate = 0.3 / fast.seconds(1500, 2500)
+    now = _drive(model, worker, 60.0, rate, rng)
+    assert model.prefill.seconds(2048, 0) == pytest.approx(fast.seconds(2048, 0), rel=0.05)
+    worker.truth = slow = PrefillModel(0.030, 46e-6, 1.04e-9)  # twice as slow (e.g. a throttled GPU)
+    _drive(model, worker, 30.0, rate / 2, rng, start=now + 5)
+    assert model.prefill.seconds(2048, 0) == pytest.approx(slow.seconds(2048, 0), rel=0.10)
+
+
+def test_queued_work_follows_the_reported_queue_and_own_sends() -> None:
+    truth = PrefillModel(0.015, 23e-6, 0.52e-9)
+    model = WorkerCostModel(truth, DECODE_PRIOR)  # exact priors: only the queue is under test
+    worker = FifoWorker(truth)
+    for i in range(10):  # a burst: ten 2k-token prompts at once
+        model.sent(2048, 0, 0.01 * i)
+        worker.submit(0.01 * i, 2048, 0)
+    expected = worker.busy_until - 0.1
+    assert model.queued_seconds(0.1) == pytest.approx(expected, rel=0.05)
+    model.observe(worker.report(0.3))
+    assert model.queued_seconds(0.3) == pytest.approx(worker.busy_until - 0.3, rel=0.15)
+    assert model.queued_seconds(worker.busy_until + 1) == 0.0
+
+
+def test_reports_without_counters_keep_the_priors_and_a_restart_is_survived() -> None:
+    model = WorkerCostModel(PRIOR, DECODE_PRIOR)
+    model.observe(WorkerLoad(num_waiting_reqs=4, polled_at=1.0))  # older SGLang: no counters
+    assert model.prefill == PRIOR and model.windows == 0
+    assert model.queued_seconds(1.0) == pytest.approx(4 * PRIOR.seconds(512, 0), rel=0.01)
+    truth = PrefillModel(0.015, 23e-6, 0.52e-9)
+    worker = FifoWorker(truth)
+    now = _drive(model, worker, 40.0, 5.0, random.Random(3), start=2.0)
+    learned = model.prefill
+    restarted = FifoWorker(truth)  # counters back to zero
+    model.observe(restarted.report(now + 1))
+    assert model.prefill == learned  # nothing lost, nothing learned from the negative delta
+    _drive(model, restarted, 20.0, 5.0, random.Random(4), start=now + 1)
+    assert model.prefill.seconds(2048, 0) == pytest.approx(truth.seconds(2048, 0), rel=0.05)
+
+
+def test_decode_step_regression_from_decode_moments() -> None:
+    model = WorkerCostModel(PRIOR, DECODE_PRIOR)
+    d0, d1 = 0.007e6, 0.06e3  # microseconds: 7 ms + 0.06 ms per running request
+    moments = [0.0] * 5
+    rng = random.Random(5)
+    for poll in range(1, 30):
+        for _ in range(50):
+            b = rng.randint(1, 64)
+            t = d0 + d1 * b
+            for i, v in enumerate((1.0, b, t, b * b, b * t)):
+                moments[i] += v
+        model.observe(WorkerLoad(decode_moments=tuple(moments), polled_at=poll * 0.5))
+    assert model.decode.d0 == pytest.approx(0.007, rel=0.02)
+    assert model.decode.d1 == pytest.approx(0.06e-3, rel=0.02)
