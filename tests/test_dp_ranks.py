@@ -83,9 +83,11 @@ def test_the_worker_has_two_ranks_as_sglang_does() -> None:
 
 def test_a_profile_list_is_cycled_over_the_ranks() -> None:
     """One worker, mixed GPUs: ``--profile a,b`` gives rank 0 the first profile and rank 1 the second."""
-    with start_sim_worker(profile="llama-3.1-70b-tp4-h200,llama-3.1-8b-h100", dp_size=2) as worker:
-        with urllib.request.urlopen(worker.url + "/v1/loads", timeout=5) as r:
-            loads = json.load(r)["loads"]
+    with (
+        start_sim_worker(profile="llama-3.1-70b-tp4-h200,llama-3.1-8b-h100", dp_size=2) as worker,
+        urllib.request.urlopen(worker.url + "/v1/loads", timeout=5) as r,
+    ):
+        loads = json.load(r)["loads"]
     weights = [load["memory"]["weight_gb"] for load in loads]
     assert weights[0] > 2 * weights[1]  # a 70B shard (one GPU of TP4) against a whole 8B model
 
