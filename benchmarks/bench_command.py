@@ -741,7 +741,7 @@ def _overhead_body(seed: int, tokens: int, i: int) -> bytes:
     ).encode()
 
 
-MATRIX_CONTENDERS = "envoy-rr,sgl-router,ours:prefix-aware"
+MATRIX_CONTENDERS = "envoy-rr,sgl-router,smg,smg-grpc,ours:prefix-aware"
 
 
 def _csv(text: str, known: Any, what: str) -> list[str]:
@@ -775,6 +775,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         trace=args.trace or MatrixOptions().trace,
         page_size=args.page_size,
         request_timeout_s=args.request_timeout,
+        max_rate=args.matrix_max_rate,
     )
     started = time.monotonic()
     previous = load_matrix(out / "matrix.json") if args.resume else None

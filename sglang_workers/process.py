@@ -227,8 +227,10 @@ def start_sim_workers(
     A worker that loses a port race (another process took a port between the check and the bind)
     is started again on new ports, up to three times.
     """
-    # ``profile="a,b"`` cycles the named timing profiles over the workers (a mixed fleet).
-    profiles = str(opts["profile"]).split(",") if opts.get("profile") else []
+    # ``profile="a,b"`` cycles the named timing profiles over the workers (a mixed fleet); workers with
+    # several DP ranks get the whole list and cycle it over their ranks.
+    ranked = int(opts.get("dp_size", 1)) > 1
+    profiles = str(opts["profile"]).split(",") if opts.get("profile") and not ranked else []
     per_worker = [{**opts, "profile": profiles[i % len(profiles)].strip()} if profiles else opts for i in range(count)]
     workers = [_spawn(host, per_worker[i], env, grpc) for i in range(count)]
     try:

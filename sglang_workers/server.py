@@ -38,7 +38,7 @@ from .metrics import GRAPH_PHASES, HttpStats, render_metrics
 from .radix_cache import RadixCache
 from .responses import ErrorKind, error_body, meta_info, model_info, usage, weight_versions
 from .scheduler import Request, Scheduler, device_pool_tokens
-from .timing import get_profile
+from .timing import get_profile, profile_list
 
 __all__ = ["SGLANG_VERSION", "SimWorker"]
 
@@ -103,7 +103,10 @@ class SimWorker:
 
     def __init__(self, config: SimWorkerConfig) -> None:
         self.config = config
-        self.profile = get_profile(config.profile)
+        # ``--profile a,b`` cycles the profiles over the DP ranks (one worker, mixed GPUs); rank 0's
+        # profile describes the worker where one figure is reported for all of it.
+        self.profiles = [get_profile(name) for name in profile_list(config.profile)]
+        self.profile = self.profiles[0]
         try:
             self.tokenizer = load_tokenizer(config.tokenizer, config.chat_template)
         except TokenizerLoadError as exc:
@@ -182,7 +185,7 @@ class SimWorker:
                 if cfg.enable_hierarchical_cache
                 else RadixCache(cfg.page_size, enable_events=cfg.kv_events)
             )
-            scheduler = Scheduler(rank_cfg, self.profile, cache, publisher, vocab)
+            scheduler = Scheduler(rank_cfg, self.profiles[rank % len(self.profiles)], cache, publisher, vocab)
             scheduler.start()
             self.schedulers.append(scheduler)
         app = self.build_app()

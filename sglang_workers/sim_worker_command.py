@@ -15,9 +15,16 @@ import sys
 from pydantic import ValidationError
 
 from .config import SimWorkerConfig
-from .timing import PROFILES
+from .timing import PROFILES, profile_list
 
 __all__ = ["build_config", "configure", "main"]
+
+
+def _profiles(text: str) -> str:
+    try:
+        return ",".join(profile_list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -221,9 +228,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "--profile",
-        choices=sorted(PROFILES),
+        type=_profiles,
         default=d["profile"].default,
-        help="GPU timing profile; 'instant' takes no simulated time.",
+        help=f"GPU timing profile, one of {', '.join(sorted(PROFILES))} ('instant' takes no simulated time), or a "
+        "comma-separated list cycled over the DP ranks (--dp-size), e.g. llama-3.1-8b-h100,llama-3.1-8b-a100.",
     )
     timing.add_argument(
         "--speedup",

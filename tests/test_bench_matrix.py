@@ -51,10 +51,16 @@ def test_knee_is_the_probe_rate_over_the_measured_utilisation() -> None:
         return min(rate / capacity, 1.0) * wall * 4, wall  # busy seconds over 4 workers
 
     fleet = FLEETS["4x8b-h100"]
-    knee, info = asyncio.run(find_knee(fleet, "gsp", MatrixOptions(requests=40), fake_load_on, lambda _m: None))
-    assert knee == pytest.approx(12.0, rel=0.01)
+    options = MatrixOptions(requests=40, max_rate=100.0)
+    knee, info = asyncio.run(find_knee(fleet, "gsp", options, fake_load_on, lambda _m: None))
+    assert knee == pytest.approx(12.0, rel=0.01) and info["speedup"] == fleet.speedup
     assert 0.15 <= info["probes"][-1]["utilization"] <= 0.7
     assert seen[0] == 2.0 and len(seen) <= 4
+    # A knee past max_rate slows the simulated GPUs down by as much (the machine must not saturate first).
+    slow, info = asyncio.run(
+        find_knee(fleet, "gsp", MatrixOptions(requests=40, max_rate=6.0), fake_load_on, lambda _m: None)
+    )
+    assert slow == pytest.approx(6.0, rel=0.01) and info["speedup"] == pytest.approx(fleet.speedup / 2, rel=0.01)
 
 
 def test_cell_compares_ours_with_the_best_peer_per_metric() -> None:

@@ -81,6 +81,17 @@ def test_the_worker_has_two_ranks_as_sglang_does() -> None:
         assert bad.status == 400 and "out of range [0, 2)" in bad.json()["message"]
 
 
+def test_a_profile_list_is_cycled_over_the_ranks() -> None:
+    """One worker, mixed GPUs: ``--profile a,b`` gives rank 0 the first profile and rank 1 the second."""
+    with (
+        start_sim_worker(profile="llama-3.1-70b-tp4-h200,llama-3.1-8b-h100", dp_size=2) as worker,
+        urllib.request.urlopen(worker.url + "/v1/loads", timeout=5) as r,
+    ):
+        loads = json.load(r)["loads"]
+    weights = [load["memory"]["weight_gb"] for load in loads]
+    assert weights[0] > 2 * weights[1]  # a 70B shard (one GPU of TP4) against a whole 8B model
+
+
 def test_both_ranks_are_subscribed_and_indexed_on_their_own(stack: GatewayStack) -> None:
     worker = stack.worker_urls[0]
     # Warm each rank with its own document, directly (the router did not send these): only KV events tell it.

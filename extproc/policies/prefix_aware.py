@@ -78,7 +78,6 @@ class PrefixAwareOptions(PolicyOptions):
         ge=0,
         description="Weight of the future recomputation a full cache's eviction causes (0: ignore evictions).",
     )
-    fleet_price: bool = Field(False, description="Price GPU time by the fleet's mean utilisation when higher.")
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
     )
@@ -105,7 +104,6 @@ class PrefixAwarePolicy(Policy):
         self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._turn = 0
-        self._fleet_utilization = 0.0
 
     def cost_model(self, worker: Worker) -> WorkerCostModel:
         """The worker's learned cost model (started from the priors on first sight)."""
@@ -144,7 +142,7 @@ class PrefixAwarePolicy(Policy):
         # A request that arrives during a decode step waits for its end: half a step on average.
         step = cost.decode.step_seconds(running)
         penalty = step / 2
-        rho = min(max(cost.utilization, self._fleet_utilization if opts.fleet_price else 0.0), 0.999)
+        rho = min(cost.utilization, 0.999)
         price = min(max(rho / (1.0 - rho), opts.min_work_price), opts.max_work_price)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used), which
         # later requests may want again: as often as requests here find their prefix cached.
@@ -176,8 +174,6 @@ class PrefixAwarePolicy(Policy):
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = time.monotonic()
-        models = [self.cost_model(c.worker) for c in candidates]
-        self._fleet_utilization = sum(m.utilization for m in models) / len(models)
         figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
