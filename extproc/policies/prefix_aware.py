@@ -144,8 +144,9 @@ class PrefixAwarePolicy(Policy):
         penalty = step / 2
         rho = min(cost.utilization, 0.999)
         price = min(max(rho / (1.0 - rho), opts.min_work_price), opts.max_work_price)
-        # Storing the new tokens in a full cache evicts as many cached ones (least recently used), which
-        # later requests may want again: as often as requests here find their prefix cached.
+        # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
+        # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
+        # evicted one costs that many recomputations later.
         capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
@@ -153,7 +154,8 @@ class PrefixAwarePolicy(Policy):
             # (SGLang reserves for their decodes): new tokens there push cached ones out.
             room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
             evicted = min(float(new), max(0.0, new - room))
-        eviction = opts.eviction_weight * cost.reuse * model.a * evicted
+        reuse = min(cost.reuse, 0.95)
+        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
         ttft = queue + prefill + penalty + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
