@@ -506,6 +506,8 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
     for utilization, expected in ((0.1, "prefix-spill"), (0.97, "prefix-hit")):
         policy = create_policy("prefix-aware")
         for w in workers:
+            # 40 requests in the worker at the last report: the queue is real
+            policy.cost_model(w).observe(WorkerLoad(num_running_reqs=40, polled_at=time.monotonic() - 0.1))
             policy.cost_model(w).utilization = utilization
         # w0 holds 3k of a 3.2k-token prompt but has ~0.65 s of work queued; w1 holds nothing and has ~0.1 s.
         loads = [
@@ -514,6 +516,23 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
         ]
         decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
         assert decision.reason == expected, (utilization, decision.scores)
+
+
+def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
+    """Busy all the time but never more than one request in it: its follow-ups stay (real SGLang, CPU)."""
+    workers = _workers(2)
+    chosen = {}
+    for work_price in ("utilization", "lesser"):
+        policy = create_policy("prefix-aware", {"work_price": work_price})
+        holder = policy.cost_model(workers[0])
+        # The client's previous turn kept it busy (the only request in it), and has just finished.
+        holder.observe(WorkerLoad(num_running_reqs=1, polled_at=time.monotonic() - 0.1))
+        holder.utilization = 0.97
+        loads = [WorkerLoad(polled_at=time.monotonic()), WorkerLoad(polled_at=time.monotonic())]
+        decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
+        chosen[work_price] = decision.ranked[0].id
+    # Priced by utilisation alone it would leave (that is what the second turn of a chat did on real SGLang).
+    assert chosen == {"utilization": "w1", "lesser": "w0"}
 
 
 def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:

@@ -108,6 +108,11 @@ class WorkerCostModel:
         self.utilization = 0.0  # how busy the worker is, for pricing its time: the larger of the two below
         self.prefill_utilization = 0.0  # prefill busy time per wall second
         self.waiting_share = 0.0  # share of polls that found requests waiting
+        # Requests in the worker (running + waiting), time-averaged over ``utilization_window_s``: how
+        # many requests a second of prefill there delays (running decodes stall during it, waiting
+        # requests start later). In an M/G/1 queue that mean is rho / (1 - rho); measured, it also tells
+        # a worker kept busy by one client at a time (1) from one with a queue.
+        self.concurrency = 0.0
         self.windows = 0  # windows fitted so far (0: the model is still the prior)
         self._decode = decode_prior
         self._decode_moments: tuple[float, ...] | None = None
@@ -186,9 +191,19 @@ class WorkerCostModel:
         if load is None or load is self._last or load.polled_at <= (self._last.polled_at if self._last else -1.0):
             return
         previous, self._last = self._last, load
+        self._observe_concurrency(previous, load)
         self._observe_decode(load)
         self._observe_prefill(previous, load)
         self._restart_queue(load)  # after attribution: what is left of the router's sends is outstanding
+
+    def _observe_concurrency(self, previous: WorkerLoad | None, load: WorkerLoad) -> None:
+        present = float(load.num_running_reqs + load.num_waiting_reqs)
+        if previous is None:
+            self.concurrency = present
+            return
+        elapsed = load.polled_at - previous.polled_at
+        alpha = 1.0 - math.exp(-elapsed / self.utilization_window_s)
+        self.concurrency += alpha * (present - self.concurrency)
 
     def _observe_prefill(self, previous: WorkerLoad | None, load: WorkerLoad) -> None:
         if load.total_prefill_busy_us is None or load.total_prefill_uncached_tokens is None:

@@ -14,7 +14,11 @@ Recomputing a prefix that another worker holds delays every request that later q
 the worker that recomputes; in a queue at utilisation ``rho`` that is about ``rho / (1 - rho)``
 requests (the mean number waiting in an M/G/1 queue). So the price of a second of prefill on a
 worker is ``clamp(rho / (1 - rho), min_work_price, max_work_price)``, with ``rho`` the worker's
-measured prefill utilisation. Lightly loaded workers spend cheap seconds: a hot prefix whose holder
+measured prefill utilisation, or the time-averaged number of requests in the worker (running +
+waiting, from its load reports) when that is less: a worker kept busy by one client that sends its
+next request only after the last one finished is busy all the time but delays nobody, and its
+prefix must not be moved away from it (measured on real SGLang: the second turn of a chat left its
+holder before this). Lightly loaded workers spend cheap seconds: a hot prefix whose holder
 is busy spills to an idle worker (replication, as Preble does). As the fleet nears saturation every
 second becomes expensive, requests stay with the workers that hold their prefixes, and total work
 stays as low as the cache allows: the "death spiral on misses" cannot start, because moving a
@@ -34,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 from pydantic import Field
@@ -68,6 +72,12 @@ class PrefixAwareOptions(PolicyOptions):
     )
     utilization_window_s: float = Field(
         5.0, gt=0, description="Time constant of the measured prefill utilisation that prices GPU time."
+    )
+    work_price: Literal["lesser", "concurrency", "utilization"] = Field(
+        "lesser",
+        description="What prices a second of prefill: rho / (1 - rho) of the worker's measured prefill "
+        "utilisation ('utilization'), its time-averaged requests in flight, running + waiting ('concurrency'), "
+        "or the lesser of the two ('lesser': a worker kept busy by one client at a time is not congested).",
     )
     min_work_price: float = Field(
         1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
@@ -143,9 +153,15 @@ class PrefixAwarePolicy(Policy):
         step = cost.decode.step_seconds(running)
         penalty = step / 2
         rho = min(cost.utilization, 0.999)
-        price = min(max(rho / (1.0 - rho), opts.min_work_price), opts.max_work_price)
-        # Storing the new tokens in a full cache evicts as many cached ones (least recently used), which
-        # later requests may want again: as often as requests here find their prefix cached.
+        queued = rho / (1.0 - rho)
+        if opts.work_price == "concurrency":
+            queued = cost.concurrency
+        elif opts.work_price == "lesser":
+            queued = min(queued, cost.concurrency)
+        price = min(max(queued, opts.min_work_price), opts.max_work_price)
+        # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
+        # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
+        # evicted one costs that many recomputations later.
         capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
@@ -153,7 +169,8 @@ class PrefixAwarePolicy(Policy):
             # (SGLang reserves for their decodes): new tokens there push cached ones out.
             room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
             evicted = min(float(new), max(0.0, new - room))
-        eviction = opts.eviction_weight * cost.reuse * model.a * evicted
+        reuse = min(cost.reuse, 0.95)
+        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
         ttft = queue + prefill + penalty + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
