@@ -236,7 +236,17 @@ class BlockIndex:
 
     def remove(self, worker_id: str, keys: Sequence[int], tier: str = "gpu") -> None:
         with self._lock:
-            self.blocks_total -= self._tiers[tier].remove(self._slot(worker_id), keys)
+            slot = self._slot(worker_id)
+            self.blocks_total -= self._tiers[tier].remove(slot, keys)
+            if tier == "gpu" and self._recent:
+                # The worker says these blocks are gone: a record of having sent them there (younger
+                # than ``speculative_ttl_s``) must not claim them any longer. Real SGLang evicts a
+                # prompt within a second of storing it when its pool is full.
+                recent = self._recent
+                for key in keys:
+                    entry = recent.get(key)
+                    if entry is not None and entry.pop(slot, None) is not None and not entry:
+                        del recent[key]
 
     def clear(self, worker_id: str) -> None:
         """All confirmed entries of the worker go (``AllBlocksCleared``, restart, lost sync)."""

@@ -271,6 +271,8 @@ class Router:
             if self.shared is not None:
                 self.shared.publish(slot, keys_of[chosen.id])
         policy.on_routed(request, decision)
+        if log.isEnabledFor(logging.DEBUG):  # why each candidate ranked where it did (--log-level debug)
+            log.debug("routed %s to %s (%s): %s", parsed.path, chosen.id, decision.reason, decision.scores)
         end_ns = time.perf_counter_ns()
         headers = self.telemetry.decision(
             model=model,

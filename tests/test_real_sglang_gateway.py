@@ -42,7 +42,12 @@ def stack(
     config.write_text(
         f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
     )
-    with GatewayStack(worker_urls=[w.url for w in sglang_cpu_workers], config=config) as gateway:
+    with GatewayStack(
+        worker_urls=[w.url for w in sglang_cpu_workers],
+        config=config,
+        router_args=["--log-level", "debug"],
+        log_dir="/tmp/rdbg",
+    ) as gateway:
         yield gateway
 
 
@@ -196,19 +201,33 @@ def test_the_routers_token_ids_equal_sglangs_prompt_tokens(stack: GatewayStack) 
 def test_after_evictions_the_index_equals_the_events_and_predicts_hits(
     stack: GatewayStack, sglang_cpu_workers: list[Any]
 ) -> None:
+    # SGLang publishes a step's KV events when its scheduler next idles, and in a full pool a request
+    # stores as many blocks as it evicts: an unchanged block count does not mean the events arrived.
+    # Each wait below is for the blocks the requests stored, counted at the router.
+    def stored() -> float:
+        return metric(stack, "prefix_router_event_blocks_stored_total", empty=0.0)
+
+    def settle(expected: float) -> None:
+        wait_until(lambda: stored() >= expected, what=f"{expected:.0f} stored blocks at the router")
+        for worker in sglang_cpu_workers:
+            wait_until(lambda w=worker: index_matches_events(stack, w), what=f"{worker_id(worker)} index = its events")
+
     # 8 distinct 481-token prompts (> 2 x 2048 tokens): both pools overflow and evict.
     prompts = [list(range(200 + 900 * k, 200 + 900 * k + 30 * PAGE + 1)) for k in range(8)]
+    expected = stored()
     for ids in prompts:
         reply = post(
             stack.url + "/generate", {"model": MODEL, "input_ids": ids, "sampling_params": {"max_new_tokens": 3}}
         )
         assert reply.status == 200, reply.body
-    removed = 0
-    for worker in sglang_cpu_workers:
-        wait_until(lambda w=worker: index_matches_events(stack, w), what=f"{worker_id(worker)} index = its events")
-        removed += int(metric(stack, "prefix_router_event_blocks_removed_total", worker=worker_id(worker)))
+        expected += 30 - reply.json()["meta_info"]["cached_tokens"] // PAGE
+    settle(expected)
+    removed = sum(
+        metric(stack, "prefix_router_event_blocks_removed_total", worker=worker_id(w)) for w in sglang_cpu_workers
+    )
     assert removed > 0  # evictions happened and were applied
-    # Every prompt again: where the router expects a hit, SGLang reports exactly that hit.
+    # Every prompt again: where the router expects a hit, SGLang reports exactly that hit. A miss stores
+    # its prompt and evicts others; the next request goes once those events have reached the router.
     for ids in prompts:
         before = metric(stack, "prefix_router_matched_blocks_sum", empty=0.0)
         reply = post(
@@ -217,6 +236,8 @@ def test_after_evictions_the_index_equals_the_events_and_predicts_hits(
         matched = int(metric(stack, "prefix_router_matched_blocks_sum") - before)
         cached = reply.json()["meta_info"]["cached_tokens"]
         assert cached == min(matched * PAGE, (len(ids) - 1) // PAGE * PAGE), (matched, cached)
+        expected += 30 - cached // PAGE
+        settle(expected)
 
 
 def test_flush_cache_clears_the_workers_entries(stack: GatewayStack, sglang_cpu_workers: list[Any]) -> None:

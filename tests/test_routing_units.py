@@ -79,6 +79,22 @@ def test_key_cache_reuses_shared_prefixes_and_equals_block_keys() -> None:
     assert cache.keys(wide, 16, 3) == block_keys(wide, 16, 3)
 
 
+def test_a_removal_event_overrides_the_routers_record_of_a_send() -> None:
+    """Stored, then evicted within the record's lifetime (a full pool on real SGLang): the eviction wins."""
+    clock = Clock()
+    index = BlockIndex(IndexConfig(speculative_ttl_s=2.0, fallback_ttl_s=60.0), clock=clock)
+    keys = block_keys(list(range(64)), 16)
+    index.set_unknown("a", False)
+    index.record_routed("a", keys)
+    index.record_routed("b", keys)
+    index.store("a", keys)
+    clock.now += 0.5
+    index.remove("a", keys[2:])
+    assert index.match(keys, ["a", "b"]) == {"a": 2, "b": 4}  # b's record is its own
+    clock.now += 2.0  # later expiry of the records still works
+    assert index.match(keys, ["a"]) == {"a": 2}
+
+
 def test_speculative_entries_expire_unless_confirmed() -> None:
     clock = Clock()
     index = BlockIndex(IndexConfig(speculative_ttl_s=2.0, fallback_ttl_s=60.0), clock=clock)
@@ -533,6 +549,31 @@ def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
         chosen[work_price] = decision.ranked[0].id
     # Priced by utilisation alone it would leave (that is what the second turn of a chat did on real SGLang).
     assert chosen == {"utilization": "w1", "lesser": "w0"}
+
+
+def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
+    """The holder measured itself slower than the priors; an unmeasured idle worker must not look faster."""
+    workers = _workers(2)
+    policy = create_policy("prefix-aware")
+    holder = policy.cost_model(workers[0])
+    truth = PrefillModel(0.05, 4e-5, 1e-9)  # a per-request floor 2.5x the prior's (a CPU, a small model)
+    busy = tokens = 0.0
+    for step in range(20):
+        holder.sent(400, 0, step * 0.5)
+        busy += truth.seconds(400, 0)
+        tokens += 400
+        holder.observe(
+            WorkerLoad(
+                total_prefill_busy_us=int(busy * 1e6),
+                total_prefill_uncached_tokens=int(tokens),
+                polled_at=step * 0.5 + 0.4,
+            )
+        )
+    assert holder.windows and holder.prefill.seconds(400, 0) == pytest.approx(truth.seconds(400, 0), rel=0.1)
+    assert policy.cost_model(workers[1]).windows == 0
+    decision = policy.select(_request(433, keys=[5]), _candidates(workers, [25, 0]))
+    assert decision.ranked[0] is workers[0], decision.scores
+    assert decision.scores["w1"]["prefill_s"] > decision.scores["w0"]["prefill_s"]
 
 
 def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:

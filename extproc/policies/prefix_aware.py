@@ -129,12 +129,27 @@ class PrefixAwarePolicy(Policy):
             )
         return model
 
+    def _borrowed_prefill(self, fresh: WorkerCostModel) -> PrefillModel:
+        """A worker that has not measured itself yet is judged like the ones that have (their mean).
+
+        Against the priors a fresh worker would look faster or slower than measured ones for no
+        reason but ignorance: on real SGLang CPU workers the holder of a chat's history, the only
+        worker measured so far, looked slower than the prior said the idle one was, and the second
+        turn left it. Workers behind one router usually run one model on one kind of GPU; a fleet
+        that mixes them is told apart after each worker's first measured window.
+        """
+        learned = [m.prefill for m in self.costs.values() if m is not fresh and m.windows]
+        if not learned:
+            return fresh.prefill
+        n = len(learned)
+        return PrefillModel(sum(m.c0 for m in learned) / n, sum(m.a for m in learned) / n, sum(m.b for m in learned) / n)
+
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span)."""
         opts = self.opts
         cost = self.cost_model(c.worker)
         cost.observe(c.load)
-        model = cost.prefill
+        model = cost.prefill if cost.windows else self._borrowed_prefill(cost)
         total = request.prompt_tokens
         limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
         gpu = min(c.matched_blocks * c.block_size, limit)
