@@ -42,12 +42,7 @@ def stack(
     config.write_text(
         f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
     )
-    with GatewayStack(
-        worker_urls=[w.url for w in sglang_cpu_workers],
-        config=config,
-        router_args=["--log-level", "debug"],
-        log_dir="/tmp/rdbg",
-    ) as gateway:
+    with GatewayStack(worker_urls=[w.url for w in sglang_cpu_workers], config=config) as gateway:
         yield gateway
 
 

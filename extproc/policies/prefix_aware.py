@@ -142,7 +142,7 @@ class PrefixAwarePolicy(Policy):
         if not learned:
             return fresh.prefill
         n = len(learned)
-        return PrefillModel(sum(m.c0 for m in learned) / n, sum(m.a for m in learned) / n, sum(m.b for m in learned) / n)
+        return PrefillModel(*(sum(getattr(m, c) for m in learned) / n for c in ("c0", "a", "b")))
 
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span)."""
