@@ -29,6 +29,7 @@ from extproc.config import EventsConfig, IndexConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.request import ParsedRequest
 from extproc.router import Router
+from extproc.sync.http import WorkerHttp
 from extproc.sync.hub import EventHub
 from extproc.sync.workers import Worker, WorkerRegistry
 from extproc.tokenization import load_tokenizer
@@ -160,7 +161,8 @@ async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
         for i in range(workers)
     ]
     index = BlockIndex(max_blocks=10_000_000)
-    hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index)
+    http = WorkerHttp()  # unused: every worker names its publisher, so nothing is discovered over HTTP
+    hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index, http)
     ctx = mp.get_context("spawn")
     ready, go = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_publisher, args=(ports, batches, pages, ready, go), daemon=True)

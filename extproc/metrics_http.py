@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from extproc.sync.http import WorkerHttp
 from extproc.sync.workers import Worker, WorkerRegistry
 
 __all__ = ["MetricsServer", "merge_families"]
@@ -71,19 +72,24 @@ class MetricsServer:
     """aiohttp server of the router's own registry and the fleet view."""
 
     def __init__(
-        self, registry: CollectorRegistry, workers: WorkerRegistry, host: str, port: int, timeout_s: float = 2.0
+        self,
+        registry: CollectorRegistry,
+        workers: WorkerRegistry,
+        host: str,
+        port: int,
+        http: WorkerHttp,
+        timeout_s: float = 2.0,
     ) -> None:
         self.registry = registry
         self.workers = workers
         self.host = host
         self.port = port
+        self.http = http
         self.timeout_s = timeout_s
         self.scrape_errors = 0
         self._runner: web.AppRunner | None = None
-        self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         app = web.Application()
         app.router.add_get("/metrics", self._own)
         app.router.add_get("/metrics/fleet", self._fleet)
@@ -95,9 +101,6 @@ class MetricsServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
 
     async def _own(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -127,9 +130,8 @@ class MetricsServer:
         return family
 
     async def _scrape(self, worker: Worker) -> str | None:
-        assert self._http is not None
         try:
-            async with self._http.get(worker.url + "/metrics") as response:
+            async with self.http.get(worker.url + "/metrics", self.timeout_s) as response:
                 if response.status == 200:
                     return await response.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):

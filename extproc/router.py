@@ -41,6 +41,7 @@ from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.request import ParsedRequest, RequestError
 from extproc.response import DP_RANK_HEADERS
 from extproc.sync.discovery import dp_size, page_size, storage_group
+from extproc.sync.http import WorkerHttp
 from extproc.sync.hub import EventHub
 from extproc.sync.load import LoadTracker
 from extproc.sync.shared_state import SharedDecisions
@@ -90,16 +91,23 @@ class Router:
     """Owns the policy, the block index and the per-worker in-flight counts; knows nothing of gRPC."""
 
     def __init__(
-        self, config: RouterConfig, registry: WorkerRegistry, metrics: CollectorRegistry | None = None
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        metrics: CollectorRegistry | None = None,
+        http: WorkerHttp | None = None,
     ) -> None:
+        """``http``: the sync path's client, shared with the caller's health checks (one is made if not given)."""
         self.config = config
         self.registry = registry
+        self._owns_http = http is None
+        self.http = http or WorkerHttp()
         self.policy = policy_from_config(config.policy)
         self.memory = MemoryPlan.from_budget(config.memory.budget_bytes)
         self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
-        self.events = EventHub(config.events, registry, self.index, SharedBound(self.memory.engine_hashes))
-        self.loads = LoadTracker(config.load, registry)
-        self.tier_stats = TierStatsTracker(config.load, registry)
+        self.events = EventHub(config.events, registry, self.index, self.http, SharedBound(self.memory.engine_hashes))
+        self.loads = LoadTracker(config.load, registry, self.http)
+        self.tier_stats = TierStatsTracker(config.load, registry, self.http)
         self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
         self.telemetry.watch_fleet(registry, self.index, self.events)
         self.shared: SharedDecisions | None = None
@@ -149,6 +157,8 @@ class Router:
         await self.tier_stats.stop()
         await self.loads.stop()
         await self.events.stop()
+        if self._owns_http:
+            await self.http.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.telemetry.shutdown()
 

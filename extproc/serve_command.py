@@ -26,6 +26,7 @@ from extproc.policies import PolicyError
 from extproc.router import Router
 from extproc.servicer import ExtProcServicer, add_services, mark_serving
 from extproc.sync.health import HealthChecker
+from extproc.sync.http import WorkerHttp
 from extproc.sync.sources import WorkerSources
 from extproc.sync.workers import WorkerRegistry
 
@@ -132,8 +133,9 @@ async def run(
     registry = WorkerRegistry([])
     sources = WorkerSources(config, registry, config_path, reload)
     await sources.start()  # resolve every worker once before health checks and subscriptions start
-    health = HealthChecker(registry, config.health)
-    router = Router(config, registry)
+    http = WorkerHttp()  # one client for every request the router itself sends to the workers
+    health = HealthChecker(registry, config.health, http)
+    router = Router(config, registry, http=http)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health_servicer = add_services(server, ExtProcServicer(config, router))
     address = f"{config.server.host}:{config.server.port}"
@@ -146,7 +148,9 @@ async def run(
         raise ConfigError(f"cannot listen on {address}")
     metrics: MetricsServer | None = None
     if config.server.metrics_port:
-        metrics = MetricsServer(router.telemetry.metrics, registry, config.server.host, config.server.metrics_port)
+        metrics = MetricsServer(
+            router.telemetry.metrics, registry, config.server.host, config.server.metrics_port, http
+        )
         try:
             await metrics.start()
         except OSError as exc:
@@ -180,6 +184,7 @@ async def run(
         await health.stop()
         if metrics is not None:
             await metrics.stop()
+        await http.close()
 
 
 async def _forward(reload_now: asyncio.Event, sources: WorkerSources) -> None:

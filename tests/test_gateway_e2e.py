@@ -317,12 +317,14 @@ def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
 async def test_health_checker_discovers_model_and_page_size(stack: GatewayStack) -> None:
     from extproc.config import HealthConfig, WorkerConfig
     from extproc.sync.health import HealthChecker
+    from extproc.sync.http import WorkerHttp
     from extproc.sync.workers import WorkerRegistry
 
     registry = WorkerRegistry.from_configs(
         [WorkerConfig(url=url) for url in stack.worker_urls] + [WorkerConfig(url=f"http://127.0.0.1:{free_port()}")]
     )
-    checker = HealthChecker(registry, HealthConfig(timeout_s=1.5))
+    http = WorkerHttp()
+    checker = HealthChecker(registry, HealthConfig(timeout_s=1.5), http)
     await checker.start()
     try:
         *alive, dead = registry.workers
@@ -333,3 +335,4 @@ async def test_health_checker_discovers_model_and_page_size(stack: GatewayStack)
         assert registry.candidates("some-other-name") == alive  # unknown names are served anyway
     finally:
         await checker.stop()
+        await http.close()

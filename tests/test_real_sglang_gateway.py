@@ -246,6 +246,7 @@ def test_flush_cache_clears_the_workers_entries(stack: GatewayStack, sglang_cpu_
 
 def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers: list[Any]) -> None:
     from extproc.config import LoadConfig
+    from extproc.sync.http import WorkerHttp
     from extproc.sync.load import LoadTracker
     from extproc.sync.workers import Worker, WorkerRegistry
 
@@ -253,7 +254,8 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
     router_view = Worker(id="w", url=worker.url, ip="127.0.0.1", port=worker.port)
 
     async def two_polls() -> Any:
-        tracker = LoadTracker(LoadConfig(), WorkerRegistry([router_view]))
+        http = WorkerHttp()
+        tracker = LoadTracker(LoadConfig(), WorkerRegistry([router_view]), http)
         await tracker.start()
         try:
             await tracker.poll_once()
@@ -267,6 +269,7 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
             return copy.copy(first), tracker.get(router_view)
         finally:
             await tracker.stop()
+            await http.close()
 
     before, after = asyncio.run(two_polls())
     assert after is not None and before is not None

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from extproc.addresses import substitute_wildcard
+from extproc.sync.http import WorkerHttp
 from extproc.sync.workers import Worker
 
 __all__ = ["discover", "dp_size", "event_endpoints", "page_size", "storage_group"]
@@ -24,10 +25,10 @@ __all__ = ["discover", "dp_size", "event_endpoints", "page_size", "storage_group
 DEFAULT_FILE_STORAGE_DIR = "/tmp/hicache"  # SGLang HiCacheFile's default directory
 
 
-async def _get_json(session: aiohttp.ClientSession, worker: Worker, *paths: str) -> dict[str, Any] | None:
+async def _get_json(http: WorkerHttp, worker: Worker, timeout_s: float, *paths: str) -> dict[str, Any] | None:
     for path in paths:  # newer name first, then the older alias
         try:
-            async with session.get(worker.url + path) as response:
+            async with http.get(worker.url + path, timeout_s) as response:
                 if response.status == 200:
                     data = await response.json(content_type=None)
                     if isinstance(data, dict):
@@ -37,10 +38,13 @@ async def _get_json(session: aiohttp.ClientSession, worker: Worker, *paths: str)
     return None
 
 
-async def discover(session: aiohttp.ClientSession, worker: Worker) -> bool:
-    """Refresh ``worker.info`` (and ``worker.model`` unless configured); True if ``/server_info`` answered."""
-    model_info = await _get_json(session, worker, "/model_info", "/get_model_info")
-    server_info = await _get_json(session, worker, "/server_info", "/get_server_info")
+async def discover(http: WorkerHttp, worker: Worker, timeout_s: float) -> bool:
+    """Refresh ``worker.info`` (and ``worker.model`` unless configured); True if ``/server_info`` answered.
+
+    ``timeout_s`` bounds each request: SGLang's ``/server_info`` asks the scheduler, so a busy worker is slow.
+    """
+    model_info = await _get_json(http, worker, timeout_s, "/model_info", "/get_model_info")
+    server_info = await _get_json(http, worker, timeout_s, "/server_info", "/get_server_info")
     if server_info is None and model_info is None:
         return False
     info: dict[str, Any] = dict(server_info or {})

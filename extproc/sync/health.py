@@ -22,6 +22,7 @@ import aiohttp
 
 from extproc.config import HealthConfig
 from extproc.sync.discovery import discover
+from extproc.sync.http import WorkerHttp
 from extproc.sync.workers import Worker, WorkerRegistry
 
 __all__ = ["HealthChecker"]
@@ -30,22 +31,21 @@ __all__ = ["HealthChecker"]
 class HealthChecker:
     """Probes every worker: readiness once at ``start``, then liveness every ``interval_s``, thresholds applied."""
 
-    def __init__(self, registry: WorkerRegistry, config: HealthConfig) -> None:
+    def __init__(self, registry: WorkerRegistry, config: HealthConfig, http: WorkerHttp) -> None:
         self.registry = registry
         self.config = config
+        self.http = http
         self._fails: dict[Worker, int] = {}
         self._oks: dict[Worker, int] = {}
         self._no_ready_path: set[Worker] = set()  # workers that answered ``ready_path`` with 404
-        self._session: aiohttp.ClientSession | None = None
         self._loops: dict[Worker, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         """Check every worker's readiness once (a dead worker is never routed to at start-up), then poll."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
         results = await asyncio.gather(*(self._probe_ready(w) for w in self.registry.workers))
         for worker, ok in zip(self.registry.workers, results):
             if ok:
-                await discover(self._session, worker)
+                await self._discover(worker)
             self.registry.set_healthy(worker, ok)
         self._follow(joined=False)
         self.registry.listeners.append(self._follow)
@@ -73,13 +73,10 @@ class HealthChecker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loops = {}
-        if self._session is not None:
-            await self._session.close()
 
     async def _loop(self, worker: Worker, joined: bool = False) -> None:
         if joined and await self._probe_ready(worker):
-            assert self._session is not None
-            await discover(self._session, worker)
+            await self._discover(worker)
             self.registry.set_healthy(worker, True)
         while True:
             await asyncio.sleep(self.config.interval_s)
@@ -92,14 +89,16 @@ class HealthChecker:
             self._fails[worker] = 0
             self._oks[worker] = self._oks.get(worker, 0) + 1
             if not worker.healthy and self._oks[worker] >= self.config.healthy_after:
-                assert self._session is not None
-                await discover(self._session, worker)  # it may have restarted with other settings
+                await self._discover(worker)  # it may have restarted with other settings
                 self.registry.set_healthy(worker, True)
         else:
             self._oks[worker] = 0
             self._fails[worker] = self._fails.get(worker, 0) + 1
             if worker.healthy and self._fails[worker] >= self.config.unhealthy_after:
                 self.registry.set_healthy(worker, False)
+
+    async def _discover(self, worker: Worker) -> None:
+        await discover(self.http, worker, self.config.timeout_s)
 
     async def _probe_ready(self, worker: Worker) -> bool:
         """Readiness: ``ready_path`` where the worker has one, else the liveness path."""
@@ -116,9 +115,8 @@ class HealthChecker:
 
     async def _status(self, worker: Worker, path: str) -> int | None:
         """HTTP status of ``GET path``; None when the worker did not answer in time."""
-        assert self._session is not None
         try:
-            async with self._session.get(worker.url + path) as response:
+            async with self.http.get(worker.url + path, self.config.timeout_s) as response:
                 return response.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 
-import aiohttp
 import zmq.asyncio
 
 from extproc.config import EventsConfig
@@ -24,6 +23,7 @@ from extproc.index import BlockIndex, rank_key
 from extproc.memory import HASH_BYTES, SharedBound
 from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
 from extproc.sync.discovery import discover, event_endpoints, storage_group
+from extproc.sync.http import Poller, WorkerHttp
 from extproc.sync.subscriber import EventSubscriber
 from extproc.sync.workers import Worker, WorkerRegistry
 
@@ -32,25 +32,33 @@ __all__ = ["EventHub"]
 log = logging.getLogger(__name__)
 
 Endpoints = list[tuple[str, str | None]]
+# Asking a worker that has no subscription yet for its publishers: a slow answer waits for the next round.
+DISCOVERY_TIMEOUT_S = 2.0
 
 
 class EventHub:
     """Keeps one subscriber per worker publisher and answers what the router may trust."""
 
     def __init__(
-        self, config: EventsConfig, registry: WorkerRegistry, index: BlockIndex, hashes: SharedBound | None = None
+        self,
+        config: EventsConfig,
+        registry: WorkerRegistry,
+        index: BlockIndex,
+        http: WorkerHttp,
+        hashes: SharedBound | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
         self.index = index
+        self.http = http
         # Every view's engine-hash map counts against this one bound (memory.budget_bytes's share).
         self.hashes = hashes or SharedBound(index.max_blocks)
         self.views: dict[str, list[WorkerCacheView]] = {}
         self._endpoints: dict[str, Endpoints] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
+        # The first round runs in start() (subscriptions exist before the router serves); the loop follows.
+        self._discovery = Poller("kv-event-discovery", config.discovery_interval_s, self.sync_once, wait_first=True)
 
     def state(self, worker: Worker) -> IndexState:
         """``synced`` only when every publisher of the worker is."""
@@ -76,38 +84,24 @@ class EventHub:
         return [view.stats for view in self.views.get(worker.id, ())]
 
     async def start(self) -> None:
-        if not self.config.enabled or self._loop_task is not None:
+        if not self.config.enabled or self._discovery.running:
             return
         self._ctx = zmq.asyncio.Context()
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         await self.sync_once()
-        self._loop_task = asyncio.create_task(self._discover_forever(), name="kv-event-discovery")
+        self._discovery.start()
 
     async def stop(self) -> None:
+        await self._discovery.stop()
         tasks = [t for ts in self._tasks.values() for t in ts]
-        if self._loop_task is not None:
-            tasks.append(self._loop_task)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        self._loop_task = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
-
-    async def _discover_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.discovery_interval_s)
-            try:
-                await self.sync_once()
-            except Exception:  # discovery must never die; the next round retries
-                log.exception("KV-event discovery failed")
 
     async def sync_once(self) -> None:
         """Subscribe to newly reachable publishers; follow changed endpoints; drop departed workers."""
@@ -120,8 +114,7 @@ class EventHub:
         for worker in self.registry.workers:
             subscribed = self._endpoints.get(worker.id)
             if subscribed is None and not worker.kv_events_endpoint and not worker.info:
-                assert self._http is not None
-                await discover(self._http, worker)
+                await discover(self.http, worker, DISCOVERY_TIMEOUT_S)
             endpoints = event_endpoints(worker)
             if endpoints == subscribed or not endpoints:
                 continue

@@ -14,7 +14,6 @@ sign that a worker died: it leaves the candidate set at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from extproc.config import LoadConfig
+from extproc.sync.http import Poller, WorkerHttp
 from extproc.sync.workers import Worker, WorkerRegistry
 
 __all__ = ["LoadTracker", "WorkerLoad", "parse_loads", "parse_metrics"]
@@ -195,13 +195,13 @@ def _refused(exc: BaseException) -> bool:
 class LoadTracker:
     """Latest reported load per worker, refreshed by one background task."""
 
-    def __init__(self, config: LoadConfig, registry: WorkerRegistry) -> None:
+    def __init__(self, config: LoadConfig, registry: WorkerRegistry, http: WorkerHttp) -> None:
         self.config = config
         self.registry = registry
+        self.http = http
         self._loads: dict[str, tuple[float, WorkerLoad]] = {}
         self._path: dict[str, str] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._poller = Poller("load-poller", config.poll_interval_s, self.poll_once)
 
     def get(self, worker: Worker) -> WorkerLoad | None:
         """The last report, with ``age_s`` filled; None if the worker never answered."""
@@ -217,34 +217,19 @@ class LoadTracker:
         self._loads[worker.id] = (load.polled_at, load)
 
     async def start(self) -> None:
-        if self._task is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
-            self._task = asyncio.create_task(self._run(), name="load-poller")
+        self._poller.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.config.poll_interval_s)
+        await self._poller.stop()
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.registry.workers), return_exceptions=True)
 
     async def _poll(self, worker: Worker) -> None:
-        assert self._http is not None
         known = self._path.get(worker.id)
         for path in (known,) if known else _LOAD_PATHS:
             try:
-                async with self._http.get(worker.url + path) as resp:
+                async with self.http.get(worker.url + path, self.config.timeout_s) as resp:
                     if resp.status != 200:
                         continue
                     if path == "/metrics":

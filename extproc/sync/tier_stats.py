@@ -19,7 +19,6 @@ average over everything the worker has done; nothing here is simulator-specific.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from extproc.config import LoadConfig
+from extproc.sync.http import Poller, WorkerHttp
 from extproc.sync.workers import Worker, WorkerRegistry
 
 __all__ = ["TierReport", "TierStatsTracker", "parse_tier_metrics", "prefetch_threshold"]
@@ -118,12 +118,12 @@ def prefetch_threshold(worker: Worker) -> int:
 class TierStatsTracker:
     """Latest tier report per HiCache worker, refreshed by one background task."""
 
-    def __init__(self, config: LoadConfig, registry: WorkerRegistry) -> None:
+    def __init__(self, config: LoadConfig, registry: WorkerRegistry, http: WorkerHttp) -> None:
         self.config = config
         self.registry = registry
+        self.http = http
         self._reports: dict[str, TierReport] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._poller = Poller("tier-stats-poller", config.tier_poll_interval_s, self.poll_once)
 
     def get(self, worker: Worker) -> TierReport | None:
         return self._reports.get(worker.id)
@@ -132,33 +132,19 @@ class TierStatsTracker:
         self._reports[worker.id] = report
 
     async def start(self) -> None:
-        if self._task is None and self.config.tier_poll_interval_s > 0:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.timeout_s))
-            self._task = asyncio.create_task(self._run(), name="tier-stats-poller")
+        if self.config.tier_poll_interval_s > 0:
+            self._poller.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.config.tier_poll_interval_s)
+        await self._poller.stop()
 
     async def poll_once(self) -> None:
         hicache = [w for w in self.registry.workers if w.info.get("enable_hierarchical_cache") is True]
         await asyncio.gather(*(self._poll(w) for w in hicache), return_exceptions=True)
 
     async def _poll(self, worker: Worker) -> None:
-        assert self._http is not None
         try:
-            async with self._http.get(worker.url + "/metrics") as resp:
+            async with self.http.get(worker.url + "/metrics", self.config.timeout_s) as resp:
                 if resp.status != 200:
                     return
                 report = parse_tier_metrics(await resp.text())
