@@ -218,6 +218,31 @@ async def _in_flight(stack: GatewayStack) -> tuple[dict[str, float], dict[str, s
     return out, memory
 
 
+def _tally(report: SoakReport, results: list[_Result], kills: list[Kill], grace_s: float) -> None:
+    """Count each request as served, ended in flight on a worker that was killed (within ``grace_s``), or lost."""
+    worker_kills = [k for k in kills if k.host is not None]
+    ok_latencies = []
+    for r in results:
+        report.sent += 1
+        if r.status == 200:
+            report.ok += 1
+            ok_latencies.append(r.done - r.sent)
+            continue
+        in_flight = any(
+            k.at >= r.sent and r.done - k.at < grace_s and r.upstream in (None, k.host) for k in worker_kills
+        )
+        if in_flight:
+            report.in_flight_on_killed += 1
+        else:
+            report.lost.append(
+                {"sent_s": round(r.sent, 2), "status": r.status, "upstream": r.upstream, "error": r.error}
+            )
+    if ok_latencies:
+        ok_latencies.sort()
+        report.latency_p50_s = statistics.median(ok_latencies)
+        report.latency_p99_s = ok_latencies[min(len(ok_latencies) - 1, int(0.99 * len(ok_latencies)))]
+
+
 async def run_soak(args: argparse.Namespace) -> SoakReport:
     rng = random.Random(args.seed)
     systems = [
@@ -304,27 +329,7 @@ async def run_soak(args: argparse.Namespace) -> SoakReport:
         await asyncio.gather(supervisor, return_exceptions=True)
         await stack.stop()
 
-    worker_kills = [k for k in kills if k.host is not None]
-    ok_latencies = []
-    for r in results:
-        report.sent += 1
-        if r.status == 200:
-            report.ok += 1
-            ok_latencies.append(r.done - r.sent)
-            continue
-        in_flight = any(
-            k.at >= r.sent and r.done - k.at < args.grace_s and r.upstream in (None, k.host) for k in worker_kills
-        )
-        if in_flight:
-            report.in_flight_on_killed += 1
-        else:
-            report.lost.append(
-                {"sent_s": round(r.sent, 2), "status": r.status, "upstream": r.upstream, "error": r.error}
-            )
-    if ok_latencies:
-        ok_latencies.sort()
-        report.latency_p50_s = statistics.median(ok_latencies)
-        report.latency_p99_s = ok_latencies[min(len(ok_latencies) - 1, int(0.99 * len(ok_latencies)))]
+    _tally(report, results, kills, args.grace_s)
     report.kills = [{"what": k.what, "at_s": round(k.at, 1)} for k in kills]
     report.restarts = said
     return report

@@ -348,29 +348,9 @@ class BlockIndex:
             for slot in slots:
                 alive |= 1 << slot
             depth = dict.fromkeys(slots, 0)
-            tiers = (tier,) if isinstance(tier, str) else tuple(tier)
-            holder_maps = [self._tiers[t].holders for t in tiers]
-            recent = self._recent
-            # Per slot, the oldest record time still fresh (its TTL depends on the event state);
-            # slots not asked about never match. Hoisted out of the per-key loop (the hot part).
-            fresh = [float("inf")] * (len(self._slots) + len(self._free))
-            spec_cut = now - self.config.speculative_ttl_s
-            fallback_cut = now - self.config.fallback_ttl_s
-            synced = self._synced
-            for slot in slots:
-                fresh[slot] = spec_cut if synced >> slot & 1 else fallback_cut
-            recent_get = recent.get
-            holders_get: Callable[[int, int], int]
-            if len(holder_maps) == 1:
-                holders_get = holder_maps[0].get
-            else:
-
-                def holders_get(key: int, default: int = 0) -> int:
-                    mask = default
-                    for holders in holder_maps:
-                        mask |= holders.get(key, 0)
-                    return mask
-
+            holders_get = self._holders_lookup((tier,) if isinstance(tier, str) else tuple(tier))
+            fresh = self._fresh_cutoffs(slots, now)
+            recent_get = self._recent.get
             for i, key in enumerate(keys):
                 mask = holders_get(key, 0) & alive
                 entry = recent_get(key) if mask != alive else None  # confirmed for all: skip the record
@@ -392,6 +372,33 @@ class BlockIndex:
                     if alive >> slot & 1:
                         depth[slot] = len(keys)
             return {w: depth[s] for w, s in zip(worker_ids, slots)}
+
+    def _holders_lookup(self, tiers: tuple[str, ...]) -> Callable[[int, int], int]:
+        """``key -> holder bitmask`` over one tier (a plain dict lookup: the hot case) or the union of several."""
+        holder_maps = [self._tiers[t].holders for t in tiers]
+        if len(holder_maps) == 1:
+            return holder_maps[0].get
+
+        def holders_get(key: int, default: int = 0) -> int:
+            mask = default
+            for holders in holder_maps:
+                mask |= holders.get(key, 0)
+            return mask
+
+        return holders_get
+
+    def _fresh_cutoffs(self, slots: Sequence[int], now: float) -> list[float]:
+        """Per slot, the oldest record time still fresh (its TTL depends on the event state).
+
+        Slots not asked about never match. Computed once per lookup, outside the per-key loop (the hot part).
+        """
+        fresh = [float("inf")] * (len(self._slots) + len(self._free))
+        spec_cut = now - self.config.speculative_ttl_s
+        fallback_cut = now - self.config.fallback_ttl_s
+        synced = self._synced
+        for slot in slots:
+            fresh[slot] = spec_cut if synced >> slot & 1 else fallback_cut
+        return fresh
 
     def match_tiers(
         self, keys: Sequence[int], worker_ids: Sequence[str], groups: Mapping[str, str | None] | None = None

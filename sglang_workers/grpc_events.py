@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -330,7 +330,7 @@ class KvEventRelay:
             )
         return self._batch_message(*self._history[seq - oldest])
 
-    async def stream(self, start: int, load: LoadSource) -> AsyncIterator[common_pb2.KvEventBatch]:
+    async def stream(self, start: int, load: LoadSource) -> AsyncGenerator[common_pb2.KvEventBatch, None]:
         """Batches for one subscription from cursor ``start`` (0: the current state), until cancelled.
 
         Raises :class:`StreamError` when the cursor cannot be served or the subscriber fell behind.

@@ -1,0 +1,138 @@
+"""TLS on the ext_proc channel, and ``prefix-router up`` as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.addresses import free_port
+from extproc.gateway.stack import GatewayStack
+from tests.support.gateway_http import envoy_stats, post
+
+PICKED = "cluster.prefix_router_picked.upstream_rq_total"
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for the name ``prefix-router`` (it is its own CA)."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    run = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=prefix-router",
+            "-addext",
+            "subjectAltName=DNS:prefix-router",
+        ],
+        capture_output=True,
+    )
+    if run.returncode != 0:
+        pytest.skip(f"openssl CLI could not make a certificate: {run.stderr.decode()[-200:]}")
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls_stack(envoy_bin: str, certificate: tuple[Path, Path]) -> Iterator[GatewayStack]:
+    cert, key = certificate
+    with GatewayStack(
+        sim_workers=2,
+        sim_worker_options={"no_kv_events": True, "profile": "instant"},
+        policy="round-robin",
+        tls_cert=cert,
+        tls_key=key,
+        tls_ca=cert,
+        tls_sni="prefix-router",
+    ) as gateway:
+        yield gateway
+
+
+def test_router_decides_over_tls(tls_stack: GatewayStack) -> None:
+    before = envoy_stats(tls_stack.admin_url).get(PICKED, 0)
+    served = {post(tls_stack.url + "/v1/chat/completions", CHAT).headers["x-upstream-host"] for _ in range(2)}
+    assert len(served) == 2  # round-robin: the router, not fail-open, chose
+    stats = envoy_stats(tls_stack.admin_url)
+    assert stats[PICKED] == before + 2
+    assert stats.get("http.gateway.ext_proc.failure_mode_allowed", 0) == 0
+
+
+def test_tls_router_refuses_plaintext(tls_stack: GatewayStack, certificate: tuple[Path, Path]) -> None:
+    with grpc.insecure_channel(tls_stack.router_address) as channel, pytest.raises(grpc.RpcError):
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    credentials = grpc.ssl_channel_credentials(certificate[0].read_bytes())
+    with grpc.secure_channel(
+        tls_stack.router_address, credentials, options=[("grpc.ssl_target_name_override", "prefix-router")]
+    ) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _port_open(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, int(port))) == 0
+
+
+def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str) -> None:
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "up", "--sim-workers", "2", "--port", str(port), "--policy", "round-robin"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert up.stdout is not None and up.stderr is not None
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("gateway is up" in line for line in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(lines) + up.stderr.read()
+            lines.append(up.stdout.readline())
+        url = f"http://127.0.0.1:{port}"
+        assert url in lines[-1]
+        while "Ctrl-C" not in lines[-1]:
+            lines.append(up.stdout.readline())
+        banner = "".join(lines)
+        workers = [line.strip() for line in lines if line.strip().startswith("http://") and str(port) not in line]
+        assert len(workers) == 2
+        reply = post(url + "/v1/chat/completions", CHAT)
+        assert reply.status == 200 and "http://" + reply.headers["x-upstream-host"] in workers
+        access_log = [up.stdout.readline() for _ in range(2)]  # a blank line, then that request's line
+        assert any("router-picked" in line and reply.headers["x-upstream-host"] in line for line in access_log)
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0, banner + up.stderr.read()
+        assert not _port_open(url) and not any(_port_open(w) for w in workers)
+    finally:
+        if up.poll() is None:  # a failed assertion: let up stop its children (they run in their own sessions)
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait()

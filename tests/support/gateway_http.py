@@ -1,0 +1,115 @@
+"""Tiny stdlib HTTP helpers for the gateway tests (real sockets, no client library in between)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def _host(url: str) -> str:
+    host = urlsplit(url).hostname
+    assert host is not None, f"no host in {url!r}"
+    return host
+
+
+def request(
+    url: str,
+    method: str = "GET",
+    body: bytes | dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10.0,
+) -> Reply:
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn = http.client.HTTPConnection(_host(url), parts.port, timeout=timeout)
+    try:
+        conn.request(
+            method, parts.path or "/", body=payload, headers={"content-type": "application/json", **(headers or {})}
+        )
+        response = conn.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+    finally:
+        conn.close()
+
+
+def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 10.0) -> Reply:
+    return request(url, "POST", body, headers, timeout)
+
+
+def stream_lines(url: str, body: dict[str, Any], timeout: float = 10.0) -> Generator[tuple[float, bytes], None, None]:
+    """POST and yield (arrival time, line) for each line of the response as it arrives."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(_host(url), parts.port, timeout=timeout)
+    try:
+        conn.request("POST", parts.path, body=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        while True:
+            line = response.readline()  # de-chunked; returns b"" at the end of the body
+            if not line:
+                return
+            yield time.monotonic(), line
+    finally:
+        conn.close()
+
+
+def envoy_stats(admin_url: str) -> dict[str, int]:
+    """Envoy's counters and gauges by name (from its admin endpoint)."""
+    with urllib.request.urlopen(admin_url + "/stats?format=json", timeout=5) as response:
+        data = json.load(response)
+    return {s["name"]: int(s["value"]) for s in data["stats"] if isinstance(s.get("value"), int)}
+
+
+class SpoofTarget:
+    """A listening socket a spoofed destination header points at; counts connections it receives."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+    def __enter__(self) -> SpoofTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
