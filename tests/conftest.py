@@ -65,12 +65,15 @@ def sglang_cpu_workers() -> Iterator[list[Any]]:
     Skips, naming ``make sglang-cpu``, when the install is not there. Tests may restart a worker in
     place (``restart_cpu_worker``); the list always holds the running ones.
     """
-    from sglang_workers.sglang_cpu import missing_install_reason, start_cpu_workers
+    from prefix_router.fleet import start_fleet
+    from sglang_workers.real.installation import missing_install_reason
 
     reason = missing_install_reason()
     if reason is not None:
         pytest.skip(reason)
-    _CPU_WORKERS[:] = start_cpu_workers(2, max_total_tokens=CPU_POOL_TOKENS, extra=CPU_EXTRA_FLAGS, startup_timeout=400)
+    _CPU_WORKERS[:] = start_fleet(
+        "sglang-cpu", 2, capacity_tokens=CPU_POOL_TOKENS, extra_args=CPU_EXTRA_FLAGS, startup_timeout=400
+    )
     try:
         yield _CPU_WORKERS
     finally:
@@ -79,18 +82,7 @@ def sglang_cpu_workers() -> Iterator[list[Any]]:
 
 def restart_cpu_worker(workers: list[Any], index: int, crash: bool = True) -> Any:
     """Kill (SIGKILL, a crash) or stop worker ``index`` and start it again on the same ports."""
-    from sglang_workers.sglang_cpu import find_install, spawn_cpu_worker
-
-    old = workers[index]
-    old.kill() if crash else old.stop()
-    install = find_install()
-    assert install is not None
-    new = spawn_cpu_worker(
-        install,
-        max_total_tokens=CPU_POOL_TOKENS,
-        extra=CPU_EXTRA_FLAGS,
-        ports=(old.port, old.kv_events_port, old.replay_port),
-    )
-    workers[index] = new
-    new.wait_ready(400)
-    return new
+    worker = workers[index]
+    worker.kill() if crash else worker.stop()
+    worker.restart(400)
+    return worker

@@ -32,7 +32,8 @@ from sim_fixtures import sha256_chain
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from extproc.addresses import free_port, free_ports
-from sglang_workers.process import SimWorkerProcess, start_sim_worker
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]  # a real worker starts in ~1 min
 
@@ -120,7 +121,7 @@ class RealGrpcWorker:
 class Sim:
     """The simulator with the same page size and pool, over its gRPC door."""
 
-    def __init__(self, process: SimWorkerProcess) -> None:
+    def __init__(self, process: WorkerProcess) -> None:
         self.process = process
         self.channel = grpc.insecure_channel(process.grpc_url.removeprefix("grpc://"))
         self.stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(self.channel)
@@ -133,9 +134,9 @@ def servers() -> Iterator[dict[str, Any]]:
         pytest.skip(reason)
     real = RealGrpcWorker()
     try:
-        with start_sim_worker(
-            grpc=True, profile="instant", page_size=PAGE, capacity_tokens=CAPACITY, context_length=CONTEXT
-        ) as process:
+        with start_fleet(
+            "sim", 1, grpc=True, profile="instant", page_size=PAGE, capacity_tokens=CAPACITY, context_length=CONTEXT
+        )[0] as process:
             real.wait_healthy()
             sim = Sim(process)
             try:

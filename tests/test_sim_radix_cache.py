@@ -8,14 +8,14 @@ import msgpack
 import pytest
 from sim_fixtures import GOLDEN_DIR, sha256_chain
 
-from sglang_workers.kv_events import (
+from sglang_workers.sim.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     decode_payload,
     encode_payload,
 )
-from sglang_workers.radix_cache import RadixCache
+from sglang_workers.sim.radix_cache import RadixCache
 
 
 def _golden() -> dict:

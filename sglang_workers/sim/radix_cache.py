@@ -42,7 +42,7 @@ __all__ = ["RadixCache", "TierMatch", "TreeNode"]
 class TreeNode:
     """One edge of the tree: a run of whole pages with their chained digests.
 
-    The tier fields are used by ``HiRadixCache`` (``sglang_workers.hiradix_cache``) only: without
+    The tier fields are used by ``HiRadixCache`` (``sglang_workers.sim.hiradix_cache``) only: without
     HiCache every node lives on the GPU and the rest keep their defaults.
     """
 

@@ -32,7 +32,6 @@ I/O) runs on the scheduler's clock: simulated seconds since start, wall time x `
 from __future__ import annotations
 
 import asyncio
-import bisect
 import hashlib
 import itertools
 import logging
@@ -42,7 +41,7 @@ import uuid
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .config import SimWorkerConfig
@@ -50,19 +49,12 @@ from .hicache_storage import FileStorage, StoragePrefetcher
 from .hiradix_cache import LOAD_BACK_THRESHOLD, Backup, HiRadixCache
 from .kv_events import KVEventPublisher
 from .load_report import LoadCounters
+from .metrics import Histogram, SchedulerStats, record_finished
 from .radix_cache import RadixCache, TierMatch, TreeNode
+from .request import HEALTH_CHECK_RID_PREFIX, Request
 from .timing import TimingProfile
 
-__all__ = [
-    "HEALTH_CHECK_RID_PREFIX",
-    "FinishedStats",
-    "Histogram",
-    "Request",
-    "Scheduler",
-    "SchedulerStats",
-    "Step",
-    "device_pool_tokens",
-]
+__all__ = ["Scheduler", "Step", "device_pool_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,183 +64,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's rid prefix of /health generations (not counted in stats)
 MAX_PACING_CREDIT = 0.05  # at most this much wall time is made up after a stall (s)
-
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    25.0,
-    30.0,
-    40.0,
-    60.0,
-    120.0,
-    300.0,
-)
-ITL_BUCKETS = (
-    0.002,
-    0.004,
-    0.006,
-    0.008,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.035,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1.0,
-    2.0,
-    4.0,
-    6.0,
-    8.0,
-)
-TOKEN_BUCKETS = (  # SGLang's prompt / generation length buckets
-    100.0, 300.0, 500.0, 700.0, 1000.0, 1500.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 7000.0, 8000.0, 9000.0,
-    10000.0, 12500.0, 15000.0, 17500.0, 20000.0, 22500.0, 25000.0, 27500.0, 30000.0, 35000.0, 40000.0, 60000.0,
-    80000.0, 100000.0, 200000.0, 300000.0, 400000.0, 600000.0, 800000.0, 1e6, 1.1e6,
-)  # fmt: skip
-EVICTION_BUCKETS = (
-    0.001,
-    0.002,
-    0.003,
-    0.004,
-    0.005,
-    0.006,
-    0.007,
-    0.008,
-    0.009,
-    0.01,
-    0.02,
-    0.03,
-    0.04,
-    0.05,
-    0.1,
-    0.2,
-    0.5,
-    1.0,
-)
-LOADS_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
-LOAD_BACK_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01)
-LOAD_BACK_BUCKETS += (0.02, 0.03, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0)  # SGLang's load_back_duration_seconds
-PREFETCH_PAGES_BUCKETS = (1, 5, 10, 50, 100)  # sglang:prefetch_pgs
-PREFETCH_GBPS_BUCKETS = (0.1, 0.5, 1, 5, 10, 50, 100)  # sglang:prefetch_bandwidth (GB/s)
-BACKUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-E2E_BUCKETS = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1.0,
-    2.0,
-    4.0,
-    6.0,
-    8.0,
-    10.0,
-    20.0,
-    40.0,
-    60.0,
-    80.0,
-    100.0,
-    150.0,
-    200.0,
-    250.0,
-    300.0,
-    350.0,
-    500.0,
-    1000.0,
-)
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request as the scheduler tracks it."""
-
-    rid: str
-    input_ids: list[int]
-    max_new_tokens: int
-    cache_salt: str | None = None
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = -1  # prefix found in the cache at first admission (-1: not admitted yet)
-    cached_device: int = 0  # ... of which on the GPU, loaded back from host memory, from L3 storage
-    cached_host: int = 0
-    cached_storage: int = 0
-    inserted_len: int = 0  # tokens this request already inserted into the tree (HiCache hit counts)
-    load_tokens: int = 0  # host tokens loaded back for the chunk being prefilled
-    storage_landed: int = 0  # tokens its storage prefetch grafted into host memory
-    kv_len: int = 0  # tokens whose KV exists (in the tree or private)
-    tree_len: int = 0  # tokens of the locked tree path
-    last_node: TreeNode | None = None
-    chunk_prefix: int = 0  # cached context of the chunk being prefilled
-    chunk_len: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    sim_arrival: float = 0.0  # simulated GPU clock at submission
-    sim_first_token: float | None = None
-    sim_finished: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None  # set when the request failed instead of finishing
-    stream: bool = False  # the client streams it (SGLang labels its request metrics is_streaming)
-    dp_rank: int = 0  # the data-parallel rank (scheduler) running it
-    retracted: bool = False  # was retracted once: its next prefill recomputes work (not a cache statistic)
-    num_retractions: int = 0
-    admitted_at: float | None = None  # monotonic time of its first admission (SGLang's forward entry)
-    sent_at: float | None = None  # when its first answer (chunk) left the HTTP server
-    updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
-    rng: random.Random | None = None
-
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
-
-    @property
-    def health_check(self) -> bool:
-        """A ``/health`` generation: served like any request, counted in no statistic (SGLang's log_metrics=False)."""
-        return self.rid.startswith(HEALTH_CHECK_RID_PREFIX)
-
-
-class Histogram:
-    """Cumulative Prometheus histogram (buckets, sum, count)."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
 
 
 @dataclass(frozen=True)
@@ -259,64 +75,6 @@ class Step:
     rids: tuple[str, ...]
     tokens: int
     duration: float
-
-
-@dataclass
-class FinishedStats:
-    """SGLang's tokenizer-side request metrics, per ``is_streaming`` value (counted when a request finishes)."""
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-
-
-@dataclass
-class SchedulerStats:
-    """Counters behind /metrics and /v1/loads."""
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generation_tokens: int = 0
-    num_retractions: int = 0
-    prefill_batches: int = 0
-    decode_steps: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    finished: dict[bool, FinishedStats] = field(default_factory=lambda: {False: FinishedStats()})
-    prompt_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
-    uncached_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
-    generation_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
-    prefill_forward: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # per request
-    request_process: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # per request
-    evicted_tokens: int = 0
-    evictions: Histogram = field(default_factory=lambda: Histogram(EVICTION_BUCKETS))
-    loads_served: Histogram = field(default_factory=lambda: Histogram(LOADS_BUCKETS))
-    prefill_compute_tokens: int = 0
-    prefill_cache_tokens: int = 0
-    busy_s: float = 0.0  # wall seconds in steps
-    idle_s: float = 0.0  # wall seconds waiting for work
-    # By tier, at first admission (SGLang cached_tokens_total{cache_source}, prefill_effective_tokens_total).
-    cached_device_tokens: int = 0
-    cached_host_tokens: int = 0
-    cached_storage_tokens: int = 0
-    input_tokens: int = 0  # prompt tokens computed (not cached)
-    # HiCache transfers (RadixCacheMetricsCollector).
-    load_back_tokens: int = 0
-    load_back_bytes: int = 0
-    load_back_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BACK_BUCKETS))
-    backup_bytes: int = 0
-    backup_seconds: Histogram = field(default_factory=lambda: Histogram(BACKUP_BUCKETS))
-    prefetch_pages: Histogram = field(default_factory=lambda: Histogram(PREFETCH_PAGES_BUCKETS))
-    prefetch_gbps: Histogram = field(default_factory=lambda: Histogram(PREFETCH_GBPS_BUCKETS))
-    # Simulated GPU seconds spent (the fleet's compute cost; not an SGLang metric).
-    busy_prefill_s: float = 0.0
-    busy_decode_s: float = 0.0
 
 
 def device_pool_tokens(config: SimWorkerConfig, profile: TimingProfile) -> int:
@@ -868,29 +626,9 @@ class Scheduler:
         req.finished_at = now
         req.sim_finished = self.sim_time
         if not req.health_check:
-            self._record_finished(req, now)
+            record_finished(self.stats, req, now)
         req.updates.put_nowait(None)
         self._wakeup.set()
-
-    def _record_finished(self, req: Request, now: float) -> None:
-        """The request metrics SGLang's tokenizer manager records when a request finishes."""
-        stats = self.stats
-        stats.e2e.observe(now - req.arrival)
-        by_stream = stats.finished.setdefault(req.stream, FinishedStats())
-        by_stream.num_requests += 1
-        by_stream.prompt_tokens += len(req.input_ids)
-        by_stream.generation_tokens += len(req.output_ids)
-        by_stream.e2e.observe(now - req.arrival)
-        if req.first_token_at is not None:
-            by_stream.ttft.observe(req.first_token_at - req.arrival)
-            if len(req.output_ids) > 1:
-                by_stream.tpot.observe((now - req.first_token_at) / (len(req.output_ids) - 1))
-            if req.admitted_at is not None:
-                stats.prefill_forward.observe(req.first_token_at - req.admitted_at)
-                stats.request_process.observe(max(req.admitted_at - req.arrival, 0.0))
-        stats.prompt_lengths.observe(len(req.input_ids))
-        stats.uncached_lengths.observe(len(req.input_ids) - max(req.cached_tokens, 0))
-        stats.generation_lengths.observe(len(req.output_ids))
 
     def _emit(self, req: Request, now: float) -> None:
         """Sample the next token (seeded, so the same prompt always gets the same output)."""
@@ -969,7 +707,7 @@ class Scheduler:
             "token_usage": round(used / self.capacity, 4),
             "gen_throughput": round(counters.gen_throughput, 2),
             "cache_hit_rate": round(counters.cache_hit_rate, 4),
-            "utilization": 0.0,  # see sglang_workers.load_report: 0.5.23 never sets its input
+            "utilization": 0.0,  # see sglang_workers.sim.load_report: 0.5.23 never sets its input
             "total_prefill_uncached_tokens": counters.total_prefill_uncached_tokens,
             "total_prefill_busy_us": counters.total_prefill_busy_us,
             "decode_moments": counters.moments(),
