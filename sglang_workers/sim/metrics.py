@@ -9,6 +9,7 @@ worker's.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ __all__ = [
     "Histogram",
     "HttpStats",
     "SchedulerStats",
+    "record_admission",
     "record_finished",
 ]
 
@@ -243,3 +245,14 @@ def record_finished(stats: SchedulerStats, req: Request, now: float) -> None:
     stats.prompt_lengths.observe(len(req.input_ids))
     stats.uncached_lengths.observe(len(req.input_ids) - max(req.cached_tokens, 0))
     stats.generation_lengths.observe(len(req.output_ids))
+
+
+def record_admission(stats: SchedulerStats, req: Request) -> None:
+    """What SGLang counts when a request is first admitted: prompt and cached tokens by tier, its queue time."""
+    stats.prompt_tokens += len(req.input_ids)
+    stats.cached_tokens += req.cached_tokens
+    stats.cached_device_tokens += req.cached_device
+    stats.cached_host_tokens += req.cached_host
+    stats.cached_storage_tokens += req.cached_storage
+    stats.input_tokens += len(req.input_ids) - req.cached_tokens
+    stats.queue_time.observe(time.monotonic() - req.arrival)

@@ -6,13 +6,10 @@ only when none can be formed runs one decode step of the running batch, so long 
 decodes exactly as they do in SGLang without ``--enable-mixed-chunk``. A step's duration comes from
 the timing profile and is slept (divided by ``--speedup``); its KV events are published at its end.
 
-Admission follows ``PrefillAdder``: queue order (``fcfs``, or ``lpm`` = longest cached prefix first,
-which falls back to fcfs above 128 waiting requests), then per request the running-requests cap, the
-KV budget (free + evictable tokens minus what running requests may still need: remaining
-``max_new_tokens`` clipped to 4096 x ``new_token_ratio``), the ``--max-prefill-tokens`` budget and the
-``--chunked-prefill-size`` budget; a request that does not fit the chunk budget is chunked (cut to
-whole pages) and continues first in the next prefill batch. A request's prompt enters the radix
-cache right after its prefill (so others can match it), and prompt + output when it finishes.
+Admission (``admission``) follows ``PrefillAdder``: queue order, the running-requests cap and the KV,
+prefill and chunk budgets; a request cut by the chunk budget continues first in the next prefill batch.
+A request's prompt enters the radix cache right after its prefill (so others can match it), and prompt +
+output when it finishes. Its counters and histograms are kept in ``metrics``.
 When decode runs out of KV, the requests with the fewest output tokens are retracted to the queue.
 
 The memory pool is counted in tokens and handed out in whole pages: tree pages (evictable or locked)
@@ -44,13 +41,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .admission import LPM_FALLBACK_QUEUE, next_prefill_batch
 from .config import SimWorkerConfig
 from .hicache_storage import FileStorage, StoragePrefetcher
-from .hiradix_cache import LOAD_BACK_THRESHOLD, Backup, HiRadixCache
+from .hiradix_cache import Backup, HiRadixCache
 from .kv_events import KVEventPublisher
 from .load_report import LoadCounters
 from .metrics import Histogram, SchedulerStats, record_finished
-from .radix_cache import RadixCache, TierMatch, TreeNode
+from .radix_cache import RadixCache
 from .request import HEALTH_CHECK_RID_PREFIX, Request
 from .timing import TimingProfile
 
@@ -58,8 +56,6 @@ __all__ = ["Scheduler", "Step", "device_pool_tokens"]
 
 logger = logging.getLogger(__name__)
 
-CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
-LPM_FALLBACK_QUEUE = 128  # lpm turns into fcfs above this many waiting requests
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
@@ -237,13 +233,13 @@ class Scheduler:
             total += self._private(self.chunked)
         return total
 
-    def _page_ceil(self, tokens: int) -> int:
+    def page_ceil(self, tokens: int) -> int:
         page = self.config.page_size
         return -(-tokens // page) * page
 
     def _private(self, req: Request) -> int:
         """Pool tokens a request holds outside the tree: whole pages, as SGLang's paged allocator hands out."""
-        return self._page_ceil(req.kv_len) - req.tree_len
+        return self.page_ceil(req.kv_len) - req.tree_len
 
     def _decode_need(self) -> int:
         """Tokens the next decode step allocates: a new page for each request whose last page is full."""
@@ -258,7 +254,7 @@ class Scheduler:
         """SGLang's num_used: the pool minus free and evictable tokens."""
         return self.capacity - self.free_tokens - self.cache.evictable_size
 
-    def _ensure_free(self, tokens: int) -> bool:
+    def ensure_free(self, tokens: int) -> bool:
         shortfall = tokens - self.free_tokens
         if shortfall > 0:
             start = time.perf_counter()
@@ -299,7 +295,7 @@ class Scheduler:
             self._publish()  # acknowledged host copies go out even when idle (SGLang's idle check)
             await self._idle_wait(self._next_timer())
             return
-        batch = self._next_prefill_batch()
+        batch = next_prefill_batch(self)
         if batch:
             compute = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
             loaded = sum(r.load_tokens for r in batch)
@@ -415,131 +411,6 @@ class Scheduler:
         if events and self.publisher is not None:
             self.publisher.publish(events)
 
-    # -- prefill -----------------------------------------------------------------------------------
-    def _ordered_waiting(self) -> list[Request]:
-        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE:
-            prefix = {}
-            for r in self.waiting:  # host hits count as matched too (num_matched_prefix_tokens)
-                m = self.cache.match(r.fill_ids[:-1], r.cache_salt)
-                prefix[id(r)] = m.device_len + m.host_len
-            return sorted(self.waiting, key=lambda r: -prefix[id(r)])
-        return list(self.waiting)
-
-    def _reserved_for_running(self) -> float:
-        return (
-            sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in self.running)
-            * self.new_token_ratio
-        )
-
-    def _next_prefill_batch(self) -> list[Request]:
-        if not self.waiting and self.chunked is None:
-            return []
-        cfg = self.config
-        rem_chunk = cfg.chunked_prefill_size
-        rem_input = cfg.max_prefill_tokens
-        offset = self._reserved_for_running()
-        batch = self.prefilling = []
-
-        if self.chunked is not None:  # an unfinished chunked prefill always continues first
-            req = self.chunked
-            remaining = len(req.fill_ids) - req.kv_len
-            take = remaining if remaining <= rem_chunk else self.cache.page_align(rem_chunk)
-            if take > 0 and self._ensure_free(self._page_ceil(req.kv_len + take) - self._page_ceil(req.kv_len)):
-                req.chunk_prefix, req.chunk_len = req.kv_len, take
-                req.load_tokens = 0
-                req.kv_len += take
-                rem_chunk -= take
-                rem_input -= take
-                batch.append(req)
-                if take < remaining:
-                    return batch
-                self.chunked = None
-            else:
-                return batch
-
-        if len(self.running) + len(batch) >= cfg.max_running_requests:
-            return batch
-        for req in self._ordered_waiting():
-            if len(self.running) + len(batch) >= cfg.max_running_requests or rem_chunk <= 0:
-                break
-            if self.prefetcher is not None:  # SGLang check_prefetch_progress: skip it while storage reads run
-                ready, landed = self.prefetcher.poll(req, req.input_ids, req.cache_salt)
-                req.storage_landed += landed
-                if not ready:
-                    continue
-            fill = req.fill_ids
-            m = self.cache.match(fill[:-1], req.cache_salt)
-            prefix_len, node = m.device_len, m.device_node
-            host = m.host_len if m.host_len >= LOAD_BACK_THRESHOLD else 0  # shorter spans are recomputed
-            extend = len(fill) - prefix_len - host
-            self.cache.lock(node)  # lock first: a locked prefix no longer counts as evictable
-            budget = self.free_tokens + self.cache.evictable_size - offset
-            need = extend + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-            if host:  # PrefillAdder reserves the loaded pages too (plus a page)
-                need += host + self.config.page_size
-            if need >= budget or (extend > rem_input and batch):
-                self.cache.unlock(node)
-                break
-            loaded = 0
-            if host:
-                held, loaded = self._load_back(m)
-                if held is None:
-                    break
-                node = held
-                prefix_len += loaded
-            take = extend if extend <= rem_chunk else self.cache.page_align(rem_chunk)
-            if take <= 0 or not self._ensure_free(self._page_ceil(prefix_len + take) - prefix_len):
-                self.cache.unlock(node)
-                break
-            self.waiting.remove(req)
-            req.last_node, req.tree_len = node, prefix_len
-            req.kv_len = prefix_len + take
-            req.chunk_prefix, req.chunk_len = prefix_len, take
-            req.load_tokens = loaded
-            if req.cached_tokens < 0:
-                req.cached_tokens = prefix_len
-                req.admitted_at = time.monotonic()
-                req.cached_storage = min(req.storage_landed, loaded)
-                req.cached_host = loaded - req.cached_storage
-                req.cached_device = prefix_len - loaded
-                if not req.health_check:
-                    self.stats.prompt_tokens += len(req.input_ids)
-                    self.stats.cached_tokens += prefix_len
-                    self.stats.cached_device_tokens += req.cached_device
-                    self.stats.cached_host_tokens += req.cached_host
-                    self.stats.cached_storage_tokens += req.cached_storage
-                    self.stats.input_tokens += len(req.input_ids) - prefix_len
-                    self.stats.queue_time.observe(time.monotonic() - req.arrival)
-            batch.append(req)
-            rem_chunk -= take
-            rem_input -= take
-            if take < extend:
-                self.chunked = req
-                break
-            offset += take + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-        return batch
-
-    def _load_back(self, m: TierMatch) -> tuple[TreeNode | None, int]:
-        """Load a match's host part onto the GPU; moves the request's lock from its GPU part to all of it.
-
-        Returns (the node now locked, tokens loaded), or (None, 0) with nothing locked when the GPU
-        cannot make room (SGLang then answers NO_TOKEN).
-        """
-        cache = self.hicache
-        assert cache is not None
-        host_tokens = m.host_len
-        cache.host_lock(m.node, 1)  # evictions that make room must not take the pages being loaded
-        try:
-            if not self._ensure_free(host_tokens):
-                self.cache.unlock(m.device_node)
-                return None, 0
-            loaded = cache.load_back(m)
-        finally:
-            cache.host_lock(m.node, -1)
-        cache.lock(m.node)
-        cache.unlock(m.device_node)
-        return m.node, loaded
-
     def _finish_prefill(self, batch: list[Request], launch: float, duration: float) -> None:
         self.prefilling = []
         self.stats.prefill_batches += 1
@@ -570,7 +441,7 @@ class Scheduler:
 
     # -- decode ------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        if not self._ensure_free(self._decode_need()):
+        if not self.ensure_free(self._decode_need()):
             self._retract()
             if not self.running:
                 return
@@ -590,7 +461,7 @@ class Scheduler:
     def _retract(self) -> None:
         """Out of KV for the next decode step: requeue the requests that lose least (SGLang order)."""
         self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
-        while self.running and not self._ensure_free(self._decode_need()):
+        while self.running and not self.ensure_free(self._decode_need()):
             req = self.running.pop()
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
