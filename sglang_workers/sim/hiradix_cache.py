@@ -222,26 +222,6 @@ class HiRadixCache(RadixCache):
         self.stats.evicted_tokens += evicted
         return evicted
 
-    def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 0 and node.device:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
-            node.lock_ref += 1
-            self._update_leaf_status(node)
-            assert node.parent is not None
-            node = node.parent
-
-    def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 1 and node.device:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
-            node.lock_ref -= 1
-            self._update_leaf_status(node)
-            assert node.parent is not None
-            node = node.parent
-
     def host_lock(self, node: TreeNode, delta: int) -> None:
         """Pin (``delta=1``) or unpin (``-1``) the host copies of ``node`` and its ancestors."""
         while node is not self.root:

@@ -238,9 +238,10 @@ class RadixCache:
         return evicted
 
     def lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors (a running request uses them)."""
+        """Pin ``node`` and its ancestors (a running request uses them); only GPU pages leave the evictable pool
+        (with HiCache a host-only node on the path holds no GPU pages)."""
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.device:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
@@ -250,7 +251,7 @@ class RadixCache:
 
     def unlock(self, node: TreeNode) -> None:
         while node is not self.root:
-            if node.lock_ref == 1:
+            if node.lock_ref == 1 and node.device:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
             node.lock_ref -= 1
