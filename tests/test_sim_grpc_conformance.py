@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 
 from extproc.addresses import free_port, free_ports
 from prefix_router.fleet import start_fleet
-from sglang_workers.process import WorkerProcess
+from sglang_workers.process import Launch, WorkerProcess, spawn
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]  # a real worker starts in ~1 min
 
@@ -86,10 +86,11 @@ class RealGrpcWorker:
             # prompt crashes the scheduler (IndexError in the embedding). One plain warm-up request stays.
             "SMG_SGLANG_SERVICER_WARMUP": "off",
         }
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
+        # Spawned as the fleet spawns workers (own process group, dies with this process even if it is killed);
+        # readiness is gRPC's HealthCheck here, not the handle's HTTP /ready.
+        launch = Launch("sglang-cpu", argv, env, own_group=True, startup_timeout_s=300.0, stop_timeout_s=30.0,
+                        ready_poll_s=1.0, keep_log=False)  # fmt: skip
+        self.proc = spawn(launch, self.log)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(self.channel)
 

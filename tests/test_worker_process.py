@@ -151,3 +151,13 @@ def test_no_process_of_a_real_sglang_worker_outlives_its_sigkilled_parent() -> N
         parent.wait()
         for member in _session(pid):
             os.kill(member, signal.SIGKILL)
+
+
+def test_start_fleet_refuses_options_its_engine_does_not_take() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        start_fleet("vllm", 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sglang-cpu workers take no dp_size, profile"):
+        start_fleet("sglang-cpu", 1, profile="instant", dp_size=2)
+    with pytest.raises(ValueError, match="log_dir and extra_args apply to sglang-cpu"):
+        start_fleet("sim", 1, extra_args=["--tp", "2"])
+    assert start_fleet("sim", 0) == []
