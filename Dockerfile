@@ -11,6 +11,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY extproc extproc
 COPY sglang_workers sglang_workers
+COPY prefix_router prefix_router
 COPY benchmarks benchmarks
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

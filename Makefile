@@ -38,7 +38,7 @@ check: $(VENV)/.installed
 
 # Real SGLang on CPU: reuses ~/.cache/prefix-router/sglang-0.5.23 when it is there (see docs/real-sglang.md).
 sglang-cpu: $(VENV)/.installed
-	$(BIN)/python -m sglang_workers.sglang_cpu_install --python $(PYTHON)
+	$(BIN)/python -m sglang_workers.real.install --python $(PYTHON)
 
 bench: $(VENV)/.installed
 	$(BIN)/prefix-router bench

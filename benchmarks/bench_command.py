@@ -116,7 +116,7 @@ def _positive(kind: type) -> Any:
 
 
 def _profiles(text: str) -> str:
-    from sglang_workers.timing import profile_list
+    from sglang_workers.sim.timing import profile_list
 
     try:
         return ",".join(profile_list(text))
@@ -846,7 +846,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     apply_engine_defaults(args)
     if args.engine == "sglang-cpu":
-        from sglang_workers.sglang_cpu import missing_install_reason
+        from sglang_workers.real.installation import missing_install_reason
 
         reason = missing_install_reason()
         if reason is not None:

@@ -70,17 +70,18 @@ class CpuWorkerPool:
         self.workers: list[Any] = []
 
     async def __aenter__(self) -> CpuWorkerPool:
-        from sglang_workers.sglang_cpu import CpuWorkerError, start_cpu_workers
+        from prefix_router.fleet import WorkerStartError, start_fleet
 
         try:
             self.workers = await asyncio.to_thread(
-                start_cpu_workers,
+                start_fleet,
+                "sglang-cpu",
                 self.spec.workers,
                 page_size=self.spec.page_size,
-                max_total_tokens=self.spec.capacity_tokens,
-                extra=("--random-seed", str(self.spec.seed)),
+                capacity_tokens=self.spec.capacity_tokens,
+                seed=self.spec.seed,
             )
-        except CpuWorkerError as exc:
+        except WorkerStartError as exc:
             raise ClusterError(str(exc)[-1000:]) from None
         return self
 
@@ -124,11 +125,12 @@ class Cluster:
             await self._flush_all()
             self._baseline = await self._counts()
             return
-        from sglang_workers.process import SimWorkerError, start_sim_workers
+        from prefix_router.fleet import WorkerStartError, start_fleet
 
         try:
             self._workers = await asyncio.to_thread(
-                start_sim_workers,
+                start_fleet,
+                "sim",
                 self.spec.workers,
                 profile=self.spec.profile,
                 speedup=self.spec.speedup,
@@ -139,7 +141,7 @@ class Cluster:
                 grpc=True,
                 **self._tier_options(),
             )
-        except (SimWorkerError, OSError) as exc:  # reported in the contender's row
+        except (WorkerStartError, OSError) as exc:  # reported in the contender's row
             raise ClusterError(str(exc)[-1000:]) from None
 
     @property

@@ -236,11 +236,11 @@ def measure_overhead(
     seed: int = 0,
 ) -> list[OverheadRow]:
     """Start a plain Envoy and one gateway per policy over ``workers`` instant sim workers, measure, stop."""
-    from sglang_workers.process import start_sim_workers
+    from prefix_router.fleet import start_fleet
 
     tokenizer = load_tokenizer()
     rng = random.Random(seed)
-    sims = start_sim_workers(workers, profile="instant", no_kv_events=True)
+    sims = start_fleet("sim", workers, profile="instant", no_kv_events=True)
     urls = [s.url for s in sims]
     rows: list[OverheadRow] = []
     try:

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from sglang_workers.process import start_sim_workers
+from prefix_router.fleet import start_fleet
 
 __all__ = ["main", "run"]
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.shared_prefix_tokens = min(args.shared_prefix_tokens, args.prompt_tokens - 1)
-    workers = start_sim_workers(args.workers, profile="instant", page_size=args.page_size, log_level="warning")
+    workers = start_fleet("sim", args.workers, profile="instant", page_size=args.page_size, log_level="warning")
     try:
         result = asyncio.run(run([w.url for w in workers], args))
     finally:

@@ -40,11 +40,11 @@ from extproc.router import Router
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.load import parse_loads
 from extproc.sync.workers import Worker, WorkerRegistry
-from sglang_workers.config import SimWorkerConfig
-from sglang_workers.kv_events import KVEvent, encode_payload
-from sglang_workers.radix_cache import RadixCache
-from sglang_workers.scheduler import Scheduler
-from sglang_workers.timing import get_profile
+from sglang_workers.sim.config import SimWorkerConfig
+from sglang_workers.sim.kv_events import KVEvent, encode_payload
+from sglang_workers.sim.radix_cache import RadixCache
+from sglang_workers.sim.scheduler import Scheduler
+from sglang_workers.sim.timing import get_profile
 
 __all__ = ["VirtualClockLoop", "VirtualResult", "run_virtual"]
 

@@ -22,9 +22,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "extproc.gateway.envoy_config_command",
         "Print Envoy config pieces (filter, clusters, routes) for your own Envoy.",
     ),
-    "sim-worker": ("sglang_workers.sim_worker_command", "Run an SGLang-faithful simulated worker (no GPU needed)."),
+    "sim-worker": ("sglang_workers.sim.command", "Run an SGLang-faithful simulated worker (no GPU needed)."),
     "sglang-launch": (
-        "sglang_workers.sglang_launch_command",
+        "sglang_workers.real.launch_command",
         "Print or run the launch command of a real SGLang worker wired for this router.",
     ),
     "bench": ("benchmarks.bench_command", "Side-by-side benchmarks of gateways and routing policies."),

@@ -1,12 +1,8 @@
-"""SGLang workers for the router: an SGLang-faithful simulated worker, and real SGLang (GPU launch help, CPU).
+"""SGLang workers for the router, one package per engine, one process handle for both.
 
-Modules, one job each: ``config`` (the sim worker's typed settings), ``radix_cache`` (SGLang's prefix
-tree and its KV events), ``kv_events`` (hashes, encodings, ZMQ publisher and replay), ``timing`` (GPU
-timing profiles), ``scheduler`` (continuous batching on a simulated clock), ``load_report`` (the
-``/v1/loads`` counters, counted as SGLang counts them), ``metrics`` (Prometheus text), ``responses``
-(SGLang's bodies: meta_info, usage, errors), ``server`` (the HTTP API), ``sim_worker_command``
-(``prefix-router sim-worker``), ``process`` (start sim workers as child processes: ``start_sim_worker``),
-``sglang_flags`` and ``sglang_launch_command`` (``prefix-router sglang-launch``), ``sglang_cpu`` (real
-SGLang 0.5.23 workers on this CPU) and ``sglang_cpu_install`` (``make sglang-cpu``).
-See docs/sim-worker.md and docs/real-sglang.md.
+``sim/`` is the SGLang-faithful simulated worker (docs/sim-worker.md); ``real/`` launches and installs real
+SGLang (GPU launch help, SGLang 0.5.23 on this CPU; docs/real-sglang.md); ``process`` is the handle of a worker
+process of either engine (``WorkerProcess``: addresses, log, ready wait, stop, kill, restart), whose children die
+with the process that started them (``guard/sitecustomize.py``). ``prefix_router.fleet.start_fleet`` starts
+fleets of either engine.
 """

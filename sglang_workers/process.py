@@ -1,53 +1,135 @@
-"""Start simulated workers as real child processes on free loopback ports.
+"""One handle for a worker process of either engine: the simulator or real SGLang on this CPU.
 
-Tests, benchmarks and ``prefix-router up`` all need the same thing: N sim-workers listening on
-ports nobody else uses, healthy before the caller goes on, and killed for sure afterwards::
+Tests, benchmarks and ``prefix-router up`` need the same things from a worker whichever engine runs it: its
+addresses (HTTP, KV events, replay), its log, whether it runs, a wait until ``/ready`` says 200, a stop that
+always takes everything it started down, a crash (``kill``) and a restart on the same ports. What differs per
+engine is how it is spawned (``sglang_workers.sim.launch``, ``sglang_workers.real.cpu_launch``), and that is
+described by a :class:`Launch`; ``prefix_router.fleet.start_fleet`` starts fleets of either.
 
-    with start_sim_worker(page_size=16, profile="instant") as worker:
-        httpx.post(worker.url + "/generate", ...)
-        zmq_sub.connect(worker.kv_events_endpoint)
-
-Keyword options map one-to-one onto ``prefix-router sim-worker`` flags (``page_size=4`` ->
-``--page-size 4``; ``True`` -> a bare flag such as ``no_kv_events=True``).
+Every worker dies with the process that started it, even when that one is SIGKILLed: the child's ``PYTHONPATH``
+starts with ``guard/`` (its ``sitecustomize`` asks Linux for SIGKILL when the parent goes, in the worker and in
+every Python process it starts). The kernel ties that signal to the *thread* that forked, so workers are forked by
+one thread that lives as long as this process (callers start workers from ``asyncio.to_thread``, whose threads
+end when their loop closes: a worker forked there would die with the thread).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
-import sys
-import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
-from extproc.addresses import free_ports
+__all__ = ["GUARD_DIR", "Engine", "Launch", "WorkerProcess", "WorkerStartError", "spawn"]
 
-__all__ = ["SimWorkerError", "SimWorkerProcess", "start_sim_worker", "start_sim_workers"]
+Engine = Literal["sim", "sglang-cpu"]
+GUARD_DIR = Path(__file__).resolve().parent / "guard"  # its sitecustomize.py makes children die with us
+PARENT_ENV = "PREFIX_ROUTER_WORKER_PARENT"  # read (and removed) by guard/sitecustomize.py
 
 
-class SimWorkerError(RuntimeError):
-    """A sim-worker process failed to start; the message carries the end of its log."""
+class WorkerStartError(RuntimeError):
+    """A worker process failed to start (exited, or not ready in time); the message carries the end of its log."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one worker is (re)started and treated: what its engine's spawner decided."""
+
+    engine: Engine
+    argv: list[str]
+    env: dict[str, str]
+    # Real SGLang runs three processes (HTTP/tokenizer, scheduler, detokenizer): it leads a process group of its
+    # own, and signals go to the whole group. The simulator is one process.
+    own_group: bool
+    startup_timeout_s: float  # the default wait for /ready
+    stop_timeout_s: float  # SIGTERM's grace before SIGKILL
+    ready_poll_s: float
+    keep_log: bool  # a log in a caller's log directory stays; a temporary one is deleted by stop()
+
+
+class _Spawner:
+    """The one long-lived thread that forks every worker (see the module docstring: PR_SET_PDEATHSIG is per thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[tuple[Launch, Path, Future[subprocess.Popen[bytes]]]] = []
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+
+    def popen(self, launch: Launch, log_path: Path) -> subprocess.Popen[bytes]:
+        future: Future[subprocess.Popen[bytes]] = Future()
+        with self._lock:
+            if self._thread is None:
+                # A daemon thread: it never blocks interpreter exit, and lives exactly as long as this process.
+                self._thread = threading.Thread(target=self._run, name="worker-spawner", daemon=True)
+                self._thread.start()
+            self._jobs.append((launch, log_path, future))
+            self._wake.notify()
+        return future.result()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs:
+                    self._wake.wait()
+                launch, log_path, future = self._jobs.pop(0)
+            try:
+                future.set_result(_popen(launch, log_path))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+def _popen(launch: Launch, log_path: Path) -> subprocess.Popen[bytes]:
+    python_path = launch.env.get("PYTHONPATH")
+    env = {
+        **launch.env,
+        "PYTHONPATH": f"{GUARD_DIR}{os.pathsep}{python_path}" if python_path else str(GUARD_DIR),
+        PARENT_ENV: str(os.getpid()),
+    }
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            launch.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=launch.own_group,
+        )
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn(launch: Launch, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``launch`` with its output appended to ``log_path``; the child dies with this process."""
+    return _SPAWNER.popen(launch, log_path)
 
 
 @dataclass
-class SimWorkerProcess:
-    """A running ``prefix-router sim-worker`` child process."""
+class WorkerProcess:
+    """A running worker of either engine (a context manager: ``stop()`` on exit)."""
 
+    launch: Launch
     host: str
     port: int
-    kv_events_port: int
+    kv_events_port: int  # rank r of a multi-rank sim worker publishes on kv_events_port + r
     replay_port: int
     process: subprocess.Popen[bytes]
     log_path: Path
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] | None = None
-    grpc_port: int | None = None  # SGLang's gRPC scheduler API, when started with grpc=True
+    grpc_port: int | None = None  # SGLang's gRPC scheduler API (sim workers started with grpc=True)
+
+    @property
+    def engine(self) -> Engine:
+        return self.launch.engine
 
     @property
     def url(self) -> str:
@@ -57,7 +139,7 @@ class SimWorkerProcess:
     def grpc_url(self) -> str:
         """``grpc://host:port`` of the gRPC scheduler API (what smg takes as a gRPC worker URL)."""
         if self.grpc_port is None:
-            raise SimWorkerError("this sim-worker was started without a gRPC port (grpc=True)")
+            raise WorkerStartError("this worker was started without a gRPC port (grpc=True)")
         return f"grpc://{self.host}:{self.grpc_port}"
 
     @property
@@ -68,6 +150,10 @@ class SimWorkerProcess:
     def replay_endpoint(self) -> str:
         return f"tcp://{self.host}:{self.replay_port}"
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -77,46 +163,39 @@ class SimWorkerProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def wait_healthy(self, timeout: float = 30.0, ready: bool = True) -> None:
-        """Wait until ``/ready`` answers 200 (or, with ``ready=False``, answers at all).
+    def wait_ready(self, timeout: float | None = None, ready: bool = True) -> None:
+        """Wait until ``/ready`` answers 200 (``ready=False``: until the HTTP port answers at all, e.g. 503 while
+        a sim worker's ``load_time`` runs); on failure stop the worker and raise :class:`WorkerStartError`.
 
-        ``/ready`` rather than ``/health``: like SGLang's, the simulator's ``/health`` runs a generation and
-        answers after a second at the earliest, while ``/ready`` is a flag that turns 200 when start-up is
-        over, which is what a caller waits for.
+        ``/ready`` rather than ``/health``: on SGLang (and the simulator) ``/health`` runs a generation and answers
+        after a second at the earliest, while ``/ready`` is a flag that turns 200 once start-up is over (for SGLang:
+        once its warm-up request has been served).
         """
-        deadline = time.monotonic() + timeout
+        limit = self.launch.startup_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if not self.alive():
-                raise SimWorkerError(f"sim-worker exited with {self.process.returncode}:\n{self.log()[-2000:]}")
+                tail = self.log()[-3000:]
+                self.stop()
+                raise WorkerStartError(
+                    f"{self.engine} worker exited with status {self.process.returncode} while starting:\n{tail}"
+                )
             try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=1) as resp:
-                    if resp.status == 200 and self._grpc_listening():
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
+                    if response.status == 200 and self._grpc_listening():
                         return
             except urllib.error.HTTPError:
                 if not ready:  # serving, but still loading (503)
                     return
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.05)
+            time.sleep(self.launch.ready_poll_s)
+        tail = self.log()[-3000:]
         self.stop()
-        raise SimWorkerError(f"sim-worker not healthy after {timeout:.0f}s:\n{self.log()[-2000:]}")
-
-    def restart(self, timeout: float = 30.0) -> None:
-        """Run the same command again, on the same ports, after the process exited; wait until healthy.
-
-        What a supervisor does for a crashed worker: its address (and so the router's and Envoy's
-        view of it) stays valid, and it starts empty, as a restarted SGLang worker does.
-        """
-        if self.alive():
-            return
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
-            )
-        self.wait_healthy(timeout)
+        raise WorkerStartError(f"{self.engine} worker not ready after {limit:.0f}s:\n{tail}")
 
     def _grpc_listening(self) -> bool:
-        """The gRPC port accepts connections (it opens just after HTTP); True without one."""
+        """The gRPC port accepts connections (the simulator opens it just after HTTP); True without one."""
         if self.grpc_port is None:
             return True
         try:
@@ -125,142 +204,46 @@ class SimWorkerProcess:
         except OSError:
             return False
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it does not exit within ``timeout``; idempotent."""
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
+    def _signal(self, sig: signal.Signals) -> None:
+        """``sig`` to the worker: its whole process group when it leads one (real SGLang's three processes)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.launch.own_group:
+                os.killpg(self.process.pid, sig)
+            elif self.alive():
+                self.process.send_signal(sig)
 
-    def __enter__(self) -> SimWorkerProcess:
+    def _terminate(self, timeout: float | None) -> None:
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(self.launch.stop_timeout_s if timeout is None else timeout)
+        self._signal(signal.SIGKILL)  # what outlived the grace (for a group: children SGLang left behind)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM, then SIGKILL what is left after ``timeout`` (default: the engine's grace); idempotent."""
+        self._terminate(timeout)
+        if not self.launch.keep_log:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+
+    def kill(self) -> None:
+        """A crash, not a goodbye: SIGKILL at once (the whole group for real SGLang); tests of restarts use it."""
+        self._signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Start the same command again on the same ports (stopping what is left of the old one) and wait
+        until it is ready: what a supervisor does for a crashed worker. Its addresses, and so the router's and
+        Envoy's view of it, stay valid; it starts empty, as a restarted SGLang worker does."""
+        self._terminate(None)
+        self.process = spawn(self.launch, self.log_path)
+        self.wait_ready(timeout)
+
+    def __enter__(self) -> WorkerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _flags(opts: dict[str, Any]) -> list[str]:
-    args: list[str] = []
-    for key, value in opts.items():
-        if value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
-    return args
-
-
-def _port_runs(host: str, ranks: int) -> tuple[int, int, int]:
-    """An HTTP port and the first of ``2 * ranks`` consecutive free ports (event ports, then replay ports)."""
-    if ranks == 1:
-        port, kv_port, replay_port = free_ports(3, host)
-        return port, kv_port, replay_port
-    import random
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        try:
-            with contextlib.ExitStack() as stack:
-                for candidate in range(base, base + 2 * ranks):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((host, candidate))
-        except OSError:
-            continue
-        port = free_ports(1, host)[0]
-        if not base <= port < base + 2 * ranks:
-            return port, base, base + ranks
-    raise SimWorkerError(f"no run of {2 * ranks} free ports on {host}")
-
-
-def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None, grpc: bool) -> SimWorkerProcess:
-    ranks = int(opts.get("dp_size", 1))
-    port, kv_port, replay_port = _port_runs(host, ranks)
-    taken = {port, *range(kv_port, kv_port + ranks), *range(replay_port, replay_port + ranks)}
-    grpc_port: int | None = None
-    while grpc and (grpc_port is None or grpc_port in taken):
-        grpc_port = free_ports(1, host)[0]
-    args = [
-        sys.executable,
-        "-m",
-        "extproc",
-        "sim-worker",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--kv-events-host",
-        host,
-        "--kv-events-port",
-        str(kv_port),
-        "--kv-replay-port",
-        str(replay_port),
-        *(["--grpc-port", str(grpc_port)] if grpc else []),
-        *_flags(opts),
-    ]
-    fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
-    full_env = {**os.environ, **(env or {})}
-    with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
-    return SimWorkerProcess(
-        host, port, kv_port, replay_port, process, Path(log_name), args, env=full_env, grpc_port=grpc_port
-    )
-
-
-def start_sim_workers(
-    count: int,
-    *,
-    host: str = "127.0.0.1",
-    startup_timeout: float = 30.0,
-    env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-    grpc: bool = False,
-    **opts: Any,
-) -> list[SimWorkerProcess]:
-    """Start ``count`` workers in parallel and wait until all answer ``/ready`` with 200
-    (``wait_ready=False``: until their HTTP port answers at all, e.g. with ``load_time``).
-    ``grpc=True`` also serves SGLang's gRPC scheduler API on a free port of each (``grpc_url``).
-
-    A worker that loses a port race (another process took a port between the check and the bind)
-    is started again on new ports, up to three times.
-    """
-    # ``profile="a,b"`` cycles the named timing profiles over the workers (a mixed fleet); workers with
-    # several DP ranks get the whole list and cycle it over their ranks.
-    ranked = int(opts.get("dp_size", 1)) > 1
-    profiles = str(opts["profile"]).split(",") if opts.get("profile") and not ranked else []
-    per_worker = [{**opts, "profile": profiles[i % len(profiles)].strip()} if profiles else opts for i in range(count)]
-    workers = [_spawn(host, per_worker[i], env, grpc) for i in range(count)]
-    try:
-        for i in range(count):
-            for attempt in range(3):
-                try:
-                    workers[i].wait_healthy(startup_timeout, ready=wait_ready)
-                    break
-                except SimWorkerError as exc:
-                    workers[i].stop()
-                    if attempt == 2 or "in use" not in str(exc).lower():
-                        raise
-                    workers[i] = _spawn(host, per_worker[i], env, grpc)
-    except BaseException:
-        for worker in workers:
-            worker.stop()
-        raise
-    return workers
-
-
-def start_sim_worker(
-    *,
-    host: str = "127.0.0.1",
-    startup_timeout: float = 30.0,
-    env: dict[str, str] | None = None,
-    wait_ready: bool = True,
-    grpc: bool = False,
-    **opts: Any,
-) -> SimWorkerProcess:
-    """Start one worker on free ports and wait until it is healthy (usable as a context manager)."""
-    return start_sim_workers(
-        1, host=host, startup_timeout=startup_timeout, env=env, wait_ready=wait_ready, grpc=grpc, **opts
-    )[0]

@@ -60,12 +60,15 @@ def sglang_cpu_workers() -> Iterator[list[Any]]:
     Skips, naming ``make sglang-cpu``, when the install is not there. Tests may restart a worker in
     place (``restart_cpu_worker``); the list always holds the running ones.
     """
-    from sglang_workers.sglang_cpu import missing_install_reason, start_cpu_workers
+    from prefix_router.fleet import start_fleet
+    from sglang_workers.real.installation import missing_install_reason
 
     reason = missing_install_reason()
     if reason is not None:
         pytest.skip(reason)
-    _CPU_WORKERS[:] = start_cpu_workers(2, max_total_tokens=CPU_POOL_TOKENS, extra=CPU_EXTRA_FLAGS, startup_timeout=400)
+    _CPU_WORKERS[:] = start_fleet(
+        "sglang-cpu", 2, capacity_tokens=CPU_POOL_TOKENS, extra_args=CPU_EXTRA_FLAGS, startup_timeout=400
+    )
     try:
         yield _CPU_WORKERS
     finally:

@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("extproc", "sglang_workers", "benchmarks")
+PACKAGES = ("extproc", "sglang_workers", "benchmarks", "prefix_router")
 
 
 def _module_name(path: Path) -> str:
@@ -88,7 +88,7 @@ def test_the_graph_sees_the_known_edges() -> None:
     graph = _graph()  # a sanity check of the reader itself, so the tests below cannot pass vacuously
     assert "extproc.sync.hub" in graph["extproc.router"]
     assert "extproc.policies" in graph["extproc.policies.session"]  # a function-level import
-    assert "extproc.addresses" in graph["sglang_workers.process"]
+    assert "extproc.addresses" in graph["sglang_workers.sim.launch"]
 
 
 def test_no_import_cycles() -> None:

@@ -1,6 +1,6 @@
 """The whole gateway on one machine, as child processes on loopback (``prefix-router up`` runs one).
 
-N simulated SGLang workers, N real SGLang CPU workers (``sglang_workers.sglang_cpu``, after ``make
+N simulated SGLang workers, N real SGLang CPU workers (``sglang_workers.real``, after ``make
 sglang-cpu``) or workers you name, the router (``prefix-router serve``) and Envoy (configured by
 ``extproc.gateway.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
@@ -210,12 +210,12 @@ class GatewayStack:
 
     @property
     def sim_processes(self) -> list[Any]:
-        """The simulated workers this stack started (``sglang_workers.process.SimWorkerProcess``)."""
+        """The simulated workers this stack started (``sglang_workers.process.WorkerProcess``)."""
         return list(self._sims)
 
     @property
     def sglang_cpu_processes(self) -> list[Any]:
-        """The real SGLang CPU workers this stack started (``sglang_workers.sglang_cpu.SGLangCpuWorker``)."""
+        """The real SGLang CPU workers this stack started (``sglang_workers.process.WorkerProcess``)."""
         return list(self._cpu_workers)
 
     @property
@@ -348,7 +348,7 @@ class GatewayStack:
                 async def start_worker(sim: Any = sim, timeout: float = timeout) -> None:
                     try:
                         await asyncio.to_thread(sim.restart, timeout)
-                    except Exception as exc:  # SimWorkerError: its message quotes the log
+                    except Exception as exc:  # WorkerStartError: its message quotes the log
                         raise StackError(str(exc)) from exc
 
                 dead.append((f"worker {sim.url}", sim.process.returncode, start_worker))
@@ -392,20 +392,20 @@ class GatewayStack:
     # -- parts ---------------------------------------------------------------------------------
 
     def _start_sim_workers(self) -> None:
-        from sglang_workers.process import start_sim_workers
+        from prefix_router.fleet import start_fleet
 
-        self._sims = start_sim_workers(
-            self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
+        self._sims = start_fleet(
+            "sim", self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
         )
         self.worker_urls.extend(sim.url for sim in self._sims)
 
     def _start_cpu_workers(self) -> None:
-        from sglang_workers.sglang_cpu import CpuWorkerError, start_cpu_workers
+        from prefix_router.fleet import WorkerStartError, start_fleet
 
         options = {"startup_timeout": max(self.startup_timeout_s, 300.0), **self.sglang_cpu_options}
         try:
-            self._cpu_workers = start_cpu_workers(self.sglang_cpu_workers, log_dir=self.log_dir, **options)
-        except CpuWorkerError as exc:
+            self._cpu_workers = start_fleet("sglang-cpu", self.sglang_cpu_workers, log_dir=self.log_dir, **options)
+        except WorkerStartError as exc:
             raise StackError(str(exc)) from None
         self.worker_urls.extend(w.url for w in self._cpu_workers)
 

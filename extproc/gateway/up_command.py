@@ -127,7 +127,7 @@ def worker_count(args: argparse.Namespace) -> int:
 
 def sglang_cpu_router_config(path: Path, model_dir: str) -> Path:
     """The router's view of the CPU workers' model: its tokenizer (the model's own) and vocabulary size."""
-    from sglang_workers.sglang_cpu import TINY_MODEL_NAME, TINY_MODEL_VOCAB
+    from sglang_workers.real.installation import TINY_MODEL_NAME, TINY_MODEL_VOCAB
 
     path.write_text(
         f"models:\n  - name: {TINY_MODEL_NAME}\n    tokenizer: {model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
@@ -149,7 +149,7 @@ async def _run_up(args: argparse.Namespace) -> int:
     config = args.config
     cpu_config: Path | None = None
     if args.engine == "sglang-cpu" and not args.worker and config is None:
-        from sglang_workers.sglang_cpu import find_install
+        from sglang_workers.real.installation import find_install
 
         install = find_install()
         assert install is not None  # main() checked
@@ -224,14 +224,14 @@ def main(args: argparse.Namespace) -> int:
         print("prefix-router up: --workers must be at least 1 (or give --worker URL)", file=sys.stderr)
         return 2
     elif args.engine == "sglang-cpu":
-        from sglang_workers.sglang_cpu import missing_install_reason
+        from sglang_workers.real.installation import missing_install_reason
 
         reason = missing_install_reason()
         if reason is not None:
             print(f"prefix-router up: {reason}", file=sys.stderr)
             return 1
     else:
-        from sglang_workers.timing import profile_list
+        from sglang_workers.sim.timing import profile_list
 
         try:
             args.sim_profile = ",".join(profile_list(args.sim_profile))

@@ -20,7 +20,8 @@ import aiohttp
 import pytest
 
 from benchmarks.contenders import Smg
-from sglang_workers.process import SimWorkerProcess, start_sim_worker
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("smg") is None, reason="smg is not installed (pip install smg)"
@@ -31,8 +32,8 @@ SYSTEM = " ".join(["You answer questions about the weather with care, and in pla
 
 
 @pytest.fixture
-def worker() -> Iterator[SimWorkerProcess]:
-    with start_sim_worker(grpc=True, profile="instant", page_size=16, model=MODEL) as w:
+def worker() -> Iterator[WorkerProcess]:
+    with start_fleet("sim", 1, grpc=True, profile="instant", page_size=16, model=MODEL)[0] as w:
         yield w
 
 
@@ -89,7 +90,7 @@ async def wait_metric(
     raise AssertionError(f"{name}{labels} stayed at {value} (wanted > {above})")
 
 
-async def test_smg_over_grpc_streams_tokens_feeds_its_event_index_and_hits_the_cache(worker: SimWorkerProcess) -> None:
+async def test_smg_over_grpc_streams_tokens_feeds_its_event_index_and_hits_the_cache(worker: WorkerProcess) -> None:
     smg = Smg("grpc", page_size=16)
     base = await smg.start([worker.grpc_url])
     try:
@@ -121,7 +122,7 @@ async def test_smg_over_grpc_streams_tokens_feeds_its_event_index_and_hits_the_c
 
 async def test_smg_over_grpc_starts_from_a_snapshot_of_a_warm_worker() -> None:
     """A worker whose history no longer reaches its first batch hands a new subscriber a snapshot."""
-    with start_sim_worker(grpc=True, profile="instant", page_size=16, model=MODEL, kv_buffer_steps=2) as warm:
+    with start_fleet("sim", 1, grpc=True, profile="instant", page_size=16, model=MODEL, kv_buffer_steps=2)[0] as warm:
         async with aiohttp.ClientSession() as session:
             for start in (100, 300, 500):  # three prompts of 2 whole pages, sent over HTTP before smg exists
                 body = {"input_ids": list(range(start, start + 40)), "sampling_params": {"max_new_tokens": 1}}
@@ -139,7 +140,7 @@ async def test_smg_over_grpc_starts_from_a_snapshot_of_a_warm_worker() -> None:
                 await smg.stop()
 
 
-async def test_smg_over_http_routes_chat_to_the_http_door(worker: SimWorkerProcess) -> None:
+async def test_smg_over_http_routes_chat_to_the_http_door(worker: WorkerProcess) -> None:
     smg = Smg("http")
     base = await smg.start([worker.url])
     try:

@@ -28,7 +28,7 @@ import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from benchmarks.replicas import ReplicaGateway
-from sglang_workers.process import start_sim_worker
+from prefix_router.fleet import start_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -114,7 +114,7 @@ def http_receiver() -> Iterator[tuple[str, Received]]:
 
 @pytest.fixture(scope="module")
 def sim_worker() -> Iterator[Any]:
-    with start_sim_worker(profile="instant", page_size=16, log_level="warning") as worker:
+    with start_fleet("sim", 1, profile="instant", page_size=16, log_level="warning")[0] as worker:
         yield worker
 
 

@@ -8,6 +8,7 @@ worker may, with a JSON 503, never a hang), and the supervisor brings the child 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -206,7 +207,8 @@ async def test_a_crash_loop_stops_the_supervisor_naming_the_child(envoy_bin: str
         sim_workers=1, sim_worker_options=options, router=False, log_dir=tmp_path / "logs"
     ) as stack:
         worker = stack.sim_processes[0]
-        worker.args = [*worker.args, "--profile", "no-such-profile"]  # every restart now exits at once
+        # every restart now exits at once
+        worker.launch = dataclasses.replace(worker.launch, argv=[*worker.launch.argv, "--profile", "no-such-profile"])
         worker.process.kill()
         said: list[str] = []
         with pytest.raises(CrashLoopError, match=f"worker {worker.url} exited 3 times"):

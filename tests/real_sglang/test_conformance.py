@@ -19,12 +19,12 @@ simulator leaves out on purpose.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from sglang_workers.process import SimWorkerProcess, start_sim_worker
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
 from tests.support.real_sglang import CPU_POOL_TOKENS
 from tests.support.sglang_session import Observation, Runner, Session, shape
 
@@ -79,10 +79,12 @@ ALLOWED = {
 
 
 @pytest.fixture(scope="module")
-def sessions(sglang_cpu_workers: list[Any]) -> Iterator[tuple[Session, Session]]:
+def sessions(sglang_cpu_workers: list[Any]) -> tuple[Session, Session]:
     real_worker = sglang_cpu_workers[0]
     real = Runner(real_worker.url, real_worker.kv_events_endpoint, real_worker.replay_endpoint, MODEL).run()
-    with start_sim_worker(
+    with start_fleet(
+        "sim",
+        1,
         page_size=16,
         capacity_tokens=CPU_POOL_TOKENS,
         context_length=4096,
@@ -90,12 +92,12 @@ def sessions(sglang_cpu_workers: list[Any]) -> Iterator[tuple[Session, Session]]
         chunked_prefill_size=4096,
         model=MODEL,
         speedup=20,
-    ) as sim_worker:
+    )[0] as sim_worker:
         sim = _run(sim_worker)
     return real, sim
 
 
-def _run(worker: SimWorkerProcess) -> Session:
+def _run(worker: WorkerProcess) -> Session:
     return Runner(worker.url, worker.kv_events_endpoint, worker.replay_endpoint, MODEL).run()
 
 

@@ -35,7 +35,7 @@ PAGE = 16
 def stack(
     sglang_cpu_workers: list[Any], envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayStack]:
-    from sglang_workers.sglang_cpu import TINY_MODEL_VOCAB, find_install
+    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install
 
     install = find_install()
     assert install is not None

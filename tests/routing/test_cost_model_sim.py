@@ -22,8 +22,9 @@ from extproc.policies.prefix_aware import PrefixAwarePolicy
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
-from sglang_workers.process import SimWorkerProcess, start_sim_workers
-from sglang_workers.timing import get_profile
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
+from sglang_workers.sim.timing import get_profile
 
 SPEEDUP = 4.0
 pytestmark = pytest.mark.timeout(120)
@@ -37,9 +38,9 @@ def _words(rng: random.Random, n: int) -> str:
     params=[("llama-3.1-70b-tp4-h200", "llama-3.1-8b-h100"), ("llama-3.1-8b-h100", "llama-3.1-8b-a100")],
     ids=["70b-h200+8b-h100", "8b-h100+8b-a100"],
 )
-def fleet(request: pytest.FixtureRequest) -> Iterator[list[tuple[SimWorkerProcess, str]]]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[list[tuple[WorkerProcess, str]]]:
     profiles = list(request.param)
-    workers = start_sim_workers(2, page_size=16, profile=",".join(profiles), speedup=SPEEDUP, capacity_tokens=200_000)
+    workers = start_fleet("sim", 2, page_size=16, profile=",".join(profiles), speedup=SPEEDUP, capacity_tokens=200_000)
     try:
         yield list(zip(workers, profiles))
     finally:
@@ -53,7 +54,7 @@ async def _send(worker: Worker, parsed: ParsedRequest) -> None:
         assert resp.status == 200, await resp.text()
 
 
-async def test_each_worker_learns_its_own_gpus_constants(fleet: list[tuple[SimWorkerProcess, str]]) -> None:
+async def test_each_worker_learns_its_own_gpus_constants(fleet: list[tuple[WorkerProcess, str]]) -> None:
     config = RouterConfig(workers=[WorkerConfig(url=w.url) for w, _ in fleet], load={"poll_interval_s": 0.2})
     router = Router(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
     policy = router.policy

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import string
-import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -24,7 +23,8 @@ from extproc.config import RouterConfig, WorkerConfig
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
-from sglang_workers.process import SimWorkerProcess, start_sim_workers
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
 
 PAGE = 16
 pytestmark = pytest.mark.timeout(60)
@@ -44,8 +44,8 @@ def _chat(system: str, question: str) -> ParsedRequest:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[list[SimWorkerProcess]]:
-    workers = start_sim_workers(3, page_size=PAGE, profile="llama-3.1-8b-h100")
+def fleet() -> Iterator[list[WorkerProcess]]:
+    workers = start_fleet("sim", 3, page_size=PAGE, profile="llama-3.1-8b-h100")
     try:
         yield workers
     finally:
@@ -59,7 +59,7 @@ def _router(configs: list[WorkerConfig], **load: Any) -> Router:
 
 
 @pytest.fixture
-async def router(fleet: list[SimWorkerProcess]) -> AsyncIterator[Router]:
+async def router(fleet: list[WorkerProcess]) -> AsyncIterator[Router]:
     r = _router([WorkerConfig(url=w.url) for w in fleet])
     await r.start()
     try:
@@ -159,7 +159,7 @@ class _NoLoad:
 
 async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
     rng = random.Random(4)
-    (small,) = start_sim_workers(1, page_size=PAGE, profile="instant", capacity_tokens=1024)
+    (small,) = start_fleet("sim", 1, page_size=PAGE, profile="instant", capacity_tokens=1024)
     r = _router([WorkerConfig(url=small.url)])
     try:
         await r.start()
@@ -202,19 +202,19 @@ async def _relay(source: str, ctx: zmq.asyncio.Context, drop: Callable[[int], bo
 
 
 @pytest.fixture(params=["tagged-3frame", "positional-2frame"])
-def replay_target(request: pytest.FixtureRequest, fleet: list[SimWorkerProcess]) -> Iterator[SimWorkerProcess]:
+def replay_target(request: pytest.FixtureRequest, fleet: list[WorkerProcess]) -> Iterator[WorkerProcess]:
     """Both payload encodings and both replay reply shapes SGLang has shipped."""
     if request.param == "tagged-3frame":
         yield fleet[0]
         return
-    (old,) = start_sim_workers(1, page_size=PAGE, profile="instant", event_format="positional", replay_format=2)
+    (old,) = start_fleet("sim", 1, page_size=PAGE, profile="instant", event_format="positional", replay_format=2)
     try:
         yield old
     finally:
         old.stop()
 
 
-async def test_dropped_batch_is_repaired_by_replay(replay_target: SimWorkerProcess) -> None:
+async def test_dropped_batch_is_repaired_by_replay(replay_target: WorkerProcess) -> None:
     rng = random.Random(5)
     target = replay_target
     ctx = zmq.asyncio.Context()
@@ -253,9 +253,8 @@ async def test_dropped_batch_is_repaired_by_replay(replay_target: SimWorkerProce
 
 async def test_restarted_worker_is_reset() -> None:
     rng = random.Random(6)
-    (proc,) = start_sim_workers(1, page_size=PAGE, profile="instant")
+    (proc,) = start_fleet("sim", 1, page_size=PAGE, profile="instant")
     r = _router([WorkerConfig(url=proc.url)])
-    replacement: SimWorkerProcess | None = None
     try:
         await r.start()
         (worker,) = r.registry.workers
@@ -263,11 +262,7 @@ async def test_restarted_worker_is_reset() -> None:
         before, _ = await _route_and_send(r, _chat(_words(rng, 200), "before"))
         await _until(lambda: _confirmed(r, worker, before.request.block_keys), what="stored events")
         proc.stop()
-        process = subprocess.Popen(proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: ASYNC220
-        replacement = SimWorkerProcess(
-            proc.host, proc.port, proc.kv_events_port, proc.replay_port, process, proc.log_path, proc.args
-        )
-        replacement.wait_healthy(20)
+        proc.restart(20)  # the same command on the same ports: an empty worker where the old one was
         view = r.events.views[worker.id][0]
         await _until(lambda: view.stats.restarts >= 1 and r.events.state(worker) == "synced", what="resync")
         assert r.index.size(worker.id) == 0
@@ -275,5 +270,3 @@ async def test_restarted_worker_is_reset() -> None:
     finally:
         await r.stop()
         proc.stop()
-        if replacement is not None:
-            replacement.stop()

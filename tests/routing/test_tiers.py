@@ -72,7 +72,7 @@ def test_match_tiers_follows_gpu_then_host_then_the_shared_group() -> None:
 
 
 def test_host_stores_of_a_storage_group_member_feed_the_shared_tier() -> None:
-    from sglang_workers.kv_events import BlockStored, encode_payload, hash_to_int64, page_digest
+    from sglang_workers.sim.kv_events import BlockStored, encode_payload, hash_to_int64, page_digest
 
     index = BlockIndex()
     groups = {"w0": "file:/shared:m:tp1", "w1": None}

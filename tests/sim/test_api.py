@@ -10,19 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from sglang_workers.process import SimWorkerProcess, start_sim_worker
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
 from tests.support.sim_fixtures import get_json, http, post_json, sse_events
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[SimWorkerProcess]:
-    with start_sim_worker(profile="instant", page_size=PAGE, context_length=4096, seed=7, model="sim-llama") as w:
+def worker() -> Iterator[WorkerProcess]:
+    with start_fleet("sim", 1, profile="instant", page_size=PAGE, context_length=4096, seed=7, model="sim-llama")[
+        0
+    ] as w:
         yield w
 
 
-def test_generate_with_input_ids_reports_cached_prefix_rounded_to_pages(worker: SimWorkerProcess) -> None:
+def test_generate_with_input_ids_reports_cached_prefix_rounded_to_pages(worker: WorkerProcess) -> None:
     shared = list(range(100, 143))  # 43 tokens: 10 whole pages + 3
     status, first = post_json(
         worker, "/generate", {"input_ids": shared + [1, 2], "sampling_params": {"max_new_tokens": 3}}
@@ -45,7 +48,7 @@ def test_generate_with_input_ids_reports_cached_prefix_rounded_to_pages(worker: 
     assert again["output_ids"] == second["output_ids"]  # deterministic for a given seed and prompt
 
 
-def test_generate_text_and_stream(worker: SimWorkerProcess) -> None:
+def test_generate_text_and_stream(worker: WorkerProcess) -> None:
     status, body = http(
         "POST",
         worker.url + "/generate",
@@ -60,7 +63,7 @@ def test_generate_text_and_stream(worker: SimWorkerProcess) -> None:
     assert all(p["meta_info"]["finish_reason"] is None for p in parsed[:-1])
 
 
-def test_chat_completion_and_usage(worker: SimWorkerProcess) -> None:
+def test_chat_completion_and_usage(worker: WorkerProcess) -> None:
     messages = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hi"}]
     status, body = post_json(
         worker, "/v1/chat/completions", {"model": "sim-llama", "messages": messages, "max_tokens": 5}
@@ -78,7 +81,7 @@ def test_chat_completion_and_usage(worker: SimWorkerProcess) -> None:
     assert cached > 40 and cached % PAGE == 0
 
 
-def test_chat_stream_ends_with_done_and_usage(worker: SimWorkerProcess) -> None:
+def test_chat_stream_ends_with_done_and_usage(worker: WorkerProcess) -> None:
     status, raw = http(
         "POST",
         worker.url + "/v1/chat/completions",
@@ -100,7 +103,7 @@ def test_chat_stream_ends_with_done_and_usage(worker: SimWorkerProcess) -> None:
     assert parsed[5]["choices"] == [] and parsed[5]["usage"]["completion_tokens"] == 3
 
 
-def test_completions_prompt_forms(worker: SimWorkerProcess) -> None:
+def test_completions_prompt_forms(worker: WorkerProcess) -> None:
     status, body = post_json(worker, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2})
     assert status == 200 and body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 2
     status, body = post_json(worker, "/v1/completions", {"prompt": [5, 6, 7, 8, 9], "max_tokens": 2})
@@ -110,7 +113,7 @@ def test_completions_prompt_forms(worker: SimWorkerProcess) -> None:
     assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length"
 
 
-def test_info_endpoints(worker: SimWorkerProcess) -> None:
+def test_info_endpoints(worker: WorkerProcess) -> None:
     status, models = get_json(worker, "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "sim-llama"
     for path in ("/server_info", "/get_server_info"):
@@ -132,7 +135,7 @@ def test_info_endpoints(worker: SimWorkerProcess) -> None:
     assert http("GET", worker.url + "/ready")[0] == 200  # /health and /health_generate: the next test
 
 
-def test_health_takes_a_second_like_sglang_and_ready_is_a_flag(worker: SimWorkerProcess) -> None:
+def test_health_takes_a_second_like_sglang_and_ready_is_a_flag(worker: WorkerProcess) -> None:
     """SGLang's /health runs a generation and looks for its answer after 1 s; /ready answers at once."""
 
     def timed(path: str) -> tuple[int, float]:
@@ -194,7 +197,7 @@ LOADS_SECTIONS = {
 RECORDED_LOADS = Path(__file__).resolve().parents[2].parent / "shared" / "sglang-http" / "v1_loads.json"
 
 
-def test_loads_have_every_key_of_sglang_0_5_23(worker: SimWorkerProcess) -> None:
+def test_loads_have_every_key_of_sglang_0_5_23(worker: WorkerProcess) -> None:
     post_json(worker, "/generate", {"input_ids": list(range(1, 30)), "sampling_params": {"max_new_tokens": 2}})
     status, loads = get_json(worker, "/v1/loads")
     assert status == 200
@@ -224,7 +227,7 @@ def test_loads_have_every_key_of_sglang_0_5_23(worker: SimWorkerProcess) -> None
     assert http("GET", worker.url + "/get_load")[0] == 404  # gone in 0.5.23
 
 
-def test_metrics_names(worker: SimWorkerProcess) -> None:
+def test_metrics_names(worker: WorkerProcess) -> None:
     post_json(worker, "/generate", {"input_ids": list(range(1, 30)), "sampling_params": {"max_new_tokens": 2}})
     status, raw = http("GET", worker.url + "/metrics")
     assert status == 200
@@ -286,7 +289,7 @@ SHAPES = {
     ],
 )
 def test_errors_have_sglangs_shapes(
-    worker: SimWorkerProcess, method: str, path: str, raw: bytes | None, status: int, kind: str, fragment: str
+    worker: WorkerProcess, method: str, path: str, raw: bytes | None, status: int, kind: str, fragment: str
 ) -> None:
     got, body = http(method, worker.url + path, raw=raw)
     assert got == status
@@ -296,7 +299,7 @@ def test_errors_have_sglangs_shapes(
 
 
 def test_not_ready_answers_503() -> None:
-    with start_sim_worker(profile="instant", load_time=30, wait_ready=False) as w:
+    with start_fleet("sim", 1, profile="instant", load_time=30, wait_ready=False)[0] as w:
         for path in ("/health", "/health_generate", "/ready"):
             assert http("GET", w.url + path)[0] == 503
         status, body = http("POST", w.url + "/generate", {"input_ids": [1, 2, 3]})
@@ -306,7 +309,7 @@ def test_not_ready_answers_503() -> None:
 
 def test_latency_follows_the_timing_profile_over_http() -> None:
     """8B on H100 at real speed: a 4096-token prefill (~118 ms) then 10 decode steps (~7 ms each)."""
-    with start_sim_worker(profile="llama-3.1-8b-h100", page_size=16) as w:
+    with start_fleet("sim", 1, profile="llama-3.1-8b-h100", page_size=16)[0] as w:
         status, body = post_json(
             w, "/generate", {"input_ids": list(range(10, 4106)), "sampling_params": {"max_new_tokens": 11}}
         )

@@ -8,33 +8,34 @@ import msgpack
 import pytest
 import zmq
 
-from sglang_workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_payload
-from sglang_workers.process import SimWorkerProcess, start_sim_worker, start_sim_workers
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
+from sglang_workers.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, decode_payload
 from tests.support.sim_fixtures import EventSubscriber, post_json, sha256_chain
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[list[SimWorkerProcess]]:
+def workers() -> Iterator[list[WorkerProcess]]:
     # [0] default worker, [1] tiny KV pool (64 tokens) for eviction, [2] positional events + 2-frame replay.
-    ws = start_sim_workers(1, profile="instant", page_size=PAGE)
-    ws += start_sim_workers(1, profile="instant", page_size=PAGE, capacity_tokens=64)
-    ws += start_sim_workers(1, profile="instant", page_size=PAGE, event_format="positional", replay_format=2)
+    ws = start_fleet("sim", 1, profile="instant", page_size=PAGE)
+    ws += start_fleet("sim", 1, profile="instant", page_size=PAGE, capacity_tokens=64)
+    ws += start_fleet("sim", 1, profile="instant", page_size=PAGE, event_format="positional", replay_format=2)
     yield ws
     for w in ws:
         w.stop()
 
 
 @pytest.fixture
-def sub(request: pytest.FixtureRequest, workers: list[SimWorkerProcess]) -> Iterator[EventSubscriber]:
+def sub(request: pytest.FixtureRequest, workers: list[WorkerProcess]) -> Iterator[EventSubscriber]:
     s = EventSubscriber(workers[getattr(request, "param", 0)])
     s.sync()
     yield s
     s.close()
 
 
-def _generate(worker: SimWorkerProcess, ids: list[int], n: int, **extra: object) -> dict:
+def _generate(worker: WorkerProcess, ids: list[int], n: int, **extra: object) -> dict:
     status, body = post_json(worker, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n}, **extra})
     assert status == 200, body
     return body
@@ -44,7 +45,7 @@ def _events(batches: list[tuple[int, list[KVEvent], bytes]]) -> list[KVEvent]:
     return [e for _, events, _ in batches for e in events]
 
 
-def test_stored_hashes_equal_an_independent_sha256_chain(workers: list[SimWorkerProcess], sub: EventSubscriber) -> None:
+def test_stored_hashes_equal_an_independent_sha256_chain(workers: list[WorkerProcess], sub: EventSubscriber) -> None:
     prompt = list(range(500, 518))  # 18 tokens: 4 whole pages after prefill
     body = _generate(workers[0], prompt, 3)
     stored = [e for e in _events(sub.drain()) if isinstance(e, BlockStored)]
@@ -57,7 +58,7 @@ def test_stored_hashes_equal_an_independent_sha256_chain(workers: list[SimWorker
     assert all(e.block_size == PAGE and e.medium == "GPU" for e in stored)
 
 
-def test_cache_salt_namespaces_hashes(workers: list[SimWorkerProcess], sub: EventSubscriber) -> None:
+def test_cache_salt_namespaces_hashes(workers: list[WorkerProcess], sub: EventSubscriber) -> None:
     prompt = list(range(700, 709))
     _generate(workers[0], prompt, 1, cache_salt="tenant-A")
     (stored,) = [e for e in _events(sub.drain()) if isinstance(e, BlockStored)]
@@ -68,7 +69,7 @@ def test_cache_salt_namespaces_hashes(workers: list[SimWorkerProcess], sub: Even
 
 
 @pytest.mark.parametrize("sub", [1], indirect=True)
-def test_eviction_removes_exactly_the_lru_pages(workers: list[SimWorkerProcess], sub: EventSubscriber) -> None:
+def test_eviction_removes_exactly_the_lru_pages(workers: list[WorkerProcess], sub: EventSubscriber) -> None:
     small = workers[1]  # 64-token pool
     a, b, c = list(range(1000, 1017)), list(range(2000, 2017)), list(range(3000, 3041))
     _generate(small, a, 1)  # caches 16 tokens (4 pages)
@@ -84,7 +85,7 @@ def test_eviction_removes_exactly_the_lru_pages(workers: list[SimWorkerProcess],
     assert _generate(small, a, 1)["meta_info"]["cached_tokens"] == 16
 
 
-def test_replay_returns_missed_batches(workers: list[SimWorkerProcess], sub: EventSubscriber) -> None:
+def test_replay_returns_missed_batches(workers: list[WorkerProcess], sub: EventSubscriber) -> None:
     worker = workers[0]
     for i in range(3):
         _generate(worker, list(range(4000 + 100 * i, 4010 + 100 * i)), 2)
@@ -115,7 +116,7 @@ def test_replay_returns_missed_batches(workers: list[SimWorkerProcess], sub: Eve
 
 
 @pytest.mark.parametrize("sub", [2], indirect=True)
-def test_positional_encoding_and_two_frame_replay(workers: list[SimWorkerProcess], sub: EventSubscriber) -> None:
+def test_positional_encoding_and_two_frame_replay(workers: list[WorkerProcess], sub: EventSubscriber) -> None:
     worker = workers[2]
     prompt = list(range(60, 69))
     _generate(worker, prompt, 1)
@@ -139,7 +140,7 @@ def test_positional_encoding_and_two_frame_replay(workers: list[SimWorkerProcess
 
 
 def test_fresh_process_starts_at_seq_zero_with_all_blocks_cleared() -> None:
-    with start_sim_worker(profile="instant", page_size=PAGE) as worker:
+    with start_fleet("sim", 1, profile="instant", page_size=PAGE)[0] as worker:
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)

@@ -25,11 +25,12 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 
 from extproc.addresses import free_ports
 from extproc.tokenization import DEFAULT_TOKENIZER_DIR, load_tokenizer
-from sglang_workers.config import SimWorkerConfig
-from sglang_workers.grpc_events import KvEventRelay, StreamError
-from sglang_workers.grpc_server import SchedulerGrpcServer
-from sglang_workers.kv_events import BlockStored, KVEventPublisher
-from sglang_workers.server import SimWorker
+from sglang_workers.sim.config import SimWorkerConfig
+from sglang_workers.sim.grpc_events import KvEventRelay, StreamError
+from sglang_workers.sim.grpc_server import SchedulerGrpcServer
+from sglang_workers.sim.http_api import HttpServer
+from sglang_workers.sim.kv_events import BlockStored, KVEventPublisher
+from sglang_workers.sim.worker import SimWorker
 from tests.support.sim_fixtures import sha256_chain
 
 PAGE = 4
@@ -77,6 +78,8 @@ async def serving(grpc_port: int | None = None, **overrides: Any) -> AsyncIterat
     )
     worker = SimWorker(config)
     await worker.start()
+    http = HttpServer(worker)
+    await http.start("127.0.0.1", http_port)
     server = SchedulerGrpcServer(worker)
     await server.start("127.0.0.1", port)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -85,6 +88,7 @@ async def serving(grpc_port: int | None = None, **overrides: Any) -> AsyncIterat
     finally:
         await channel.close()
         await server.stop(0)
+        await http.stop()
         await worker.stop()
 
 
@@ -433,9 +437,9 @@ async def test_a_subscriber_that_falls_behind_gets_data_loss() -> None:
 
 def test_sim_worker_cli_serves_grpc() -> None:
     """``prefix-router sim-worker --grpc-port`` as a process (both doors, the ready line names both)."""
-    from sglang_workers.process import start_sim_worker
+    from prefix_router.fleet import start_fleet
 
-    with start_sim_worker(grpc=True, profile="instant") as worker:
+    with start_fleet("sim", 1, grpc=True, profile="instant")[0] as worker:
         assert worker.grpc_url.startswith("grpc://127.0.0.1:")
         with grpc.insecure_channel(worker.grpc_url.removeprefix("grpc://")) as channel:
             stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)

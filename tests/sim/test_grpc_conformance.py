@@ -31,7 +31,8 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from extproc.addresses import free_port, free_ports
-from sglang_workers.process import SimWorkerProcess, start_sim_worker
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import Launch, WorkerProcess, spawn
 from tests.support.sim_fixtures import sha256_chain
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]  # a real worker starts in ~1 min
@@ -85,10 +86,11 @@ class RealGrpcWorker:
             # prompt crashes the scheduler (IndexError in the embedding). One plain warm-up request stays.
             "SMG_SGLANG_SERVICER_WARMUP": "off",
         }
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
+        # Spawned as the fleet spawns workers (own process group, dies with this process even if it is killed);
+        # readiness is gRPC's HealthCheck here, not the handle's HTTP /ready.
+        launch = Launch("sglang-cpu", argv, env, own_group=True, startup_timeout_s=300.0, stop_timeout_s=30.0,
+                        ready_poll_s=1.0, keep_log=False)  # fmt: skip
+        self.proc = spawn(launch, self.log)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(self.channel)
 
@@ -120,7 +122,7 @@ class RealGrpcWorker:
 class Sim:
     """The simulator with the same page size and pool, over its gRPC door."""
 
-    def __init__(self, process: SimWorkerProcess) -> None:
+    def __init__(self, process: WorkerProcess) -> None:
         self.process = process
         self.channel = grpc.insecure_channel(process.grpc_url.removeprefix("grpc://"))
         self.stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(self.channel)
@@ -133,9 +135,9 @@ def servers() -> Iterator[dict[str, Any]]:
         pytest.skip(reason)
     real = RealGrpcWorker()
     try:
-        with start_sim_worker(
-            grpc=True, profile="instant", page_size=PAGE, capacity_tokens=CAPACITY, context_length=CONTEXT
-        ) as process:
+        with start_fleet(
+            "sim", 1, grpc=True, profile="instant", page_size=PAGE, capacity_tokens=CAPACITY, context_length=CONTEXT
+        )[0] as process:
             real.wait_healthy()
             sim = Sim(process)
             try:

@@ -1,7 +1,7 @@
 """HiCache in the simulator: the tier states, events and accounting of SGLang 0.5.23's UnifiedRadixCache.
 
 The tree is driven directly (no sockets), so each test pins one rule of
-``sglang/srt/mem_cache/unified_cache/unified_tree_core.py`` (see ``sglang_workers/hiradix_cache.py``):
+``sglang/srt/mem_cache/unified_cache/unified_tree_core.py`` (see ``sglang_workers/sim/hiradix_cache.py``):
 which events a transition publishes, in which order and with which medium, and what it does to the
 GPU and host sizes. The scheduler tests run the real loop in-process with a huge speedup.
 """
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from sglang_workers.config import SimWorkerConfig
-from sglang_workers.hiradix_cache import HiRadixCache, host_pool_tokens
-from sglang_workers.kv_events import AllBlocksCleared, BlockStored, KVEvent
-from sglang_workers.scheduler import Request, Scheduler
-from sglang_workers.timing import TimingProfile
+from sglang_workers.sim.config import SimWorkerConfig
+from sglang_workers.sim.hiradix_cache import HiRadixCache, host_pool_tokens
+from sglang_workers.sim.kv_events import AllBlocksCleared, BlockStored, KVEvent
+from sglang_workers.sim.request import Request
+from sglang_workers.sim.scheduler import Scheduler
+from sglang_workers.sim.timing import TimingProfile
 
 PAGE = 4
 GPU, HOST = "GPU", "CPU_PINNED"

@@ -110,7 +110,7 @@ def test_cpu_launch_without_the_install_names_make_sglang_cpu(tmp_path: Path) ->
 
 
 def test_install_errors_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_workers import sglang_cpu_install as installer
+    from sglang_workers.real import install as installer
 
     monkeypatch.setenv("CC", "")
     monkeypatch.setattr(installer.shutil, "which", lambda name: None)
@@ -125,7 +125,7 @@ def test_install_errors_say_what_to_do(tmp_path: Path, monkeypatch: pytest.Monke
 
 def _fake_install(root: Path) -> Path:
     """An install's layout with a current stamp (what find_install checks), without the 11 GB."""
-    from sglang_workers.sglang_cpu import SGLANG_CPU_VERSION, CpuInstall, model_digest, stub_digest
+    from sglang_workers.real.installation import SGLANG_CPU_VERSION, CpuInstall, model_digest, stub_digest
 
     install = CpuInstall(root)
     install.python.parent.mkdir(parents=True)

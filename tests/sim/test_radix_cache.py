@@ -7,7 +7,7 @@ import json
 import msgpack
 import pytest
 
-from sglang_workers.kv_events import (
+from sglang_workers.sim.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -15,7 +15,7 @@ from sglang_workers.kv_events import (
     decode_payload,
     encode_payload,
 )
-from sglang_workers.radix_cache import RadixCache
+from sglang_workers.sim.radix_cache import RadixCache
 from tests.support.sim_fixtures import GOLDEN_DIR, sha256_chain
 
 

@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from sglang_workers.config import SimWorkerConfig
-from sglang_workers.radix_cache import RadixCache
-from sglang_workers.scheduler import Request, Scheduler
-from sglang_workers.timing import PROFILES, TimingProfile, get_profile
+from sglang_workers.sim.config import SimWorkerConfig
+from sglang_workers.sim.radix_cache import RadixCache
+from sglang_workers.sim.request import Request
+from sglang_workers.sim.scheduler import Scheduler
+from sglang_workers.sim.timing import PROFILES, TimingProfile, get_profile
 
 PROFILE = TimingProfile(
     "test", "round numbers", c0=0.01, a=1e-5, b=1e-9, d0=0.005, d1=1e-4, d2=1e-8, kv_pool_tokens=100_000

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from extproc.addresses import free_ports
-from sglang_workers.process import start_sim_worker
+from prefix_router.fleet import start_fleet
 from tests.support.sim_fixtures import http
 
 pytestmark = pytest.mark.skipif(
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_sgl_router_registers_and_routes_to_the_sim_worker() -> None:
-    with start_sim_worker(profile="instant", page_size=16, model="sim-llama") as worker:
+    with start_fleet("sim", 1, profile="instant", page_size=16, model="sim-llama")[0] as worker:
         (port,) = free_ports(1)
         router_url = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryFile() as log:

@@ -20,7 +20,7 @@ def sglang_launch_argv() -> list[str]:
     import argparse
 
     launch = pytest.importorskip(
-        "sglang_workers.sglang_launch_command", reason="sglang_workers.sglang_launch_command not available"
+        "sglang_workers.real.launch_command", reason="sglang_workers.real.launch_command not available"
     )
     parser = argparse.ArgumentParser()
     launch.configure(parser)

@@ -12,18 +12,7 @@ CPU_EXTRA_FLAGS = ("--context-length", "4096", "--max-running-requests", "1024")
 
 def restart_cpu_worker(workers: list[Any], index: int, crash: bool = True) -> Any:
     """Kill (SIGKILL, a crash) or stop worker ``index`` and start it again on the same ports."""
-    from sglang_workers.sglang_cpu import find_install, spawn_cpu_worker
-
-    old = workers[index]
-    old.kill() if crash else old.stop()
-    install = find_install()
-    assert install is not None
-    new = spawn_cpu_worker(
-        install,
-        max_total_tokens=CPU_POOL_TOKENS,
-        extra=CPU_EXTRA_FLAGS,
-        ports=(old.port, old.kv_events_port, old.replay_port),
-    )
-    workers[index] = new
-    new.wait_ready(400)
-    return new
+    worker = workers[index]
+    worker.kill() if crash else worker.stop()
+    worker.restart(400)
+    return worker

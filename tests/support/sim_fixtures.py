@@ -12,8 +12,8 @@ from typing import Any
 
 import zmq
 
-from sglang_workers.kv_events import KVEvent, decode_payload
-from sglang_workers.process import SimWorkerProcess
+from sglang_workers.process import WorkerProcess
+from sglang_workers.sim.kv_events import KVEvent, decode_payload
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "sglang-events"
 
@@ -28,12 +28,12 @@ def http(method: str, url: str, body: Any = None, raw: bytes | None = None, time
         return exc.code, exc.read()
 
 
-def post_json(worker: SimWorkerProcess, path: str, body: Any) -> tuple[int, Any]:
+def post_json(worker: WorkerProcess, path: str, body: Any) -> tuple[int, Any]:
     status, data = http("POST", worker.url + path, body)
     return status, json.loads(data) if data and not data.startswith(b"data:") else data
 
 
-def get_json(worker: SimWorkerProcess, path: str) -> tuple[int, Any]:
+def get_json(worker: WorkerProcess, path: str) -> tuple[int, Any]:
     status, data = http("GET", worker.url + path)
     return status, json.loads(data)
 
@@ -58,7 +58,7 @@ def sha256_chain(tokens: list[int], page_size: int, salt: str | None = None) -> 
 class EventSubscriber:
     """A real ZMQ SUB socket on a worker's publisher, synchronised past the slow-joiner window."""
 
-    def __init__(self, worker: SimWorkerProcess, topic: bytes = b"") -> None:
+    def __init__(self, worker: WorkerProcess, topic: bytes = b"") -> None:
         self.worker = worker
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)

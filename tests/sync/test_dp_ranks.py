@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from extproc.gateway.stack import GatewayStack
-from sglang_workers.process import start_sim_worker
-from sglang_workers.sglang_launch_command import DP_ENV
+from prefix_router.fleet import start_fleet
+from sglang_workers.real.launch_command import DP_ENV
 from tests.support.gateway_http import post, request
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,7 +64,7 @@ def stack(envoy_bin: str) -> Iterator[GatewayStack]:
 
 
 def test_the_worker_has_two_ranks_as_sglang_does() -> None:
-    with start_sim_worker(profile="instant", dp_size=2) as worker:
+    with start_fleet("sim", 1, profile="instant", dp_size=2)[0] as worker:
         with urllib.request.urlopen(worker.url + "/server_info", timeout=5) as r:
             info = json.load(r)
         assert info["dp_size"] == 2 and info["kv_events"]["dp_size"] == 2
@@ -84,7 +84,7 @@ def test_the_worker_has_two_ranks_as_sglang_does() -> None:
 def test_a_profile_list_is_cycled_over_the_ranks() -> None:
     """One worker, mixed GPUs: ``--profile a,b`` gives rank 0 the first profile and rank 1 the second."""
     with (
-        start_sim_worker(profile="llama-3.1-70b-tp4-h200,llama-3.1-8b-h100", dp_size=2) as worker,
+        start_fleet("sim", 1, profile="llama-3.1-70b-tp4-h200,llama-3.1-8b-h100", dp_size=2)[0] as worker,
         urllib.request.urlopen(worker.url + "/v1/loads", timeout=5) as r,
     ):
         loads = json.load(r)["loads"]

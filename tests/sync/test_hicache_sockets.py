@@ -22,8 +22,9 @@ from extproc.config import RouterConfig, WorkerConfig
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
-from sglang_workers.kv_events import BlockRemoved, BlockStored, KVEvent
-from sglang_workers.process import SimWorkerProcess, start_sim_workers
+from prefix_router.fleet import start_fleet
+from sglang_workers.process import WorkerProcess
+from sglang_workers.sim.kv_events import BlockRemoved, BlockStored, KVEvent
 from tests.support.sim_fixtures import EventSubscriber, sha256_chain
 
 PAGE = 16
@@ -55,7 +56,7 @@ def tier_events(batches: list[tuple[int, list[KVEvent], bytes]]) -> list[tuple[s
     return out
 
 
-def router_for(workers: list[SimWorkerProcess]) -> Router:
+def router_for(workers: list[WorkerProcess]) -> Router:
     config = RouterConfig(
         workers=[WorkerConfig(url=w.url) for w in workers],
         load={"poll_interval_s": 0.1, "tier_poll_interval_s": 0.1},
@@ -78,8 +79,8 @@ B = list(range(3000, 3000 + 161))
 
 async def test_host_tier_events_on_the_wire_and_in_the_router_index() -> None:
     # GPU pool of 256 tokens: A and B (160 cacheable tokens each) cannot both stay on the GPU.
-    (worker,) = start_sim_workers(
-        1, page_size=PAGE, profile="instant", capacity_tokens=256, enable_hierarchical_cache=True
+    (worker,) = start_fleet(
+        "sim", 1, page_size=PAGE, profile="instant", capacity_tokens=256, enable_hierarchical_cache=True
     )
     sub = EventSubscriber(worker)
     router = router_for([worker])
@@ -133,7 +134,8 @@ async def test_host_tier_events_on_the_wire_and_in_the_router_index() -> None:
 
 async def test_file_storage_is_shared_between_two_workers(tmp_path: Path) -> None:
     storage = tmp_path / "hicache"
-    workers = start_sim_workers(
+    workers = start_fleet(
+        "sim",
         2,
         page_size=PAGE,
         profile="instant",

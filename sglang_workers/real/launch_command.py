@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .sglang_flags import kv_events_config, sglang_flags
+from .flags import kv_events_config, sglang_flags
 
 __all__ = ["DP_ENV", "build_command", "build_env", "configure", "kv_events_config", "main", "sglang_flags"]
 
@@ -57,7 +57,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
     if args.dummy_weights:
         cmd += ["--load-format", "dummy"]
     if args.cpu:
-        from .sglang_cpu import cpu_flags
+        from .cpu_launch import cpu_flags
 
         cmd += cpu_flags(args.max_total_tokens)
     return cmd + list(args.extra)
@@ -154,7 +154,8 @@ def main(args: argparse.Namespace) -> int:
     env: dict[str, str] | None = None
     run_env: dict[str, str] | None = None
     if args.cpu:
-        from .sglang_cpu import TINY_MODEL_NAME, CpuInstall, cpu_environment, find_install, missing_install_reason
+        from .cpu_launch import cpu_environment
+        from .installation import TINY_MODEL_NAME, CpuInstall, find_install, missing_install_reason
 
         install = find_install()
         if install is None and (args.python is None or args.model_path is None):

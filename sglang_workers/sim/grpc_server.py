@@ -5,7 +5,7 @@ package); smg's ``grpc://`` workers speak it, and only over it does smg's ``cach
 event-driven block index. The service definition comes from PyPI ``smg-grpc-proto``
 (``sglang_scheduler.proto``, ``common.proto``).
 
-Both doors lead to the same :class:`~sglang_workers.server.SimWorker`: one scheduler, one radix cache,
+Both doors lead to the same :class:`~sglang_workers.sim.worker.SimWorker`: one scheduler, one radix cache,
 one KV-event publisher, so a request sent over gRPC warms the cache for one sent over HTTP and both
 show up in ``/metrics`` and ``/v1/loads``. All of it runs on the worker's one asyncio loop
 (``grpc.aio``), so nothing needs a lock.
@@ -37,8 +37,10 @@ from google.protobuf.struct_pb2 import Struct
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from .grpc_events import KvEventRelay, StreamError, engine_load
-from .scheduler import HEALTH_CHECK_RID_PREFIX, Request
-from .server import HEALTH_CHECK_TIMEOUT_S, LOAD_SECTIONS, SGLANG_VERSION, ApiError, SimWorker
+from .reports import LOAD_SECTIONS, SGLANG_VERSION, loads_report, model_info_report, server_info_report
+from .request import HEALTH_CHECK_RID_PREFIX, Request
+from .responses import ApiError
+from .worker import HEALTH_CHECK_TIMEOUT_S, SimWorker
 
 __all__ = ["INCLUDE_SECTIONS", "SchedulerGrpcServer", "SchedulerServicer", "scheduler_load"]
 
@@ -154,7 +156,7 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     def _load_record(self) -> Any:
         if not self.worker.ready:
             return None
-        load = self.worker.loads_report()["loads"][0]
+        load = loads_report(self.worker)["loads"][0]
         message = scheduler_load(load, self.worker.config.max_running_requests)
         return engine_load(message, queued_work_known="num_waiting_uncached_tokens" in load)
 
@@ -282,7 +284,7 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         return sglang_scheduler_pb2.HealthCheckResponse(healthy=False, message=message)
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        info = self.worker.model_info_report()
+        info = model_info_report(self.worker)
         response = sglang_scheduler_pb2.GetModelInfoResponse(
             max_context_length=self.worker.config.context_length,
             vocab_size=self.worker.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True),
@@ -303,7 +305,7 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         worker = self.worker
         args = Struct()
-        args.update(worker.server_info_report())
+        args.update(server_info_report(worker))
         capacity = worker.scheduler.capacity if worker.scheduler else 0
         scheduler_info = Struct()
         scheduler_info.update(
@@ -335,7 +337,7 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             )
         dp_rank = request.dp_rank if request.HasField("dp_rank") else None
         try:
-            report = self.worker.loads_report(sections, dp_rank)
+            report = loads_report(self.worker, sections, dp_rank)
         except ApiError as exc:
             await self._fail(context, exc)
             return None

@@ -22,13 +22,25 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from .scheduler import Request
+from .request import Request
 
-__all__ = ["ErrorKind", "error_body", "meta_info", "model_info", "usage", "weight_versions"]
+__all__ = ["ApiError", "ErrorKind", "error_body", "meta_info", "model_info", "usage", "weight_versions"]
 
 ErrorKind = Literal["validation", "openai", "generate", "plain", "detail"]
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError"}
 _DETAILS = {404: "Not Found", 405: "Method Not Allowed"}
+
+
+class ApiError(Exception):
+    """A client-visible refusal: becomes the body SGLang gives this kind of refusal (``error_body``) on HTTP, and
+    the matching status on gRPC."""
+
+    def __init__(self, status: int, message: str, kind: ErrorKind = "openai") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
 
 # Monotonic -> wall clock, fixed once (SGLang's convert_time_to_realtime does the same).
 _WALL_OFFSET = time.time() - time.monotonic()

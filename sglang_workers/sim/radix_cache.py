@@ -42,7 +42,7 @@ __all__ = ["RadixCache", "TierMatch", "TreeNode"]
 class TreeNode:
     """One edge of the tree: a run of whole pages with their chained digests.
 
-    The tier fields are used by ``HiRadixCache`` (``sglang_workers.hiradix_cache``) only: without
+    The tier fields are used by ``HiRadixCache`` (``sglang_workers.sim.hiradix_cache``) only: without
     HiCache every node lives on the GPU and the rest keep their defaults.
     """
 
@@ -158,7 +158,9 @@ class RadixCache:
     def insert(self, key: Sequence[int], salt: str | None = None, inserted_len: int = 0) -> int:
         """Cache ``key`` (cut to whole pages); returns how many of its tokens were already cached.
 
-        ``inserted_len`` (tokens this request inserted before) matters to HiCache's hit counts only.
+        ``inserted_len`` (tokens this request inserted before) matters to HiCache's hit counts only. The walk is
+        shared with ``HiRadixCache``, which adds its host tier through the hooks ``_reached`` (a cached node on
+        the key's path), ``_stored`` (the new leaf) and ``_inserted`` (after the walk).
         """
         key = list(key[: self.page_align(len(key))])
         node = self.root
@@ -171,32 +173,52 @@ class RadixCache:
                 break
             child.last_access = tick
             n = self._match_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._reached(child, total + n > inserted_len)
             total += n
             key = key[n:]
-            node = self._split(child, n) if n < len(child.key) else child
+            node = child
         if key:
-            prior = node.digests[-1] if node.digests else (salt_prior(salt) if salt is not None else None)
-            digests = []
-            for start in range(0, len(key), self.page_size):
-                prior = page_digest(prior, key[start : start + self.page_size])
-                digests.append(prior)
-            leaf = TreeNode(node, key, digests, next(self._clock), salt)
-            node.children[self._child_key(key, salt)] = leaf
+            leaf = self._new_leaf(node, key, salt)
             self.evictable_size += len(key)
             self._update_leaf_status(node)
             self._update_leaf_status(leaf)
-            if self.enable_events:
-                parent_hash = hash_to_int64(node.digests[-1]) if node.digests else None
-                self._events.append(
-                    BlockStored(
-                        block_hashes=[hash_to_int64(d) for d in digests],
-                        parent_block_hash=parent_hash,
-                        token_ids=list(key),
-                        block_size=self.page_size,
-                        cache_salt=salt,
-                    )
-                )
+            self._stored(leaf, total + len(key) > inserted_len)
+        self._inserted()
         return total
+
+    def _reached(self, node: TreeNode, new: bool) -> None:
+        """``insert`` walked through ``node``, already cached (``new``: not inserted by this request before)."""
+
+    def _stored(self, leaf: TreeNode, new: bool) -> None:
+        """``insert`` added ``leaf``: SGLang publishes it as one ``BlockStored``."""
+        if self.enable_events:
+            parent = leaf.parent
+            assert parent is not None
+            self._events.append(
+                BlockStored(
+                    block_hashes=[hash_to_int64(d) for d in leaf.digests],
+                    parent_block_hash=hash_to_int64(parent.digests[-1]) if parent.digests else None,
+                    token_ids=list(leaf.key),
+                    block_size=self.page_size,
+                    cache_salt=leaf.salt,
+                )
+            )
+
+    def _inserted(self) -> None:
+        """``insert`` is done with its walk."""
+
+    def _new_leaf(self, parent: TreeNode, key: list[int], salt: str | None) -> TreeNode:
+        """A node for ``key`` under ``parent``, with its pages' chained digests, linked into the tree."""
+        prior = parent.digests[-1] if parent.digests else (salt_prior(salt) if salt is not None else None)
+        digests = []
+        for start in range(0, len(key), self.page_size):
+            prior = page_digest(prior, key[start : start + self.page_size])
+            digests.append(prior)
+        leaf = TreeNode(parent, key, digests, next(self._clock), salt)
+        parent.children[self._child_key(key, salt)] = leaf
+        return leaf
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` (if possible) from unlocked leaves, LRU first; returns tokens freed."""
@@ -216,9 +238,10 @@ class RadixCache:
         return evicted
 
     def lock(self, node: TreeNode) -> None:
-        """Pin ``node`` and its ancestors (a running request uses them)."""
+        """Pin ``node`` and its ancestors (a running request uses them); only GPU pages leave the evictable pool
+        (with HiCache a host-only node on the path holds no GPU pages)."""
         while node is not self.root:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.device:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
@@ -228,7 +251,7 @@ class RadixCache:
 
     def unlock(self, node: TreeNode) -> None:
         while node is not self.root:
-            if node.lock_ref == 1:
+            if node.lock_ref == 1 and node.device:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
             node.lock_ref -= 1

@@ -2,7 +2,7 @@
 
 SGLang's gRPC mode does not emit events of its own: its servicer subscribes to the scheduler's ZMQ
 publisher and re-sends every batch on the stream. This relay does the same in-process: it hears each
-batch the moment :class:`~sglang_workers.kv_events.KVEventPublisher` sends it (the very payload bytes ZMQ
+batch the moment :class:`~sglang_workers.sim.kv_events.KVEventPublisher` sends it (the very payload bytes ZMQ
 carries, decoded), so a gRPC subscriber and a ZMQ subscriber see the same events under the same
 sequence numbers.
 

@@ -1,7 +1,7 @@
 """The SGLang flags this router depends on, as data: ``--page-size``, KV events, metrics, cache report.
 
-One place for them, so the launch command (``sglang_launch_command``), the CPU workers
-(``sglang_cpu``), the compose files and the Kubernetes manifests cannot drift apart.
+One place for them, so the launch command (``launch_command``), the CPU workers
+(``cpu_launch``), the compose files and the Kubernetes manifests cannot drift apart.
 """
 
 from __future__ import annotations

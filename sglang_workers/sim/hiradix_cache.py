@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .kv_events import BlockRemoved, BlockStored, hash_to_int64, page_digest, salt_prior
+from .kv_events import BlockRemoved, BlockStored, hash_to_int64
 from .radix_cache import RadixCache, TierMatch, TreeNode
 
 __all__ = [
@@ -123,6 +123,7 @@ class HiRadixCache(RadixCache):
         self._host_leaves: set[TreeNode] = set()
         self._duplicates: dict[int, TreeNode] = {}
         self._queued: list[TreeNode] = []  # nodes backed up this step (merged into one copy at flush)
+        self._hit_targets: list[TreeNode] = []  # nodes an insert made hot enough to back up (write_through_selective)
         self._queued_locks: list[TreeNode] = []
         self._in_flight: deque[Backup] = deque()
         self._d2h_busy_until = 0.0
@@ -178,45 +179,21 @@ class HiRadixCache(RadixCache):
             key = key[n:]
         return TierMatch(device_len, host_len, device_node, node)
 
-    def insert(self, key: Sequence[int], salt: str | None = None, inserted_len: int = 0) -> int:
-        key = list(key[: self.page_align(len(key))])
-        node = self.root
-        tick = next(self._clock)
-        node.last_access = tick
-        total = 0
-        targets: list[TreeNode] = []
-        while key:
-            child = node.children.get(self._child_key(key, salt))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            if not child.device:
-                self._unevict(child)  # this request computed it again (its load-back was skipped)
-            if total + n > inserted_len and self._count_hit(child):
-                targets.append(child)
-            total += n
-            key = key[n:]
-            node = child
-        if key:
-            prior = node.digests[-1] if node.digests else (salt_prior(salt) if salt is not None else None)
-            digests = []
-            for start in range(0, len(key), self.page_size):
-                prior = page_digest(prior, key[start : start + self.page_size])
-                digests.append(prior)
-            leaf = TreeNode(node, key, digests, next(self._clock), salt)
-            node.children[self._child_key(key, salt)] = leaf
-            self.evictable_size += len(key)
-            self._update_leaf_status(node)
-            self._update_leaf_status(leaf)
-            self._record_store(leaf, MEDIUM_GPU)
-            if total + len(key) > inserted_len and self._count_hit(leaf):
-                targets.append(leaf)
+    def _reached(self, node: TreeNode, new: bool) -> None:
+        if not node.device:
+            self._unevict(node)  # this request computed it again (its load-back was skipped)
+        if new and self._count_hit(node):
+            self._hit_targets.append(node)
+
+    def _stored(self, leaf: TreeNode, new: bool) -> None:
+        self._record_store(leaf, MEDIUM_GPU)
+        if new and self._count_hit(leaf):
+            self._hit_targets.append(leaf)
+
+    def _inserted(self) -> None:
+        targets, self._hit_targets = self._hit_targets, []
         for target in targets:
             self._backup_through(target)
-        return total
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` GPU tokens from device leaves, LRU first (demote, back up, or delete)."""
@@ -244,26 +221,6 @@ class HiRadixCache(RadixCache):
                 heapq.heappush(heap, parent)
         self.stats.evicted_tokens += evicted
         return evicted
-
-    def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 0 and node.device:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
-            node.lock_ref += 1
-            self._update_leaf_status(node)
-            assert node.parent is not None
-            node = node.parent
-
-    def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 1 and node.device:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
-            node.lock_ref -= 1
-            self._update_leaf_status(node)
-            assert node.parent is not None
-            node = node.parent
 
     def host_lock(self, node: TreeNode, delta: int) -> None:
         """Pin (``delta=1``) or unpin (``-1``) the host copies of ``node`` and its ancestors."""
@@ -337,16 +294,10 @@ class HiRadixCache(RadixCache):
         rest = key[depth:]
         if not rest:
             return 0
-        prior = node.digests[-1] if node.digests else (salt_prior(salt) if salt is not None else None)
-        digests = []
-        for offset in range(0, len(rest), self.page_size):
-            prior = page_digest(prior, rest[offset : offset + self.page_size])
-            digests.append(prior)
-        leaf = TreeNode(node, rest, digests, next(self._clock), salt)
+        leaf = self._new_leaf(node, rest, salt)
         leaf.device = False
         leaf.host = True
         leaf.from_storage = True
-        node.children[self._child_key(rest, salt)] = leaf
         self.host_used += len(rest)
         self._update_leaf_status(leaf)
         self._update_leaf_status(node)

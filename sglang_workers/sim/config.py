@@ -142,7 +142,9 @@ class SimWorkerConfig(BaseModel):
     # -- timing --------------------------------------------------------------------------------
     profile: str = Field(
         "llama-3.1-8b-h100",
-        description="Timing profile (see sglang_workers.timing), or a comma-separated list cycled over the DP ranks.",
+        description=(
+            "Timing profile (see sglang_workers.sim.timing), or a comma-separated list cycled over the DP ranks."
+        ),
     )
     speedup: float = Field(1.0, gt=0, description="Divide every simulated duration by this.")
     seed: int = Field(0, description="Seed of the output-token generator (same prompt + seed = same output).")

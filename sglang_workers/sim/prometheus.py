@@ -1,6 +1,6 @@
 """Prometheus text for ``/metrics`` with SGLang 0.5.23's families, types and label names (``--enable-metrics``).
 
-Rendered by hand from the scheduler's counters rather than through a client library registry: the
+Rendered by hand from the scheduler's counters (``metrics``) rather than through a client library registry: the
 numbers already live in the scheduler, and one pass of string formatting is cheaper per scrape.
 
 The families and their labels are those a real 0.5.23 worker exposes (checked by the differential
@@ -18,12 +18,12 @@ import os
 import time
 from collections.abc import Iterable
 
-from .scheduler import Histogram, Scheduler
+from .metrics import GRAPH_PHASES, Histogram, HttpStats
+from .scheduler import Scheduler
 
-__all__ = ["GRAPH_PHASES", "HttpStats", "render_metrics"]
+__all__ = ["render_metrics"]
 
 STARTUP_PHASES = ("load_weight", "kv_cache_allocation", "scheduler_e2e", "tokenizer_e2e")
-GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
 STAGE_CATEGORIES = (
     "other",
     "recv_requests",
@@ -38,25 +38,6 @@ STAGE_CATEGORIES = (
 ROUTING_KEY_BUCKETS = ((0, 1), (1, 2), (2, 3), (3, 5), (5, 7), (7, 10), (10, 20), (20, 50), (50, 100), (100, 200))
 IMBALANCE_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
 SYNC_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-class HttpStats:
-    """Per endpoint and method: requests seen, in flight, and responses by status (SGLang's http_* metrics)."""
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, str], int] = {}
-        self.active: dict[tuple[str, str], int] = {}
-        self.responses: dict[tuple[str, str, int], int] = {}
-
-    def started(self, endpoint: str, method: str) -> None:
-        key = (endpoint, method)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        self.active[key] = self.active.get(key, 0) + 1
-
-    def finished(self, endpoint: str, method: str, status: int) -> None:
-        key = (endpoint, method)
-        self.active[key] = max(self.active.get(key, 1) - 1, 0)
-        self.responses[(endpoint, method, status)] = self.responses.get((endpoint, method, status), 0) + 1
 
 
 def _escape(value: str) -> str:

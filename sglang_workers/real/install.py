@@ -1,6 +1,6 @@
 """``make sglang-cpu``: install real SGLang 0.5.23 for this machine's CPU, or reuse the install already there.
 
-Three steps, each skipped when its result is present and current (``sglang_workers.sglang_cpu`` says
+Three steps, each skipped when its result is present and current (``sglang_workers.real.installation`` says
 where everything lives):
 
 1. a virtualenv with ``sglang==0.5.23`` (pip, ~4 min and ~11 GB on a fresh machine; the project's
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from extproc.tokenization import DEFAULT_TOKENIZER_DIR
 
-from .sglang_cpu import (
+from .cpu_launch import cpu_environment
+from .installation import (
     CPU_DIR,
     SGLANG_CPU_VERSION,
     CpuInstall,
-    cpu_environment,
     default_install_dir,
     model_digest,
     stub_digest,
@@ -183,7 +183,7 @@ def install(root: Path, python: str, tokenizer: Path = DEFAULT_TOKENIZER_DIR) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_workers.sglang_cpu_install",
+        prog="python -m sglang_workers.real.install",
         description="Install (or reuse) real SGLang 0.5.23 for CPU serving: venv, libcuda.so.1 stand-in, tiny Llama.",
     )
     parser.add_argument(

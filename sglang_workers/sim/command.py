@@ -300,10 +300,17 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
 
 async def serve(config: SimWorkerConfig) -> None:
     """Run until SIGINT/SIGTERM."""
-    from .server import SimWorker  # heavy imports (tokenizers, aiohttp) only when serving
+    from .http_api import HttpServer  # heavy imports (tokenizers, aiohttp) only when serving
+    from .worker import SimWorker
 
     worker = SimWorker(config)
     await worker.start()
+    http = HttpServer(worker)
+    try:
+        await http.start(config.host, config.port)
+    except OSError:
+        await worker.stop()
+        raise
     ranks = f", {config.dp_size} DP ranks from" if config.dp_size > 1 else ""
     grpc_door = None
     if config.grpc_port is not None:
@@ -313,6 +320,7 @@ async def serve(config: SimWorkerConfig) -> None:
         try:
             await grpc_door.start(config.host, config.grpc_port)
         except OSError:
+            await http.stop()
             await worker.stop()
             raise
     events = (
@@ -341,6 +349,7 @@ async def serve(config: SimWorkerConfig) -> None:
     finally:
         if grpc_door is not None:
             await grpc_door.stop()
+        await http.stop()
         await worker.stop()
 
 

@@ -6,13 +6,10 @@ only when none can be formed runs one decode step of the running batch, so long 
 decodes exactly as they do in SGLang without ``--enable-mixed-chunk``. A step's duration comes from
 the timing profile and is slept (divided by ``--speedup``); its KV events are published at its end.
 
-Admission follows ``PrefillAdder``: queue order (``fcfs``, or ``lpm`` = longest cached prefix first,
-which falls back to fcfs above 128 waiting requests), then per request the running-requests cap, the
-KV budget (free + evictable tokens minus what running requests may still need: remaining
-``max_new_tokens`` clipped to 4096 x ``new_token_ratio``), the ``--max-prefill-tokens`` budget and the
-``--chunked-prefill-size`` budget; a request that does not fit the chunk budget is chunked (cut to
-whole pages) and continues first in the next prefill batch. A request's prompt enters the radix
-cache right after its prefill (so others can match it), and prompt + output when it finishes.
+Admission (``admission``) follows ``PrefillAdder``: queue order, the running-requests cap and the KV,
+prefill and chunk budgets; a request cut by the chunk budget continues first in the next prefill batch.
+A request's prompt enters the radix cache right after its prefill (so others can match it), and prompt +
+output when it finishes. Its counters and histograms are kept in ``metrics``.
 When decode runs out of KV, the requests with the fewest output tokens are retracted to the queue.
 
 The memory pool is counted in tokens and handed out in whole pages: tree pages (evictable or locked)
@@ -32,7 +29,6 @@ I/O) runs on the scheduler's clock: simulated seconds since start, wall time x `
 from __future__ import annotations
 
 import asyncio
-import bisect
 import hashlib
 import itertools
 import logging
@@ -42,213 +38,29 @@ import uuid
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from .admission import LPM_FALLBACK_QUEUE, next_prefill_batch
 from .config import SimWorkerConfig
 from .hicache_storage import FileStorage, StoragePrefetcher
-from .hiradix_cache import LOAD_BACK_THRESHOLD, Backup, HiRadixCache
+from .hiradix_cache import Backup, HiRadixCache
 from .kv_events import KVEventPublisher
 from .load_report import LoadCounters
-from .radix_cache import RadixCache, TierMatch, TreeNode
+from .metrics import Histogram, SchedulerStats, record_finished
+from .radix_cache import RadixCache
+from .request import HEALTH_CHECK_RID_PREFIX, Request
 from .timing import TimingProfile
 
-__all__ = [
-    "HEALTH_CHECK_RID_PREFIX",
-    "FinishedStats",
-    "Histogram",
-    "Request",
-    "Scheduler",
-    "SchedulerStats",
-    "Step",
-    "device_pool_tokens",
-]
+__all__ = ["Scheduler", "Step", "device_pool_tokens"]
 
 logger = logging.getLogger(__name__)
 
-CLIP_MAX_NEW_TOKENS = 4096  # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION
-LPM_FALLBACK_QUEUE = 128  # lpm turns into fcfs above this many waiting requests
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's rid prefix of /health generations (not counted in stats)
 MAX_PACING_CREDIT = 0.05  # at most this much wall time is made up after a stall (s)
-
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    25.0,
-    30.0,
-    40.0,
-    60.0,
-    120.0,
-    300.0,
-)
-ITL_BUCKETS = (
-    0.002,
-    0.004,
-    0.006,
-    0.008,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.035,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1.0,
-    2.0,
-    4.0,
-    6.0,
-    8.0,
-)
-TOKEN_BUCKETS = (  # SGLang's prompt / generation length buckets
-    100.0, 300.0, 500.0, 700.0, 1000.0, 1500.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0, 7000.0, 8000.0, 9000.0,
-    10000.0, 12500.0, 15000.0, 17500.0, 20000.0, 22500.0, 25000.0, 27500.0, 30000.0, 35000.0, 40000.0, 60000.0,
-    80000.0, 100000.0, 200000.0, 300000.0, 400000.0, 600000.0, 800000.0, 1e6, 1.1e6,
-)  # fmt: skip
-EVICTION_BUCKETS = (
-    0.001,
-    0.002,
-    0.003,
-    0.004,
-    0.005,
-    0.006,
-    0.007,
-    0.008,
-    0.009,
-    0.01,
-    0.02,
-    0.03,
-    0.04,
-    0.05,
-    0.1,
-    0.2,
-    0.5,
-    1.0,
-)
-LOADS_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
-LOAD_BACK_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01)
-LOAD_BACK_BUCKETS += (0.02, 0.03, 0.04, 0.05, 0.1, 0.2, 0.5, 1.0)  # SGLang's load_back_duration_seconds
-PREFETCH_PAGES_BUCKETS = (1, 5, 10, 50, 100)  # sglang:prefetch_pgs
-PREFETCH_GBPS_BUCKETS = (0.1, 0.5, 1, 5, 10, 50, 100)  # sglang:prefetch_bandwidth (GB/s)
-BACKUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-E2E_BUCKETS = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1.0,
-    2.0,
-    4.0,
-    6.0,
-    8.0,
-    10.0,
-    20.0,
-    40.0,
-    60.0,
-    80.0,
-    100.0,
-    150.0,
-    200.0,
-    250.0,
-    300.0,
-    350.0,
-    500.0,
-    1000.0,
-)
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request as the scheduler tracks it."""
-
-    rid: str
-    input_ids: list[int]
-    max_new_tokens: int
-    cache_salt: str | None = None
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = -1  # prefix found in the cache at first admission (-1: not admitted yet)
-    cached_device: int = 0  # ... of which on the GPU, loaded back from host memory, from L3 storage
-    cached_host: int = 0
-    cached_storage: int = 0
-    inserted_len: int = 0  # tokens this request already inserted into the tree (HiCache hit counts)
-    load_tokens: int = 0  # host tokens loaded back for the chunk being prefilled
-    storage_landed: int = 0  # tokens its storage prefetch grafted into host memory
-    kv_len: int = 0  # tokens whose KV exists (in the tree or private)
-    tree_len: int = 0  # tokens of the locked tree path
-    last_node: TreeNode | None = None
-    chunk_prefix: int = 0  # cached context of the chunk being prefilled
-    chunk_len: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    sim_arrival: float = 0.0  # simulated GPU clock at submission
-    sim_first_token: float | None = None
-    sim_finished: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None  # set when the request failed instead of finishing
-    stream: bool = False  # the client streams it (SGLang labels its request metrics is_streaming)
-    dp_rank: int = 0  # the data-parallel rank (scheduler) running it
-    retracted: bool = False  # was retracted once: its next prefill recomputes work (not a cache statistic)
-    num_retractions: int = 0
-    admitted_at: float | None = None  # monotonic time of its first admission (SGLang's forward entry)
-    sent_at: float | None = None  # when its first answer (chunk) left the HTTP server
-    updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
-    rng: random.Random | None = None
-
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
-
-    @property
-    def health_check(self) -> bool:
-        """A ``/health`` generation: served like any request, counted in no statistic (SGLang's log_metrics=False)."""
-        return self.rid.startswith(HEALTH_CHECK_RID_PREFIX)
-
-
-class Histogram:
-    """Cumulative Prometheus histogram (buckets, sum, count)."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
 
 
 @dataclass(frozen=True)
@@ -259,64 +71,6 @@ class Step:
     rids: tuple[str, ...]
     tokens: int
     duration: float
-
-
-@dataclass
-class FinishedStats:
-    """SGLang's tokenizer-side request metrics, per ``is_streaming`` value (counted when a request finishes)."""
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-
-
-@dataclass
-class SchedulerStats:
-    """Counters behind /metrics and /v1/loads."""
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generation_tokens: int = 0
-    num_retractions: int = 0
-    prefill_batches: int = 0
-    decode_steps: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    finished: dict[bool, FinishedStats] = field(default_factory=lambda: {False: FinishedStats()})
-    prompt_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
-    uncached_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
-    generation_lengths: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
-    prefill_forward: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # per request
-    request_process: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))  # per request
-    evicted_tokens: int = 0
-    evictions: Histogram = field(default_factory=lambda: Histogram(EVICTION_BUCKETS))
-    loads_served: Histogram = field(default_factory=lambda: Histogram(LOADS_BUCKETS))
-    prefill_compute_tokens: int = 0
-    prefill_cache_tokens: int = 0
-    busy_s: float = 0.0  # wall seconds in steps
-    idle_s: float = 0.0  # wall seconds waiting for work
-    # By tier, at first admission (SGLang cached_tokens_total{cache_source}, prefill_effective_tokens_total).
-    cached_device_tokens: int = 0
-    cached_host_tokens: int = 0
-    cached_storage_tokens: int = 0
-    input_tokens: int = 0  # prompt tokens computed (not cached)
-    # HiCache transfers (RadixCacheMetricsCollector).
-    load_back_tokens: int = 0
-    load_back_bytes: int = 0
-    load_back_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BACK_BUCKETS))
-    backup_bytes: int = 0
-    backup_seconds: Histogram = field(default_factory=lambda: Histogram(BACKUP_BUCKETS))
-    prefetch_pages: Histogram = field(default_factory=lambda: Histogram(PREFETCH_PAGES_BUCKETS))
-    prefetch_gbps: Histogram = field(default_factory=lambda: Histogram(PREFETCH_GBPS_BUCKETS))
-    # Simulated GPU seconds spent (the fleet's compute cost; not an SGLang metric).
-    busy_prefill_s: float = 0.0
-    busy_decode_s: float = 0.0
 
 
 def device_pool_tokens(config: SimWorkerConfig, profile: TimingProfile) -> int:
@@ -479,13 +233,13 @@ class Scheduler:
             total += self._private(self.chunked)
         return total
 
-    def _page_ceil(self, tokens: int) -> int:
+    def page_ceil(self, tokens: int) -> int:
         page = self.config.page_size
         return -(-tokens // page) * page
 
     def _private(self, req: Request) -> int:
         """Pool tokens a request holds outside the tree: whole pages, as SGLang's paged allocator hands out."""
-        return self._page_ceil(req.kv_len) - req.tree_len
+        return self.page_ceil(req.kv_len) - req.tree_len
 
     def _decode_need(self) -> int:
         """Tokens the next decode step allocates: a new page for each request whose last page is full."""
@@ -500,7 +254,7 @@ class Scheduler:
         """SGLang's num_used: the pool minus free and evictable tokens."""
         return self.capacity - self.free_tokens - self.cache.evictable_size
 
-    def _ensure_free(self, tokens: int) -> bool:
+    def ensure_free(self, tokens: int) -> bool:
         shortfall = tokens - self.free_tokens
         if shortfall > 0:
             start = time.perf_counter()
@@ -541,7 +295,7 @@ class Scheduler:
             self._publish()  # acknowledged host copies go out even when idle (SGLang's idle check)
             await self._idle_wait(self._next_timer())
             return
-        batch = self._next_prefill_batch()
+        batch = next_prefill_batch(self)
         if batch:
             compute = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
             loaded = sum(r.load_tokens for r in batch)
@@ -657,131 +411,6 @@ class Scheduler:
         if events and self.publisher is not None:
             self.publisher.publish(events)
 
-    # -- prefill -----------------------------------------------------------------------------------
-    def _ordered_waiting(self) -> list[Request]:
-        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE:
-            prefix = {}
-            for r in self.waiting:  # host hits count as matched too (num_matched_prefix_tokens)
-                m = self.cache.match(r.fill_ids[:-1], r.cache_salt)
-                prefix[id(r)] = m.device_len + m.host_len
-            return sorted(self.waiting, key=lambda r: -prefix[id(r)])
-        return list(self.waiting)
-
-    def _reserved_for_running(self) -> float:
-        return (
-            sum(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in self.running)
-            * self.new_token_ratio
-        )
-
-    def _next_prefill_batch(self) -> list[Request]:
-        if not self.waiting and self.chunked is None:
-            return []
-        cfg = self.config
-        rem_chunk = cfg.chunked_prefill_size
-        rem_input = cfg.max_prefill_tokens
-        offset = self._reserved_for_running()
-        batch = self.prefilling = []
-
-        if self.chunked is not None:  # an unfinished chunked prefill always continues first
-            req = self.chunked
-            remaining = len(req.fill_ids) - req.kv_len
-            take = remaining if remaining <= rem_chunk else self.cache.page_align(rem_chunk)
-            if take > 0 and self._ensure_free(self._page_ceil(req.kv_len + take) - self._page_ceil(req.kv_len)):
-                req.chunk_prefix, req.chunk_len = req.kv_len, take
-                req.load_tokens = 0
-                req.kv_len += take
-                rem_chunk -= take
-                rem_input -= take
-                batch.append(req)
-                if take < remaining:
-                    return batch
-                self.chunked = None
-            else:
-                return batch
-
-        if len(self.running) + len(batch) >= cfg.max_running_requests:
-            return batch
-        for req in self._ordered_waiting():
-            if len(self.running) + len(batch) >= cfg.max_running_requests or rem_chunk <= 0:
-                break
-            if self.prefetcher is not None:  # SGLang check_prefetch_progress: skip it while storage reads run
-                ready, landed = self.prefetcher.poll(req, req.input_ids, req.cache_salt)
-                req.storage_landed += landed
-                if not ready:
-                    continue
-            fill = req.fill_ids
-            m = self.cache.match(fill[:-1], req.cache_salt)
-            prefix_len, node = m.device_len, m.device_node
-            host = m.host_len if m.host_len >= LOAD_BACK_THRESHOLD else 0  # shorter spans are recomputed
-            extend = len(fill) - prefix_len - host
-            self.cache.lock(node)  # lock first: a locked prefix no longer counts as evictable
-            budget = self.free_tokens + self.cache.evictable_size - offset
-            need = extend + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-            if host:  # PrefillAdder reserves the loaded pages too (plus a page)
-                need += host + self.config.page_size
-            if need >= budget or (extend > rem_input and batch):
-                self.cache.unlock(node)
-                break
-            loaded = 0
-            if host:
-                held, loaded = self._load_back(m)
-                if held is None:
-                    break
-                node = held
-                prefix_len += loaded
-            take = extend if extend <= rem_chunk else self.cache.page_align(rem_chunk)
-            if take <= 0 or not self._ensure_free(self._page_ceil(prefix_len + take) - prefix_len):
-                self.cache.unlock(node)
-                break
-            self.waiting.remove(req)
-            req.last_node, req.tree_len = node, prefix_len
-            req.kv_len = prefix_len + take
-            req.chunk_prefix, req.chunk_len = prefix_len, take
-            req.load_tokens = loaded
-            if req.cached_tokens < 0:
-                req.cached_tokens = prefix_len
-                req.admitted_at = time.monotonic()
-                req.cached_storage = min(req.storage_landed, loaded)
-                req.cached_host = loaded - req.cached_storage
-                req.cached_device = prefix_len - loaded
-                if not req.health_check:
-                    self.stats.prompt_tokens += len(req.input_ids)
-                    self.stats.cached_tokens += prefix_len
-                    self.stats.cached_device_tokens += req.cached_device
-                    self.stats.cached_host_tokens += req.cached_host
-                    self.stats.cached_storage_tokens += req.cached_storage
-                    self.stats.input_tokens += len(req.input_ids) - prefix_len
-                    self.stats.queue_time.observe(time.monotonic() - req.arrival)
-            batch.append(req)
-            rem_chunk -= take
-            rem_input -= take
-            if take < extend:
-                self.chunked = req
-                break
-            offset += take + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-        return batch
-
-    def _load_back(self, m: TierMatch) -> tuple[TreeNode | None, int]:
-        """Load a match's host part onto the GPU; moves the request's lock from its GPU part to all of it.
-
-        Returns (the node now locked, tokens loaded), or (None, 0) with nothing locked when the GPU
-        cannot make room (SGLang then answers NO_TOKEN).
-        """
-        cache = self.hicache
-        assert cache is not None
-        host_tokens = m.host_len
-        cache.host_lock(m.node, 1)  # evictions that make room must not take the pages being loaded
-        try:
-            if not self._ensure_free(host_tokens):
-                self.cache.unlock(m.device_node)
-                return None, 0
-            loaded = cache.load_back(m)
-        finally:
-            cache.host_lock(m.node, -1)
-        cache.lock(m.node)
-        cache.unlock(m.device_node)
-        return m.node, loaded
-
     def _finish_prefill(self, batch: list[Request], launch: float, duration: float) -> None:
         self.prefilling = []
         self.stats.prefill_batches += 1
@@ -812,7 +441,7 @@ class Scheduler:
 
     # -- decode ------------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        if not self._ensure_free(self._decode_need()):
+        if not self.ensure_free(self._decode_need()):
             self._retract()
             if not self.running:
                 return
@@ -832,7 +461,7 @@ class Scheduler:
     def _retract(self) -> None:
         """Out of KV for the next decode step: requeue the requests that lose least (SGLang order)."""
         self.running.sort(key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
-        while self.running and not self._ensure_free(self._decode_need()):
+        while self.running and not self.ensure_free(self._decode_need()):
             req = self.running.pop()
             if req.last_node is not None:
                 self.cache.unlock(req.last_node)
@@ -868,29 +497,9 @@ class Scheduler:
         req.finished_at = now
         req.sim_finished = self.sim_time
         if not req.health_check:
-            self._record_finished(req, now)
+            record_finished(self.stats, req, now)
         req.updates.put_nowait(None)
         self._wakeup.set()
-
-    def _record_finished(self, req: Request, now: float) -> None:
-        """The request metrics SGLang's tokenizer manager records when a request finishes."""
-        stats = self.stats
-        stats.e2e.observe(now - req.arrival)
-        by_stream = stats.finished.setdefault(req.stream, FinishedStats())
-        by_stream.num_requests += 1
-        by_stream.prompt_tokens += len(req.input_ids)
-        by_stream.generation_tokens += len(req.output_ids)
-        by_stream.e2e.observe(now - req.arrival)
-        if req.first_token_at is not None:
-            by_stream.ttft.observe(req.first_token_at - req.arrival)
-            if len(req.output_ids) > 1:
-                by_stream.tpot.observe((now - req.first_token_at) / (len(req.output_ids) - 1))
-            if req.admitted_at is not None:
-                stats.prefill_forward.observe(req.first_token_at - req.admitted_at)
-                stats.request_process.observe(max(req.admitted_at - req.arrival, 0.0))
-        stats.prompt_lengths.observe(len(req.input_ids))
-        stats.uncached_lengths.observe(len(req.input_ids) - max(req.cached_tokens, 0))
-        stats.generation_lengths.observe(len(req.output_ids))
 
     def _emit(self, req: Request, now: float) -> None:
         """Sample the next token (seeded, so the same prompt always gets the same output)."""
@@ -969,7 +578,7 @@ class Scheduler:
             "token_usage": round(used / self.capacity, 4),
             "gen_throughput": round(counters.gen_throughput, 2),
             "cache_hit_rate": round(counters.cache_hit_rate, 4),
-            "utilization": 0.0,  # see sglang_workers.load_report: 0.5.23 never sets its input
+            "utilization": 0.0,  # see sglang_workers.sim.load_report: 0.5.23 never sets its input
             "total_prefill_uncached_tokens": counters.total_prefill_uncached_tokens,
             "total_prefill_busy_us": counters.total_prefill_busy_us,
             "decode_moments": counters.moments(),
