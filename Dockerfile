@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY extproc extproc
 COPY sglang_workers sglang_workers
 COPY benchmarks benchmarks
+COPY prefix_router prefix_router
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # -- runtime: slim base, the wheel and its dependencies, nothing else --

@@ -568,7 +568,7 @@ async def run_overhead(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     connections, gateways interleaved request by request so machine noise hits all alike, unique
     prompts so nothing is cached), extended with sgl-router and a closed-loop throughput run.
     """
-    from extproc.gateway.stack import GatewayStack
+    from prefix_router.stack import GatewayStack
 
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     policy = next((n[5:] for n in names if n.startswith("ours:")), "prefix-aware")
@@ -875,3 +875,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"bench finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
     bad = [s for s in report.summaries if s.start_error is not None]
     return 1 if bad and len(bad) == len(report.summaries) else 0
+
+
+def suite_for(argv: Any) -> Any:
+    return sys.modules[__name__]

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from extproc.gateway.stack import GatewayStack
 from extproc.tokenization import load_tokenizer
+from prefix_router.stack import GatewayStack
 
 __all__ = ["OverheadRow", "format_table", "main", "measure_overhead"]
 

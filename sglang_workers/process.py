@@ -14,7 +14,9 @@ Keyword options map one-to-one onto ``prefix-router sim-worker`` flags (``page_s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,13 +24,36 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from extproc.addresses import free_ports
 
-__all__ = ["SimWorkerError", "SimWorkerProcess", "start_sim_worker", "start_sim_workers"]
+__all__ = ["SimWorkerError", "SimWorkerProcess", "die_with_parent", "start_sim_worker", "start_sim_workers"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux SIGKILL the child when the spawning thread's process dies.
+
+    Whatever ends the parent (even SIGKILL, which runs no cleanup), the kernel then kills the child,
+    so a supervisor's children never outlive it. The signal follows the *thread* that forks: spawn from
+    a thread that lives as long as the parent (the main thread, or an executor's). None off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody will send the signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 class SimWorkerError(RuntimeError):
@@ -48,6 +73,7 @@ class SimWorkerProcess:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] | None = None
     grpc_port: int | None = None  # SGLang's gRPC scheduler API, when started with grpc=True
+    dies_with_parent: bool = False  # killed by the kernel when the process that started it dies
 
     @property
     def url(self) -> str:
@@ -111,7 +137,12 @@ class SimWorkerProcess:
             return
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                preexec_fn=die_with_parent() if self.dies_with_parent else None,  # noqa: PLW1509
             )
         self.wait_healthy(timeout)
 
@@ -176,7 +207,9 @@ def _port_runs(host: str, ranks: int) -> tuple[int, int, int]:
     raise SimWorkerError(f"no run of {2 * ranks} free ports on {host}")
 
 
-def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None, grpc: bool) -> SimWorkerProcess:
+def _spawn(
+    host: str, opts: dict[str, Any], env: dict[str, str] | None, grpc: bool, dies_with_parent: bool = False
+) -> SimWorkerProcess:
     ranks = int(opts.get("dp_size", 1))
     port, kv_port, replay_port = _port_runs(host, ranks)
     taken = {port, *range(kv_port, kv_port + ranks), *range(replay_port, replay_port + ranks)}
@@ -186,7 +219,7 @@ def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None, grpc: bo
     args = [
         sys.executable,
         "-m",
-        "extproc",
+        "prefix_router",
         "sim-worker",
         "--host",
         host,
@@ -204,9 +237,25 @@ def _spawn(host: str, opts: dict[str, Any], env: dict[str, str] | None, grpc: bo
     fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
     full_env = {**os.environ, **(env or {})}
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
+        process = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            preexec_fn=die_with_parent() if dies_with_parent else None,  # noqa: PLW1509
+        )
     return SimWorkerProcess(
-        host, port, kv_port, replay_port, process, Path(log_name), args, env=full_env, grpc_port=grpc_port
+        host,
+        port,
+        kv_port,
+        replay_port,
+        process,
+        Path(log_name),
+        args,
+        env=full_env,
+        grpc_port=grpc_port,
+        dies_with_parent=dies_with_parent,
     )
 
 
@@ -218,11 +267,14 @@ def start_sim_workers(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     grpc: bool = False,
+    dies_with_parent: bool = False,
     **opts: Any,
 ) -> list[SimWorkerProcess]:
     """Start ``count`` workers in parallel and wait until all answer ``/ready`` with 200
     (``wait_ready=False``: until their HTTP port answers at all, e.g. with ``load_time``).
     ``grpc=True`` also serves SGLang's gRPC scheduler API on a free port of each (``grpc_url``).
+    ``dies_with_parent=True``: the kernel kills them when this process dies (``die_with_parent``);
+    only from a thread that lives as long as this process.
 
     A worker that loses a port race (another process took a port between the check and the bind)
     is started again on new ports, up to three times.
@@ -232,7 +284,7 @@ def start_sim_workers(
     ranked = int(opts.get("dp_size", 1)) > 1
     profiles = str(opts["profile"]).split(",") if opts.get("profile") and not ranked else []
     per_worker = [{**opts, "profile": profiles[i % len(profiles)].strip()} if profiles else opts for i in range(count)]
-    workers = [_spawn(host, per_worker[i], env, grpc) for i in range(count)]
+    workers = [_spawn(host, per_worker[i], env, grpc, dies_with_parent) for i in range(count)]
     try:
         for i in range(count):
             for attempt in range(3):
@@ -243,7 +295,7 @@ def start_sim_workers(
                     workers[i].stop()
                     if attempt == 2 or "in use" not in str(exc).lower():
                         raise
-                    workers[i] = _spawn(host, per_worker[i], env, grpc)
+                    workers[i] = _spawn(host, per_worker[i], env, grpc, dies_with_parent)
     except BaseException:
         for worker in workers:
             worker.stop()

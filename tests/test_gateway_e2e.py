@@ -23,7 +23,7 @@ from gateway_http import SpoofTarget, envoy_stats, post, request, stream_lines
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.addresses import free_port
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 
 LIMIT = 64 * 1024
 PICKED = "cluster.prefix_router_picked.upstream_rq_total"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from gateway_http import post
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

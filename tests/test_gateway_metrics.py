@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from gateway_http import post, request
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 
 pytestmark = pytest.mark.timeout(120)
 

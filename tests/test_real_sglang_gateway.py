@@ -22,7 +22,7 @@ from conftest import restart_cpu_worker
 from gateway_http import post, request, stream_lines
 from sglang_session import fit_chat
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 

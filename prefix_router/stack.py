@@ -2,13 +2,15 @@
 
 N simulated SGLang workers, N real SGLang CPU workers (``sglang_workers.sglang_cpu``, after ``make
 sglang-cpu``) or workers you name, the router (``prefix-router serve``) and Envoy (configured by
-``extproc.gateway.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
+``extproc.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
 ``stop_router``/``start_router``) is kept stable.
 
 Under ``up`` the router and Envoy run in their own sessions, so a terminal Ctrl-C reaches only this
 process, which then stops them in order: Envoy first (no new requests), then the router, then the
-workers. Programmatic stacks keep them in the caller's process group, so an interrupted test or
+workers. Since no signal to ``up``'s process group reaches them there, they (and the simulated workers)
+are also set to die with ``up`` (Linux ``PR_SET_PDEATHSIG``): whatever ends it, even SIGKILL, no child
+outlives it. Programmatic stacks keep them in the caller's process group, so an interrupted test or
 benchmark run takes them down with it.
 
 ``supervise()`` keeps the stack whole: a child that dies (a simulated worker, the router, Envoy) is
@@ -38,9 +40,10 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc import envoy_config
 from extproc.addresses import LOOPBACK, free_port, split_host_port
-from extproc.gateway import envoy_config
-from extproc.gateway.envoy_config import GatewaySpec
+from extproc.envoy_config import GatewaySpec
+from sglang_workers.process import die_with_parent
 
 __all__ = ["CrashLoopError", "GatewayStack", "StackError", "find_envoy"]
 
@@ -395,7 +398,10 @@ class GatewayStack:
         from sglang_workers.process import start_sim_workers
 
         self._sims = start_sim_workers(
-            self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
+            self.sim_workers,
+            startup_timeout=self.startup_timeout_s,
+            dies_with_parent=self.own_sessions,
+            **self.sim_worker_options,
         )
         self.worker_urls.extend(sim.url for sim in self._sims)
 
@@ -435,7 +441,7 @@ class GatewayStack:
         argv = [
             sys.executable,
             "-m",
-            "extproc",
+            "prefix_router",
             "serve",
             "--host",
             LOOPBACK,
@@ -544,6 +550,8 @@ class GatewayStack:
                 stdout=handle if stdout else None,
                 stderr=handle,
                 start_new_session=self.own_sessions,
+                # Spawned from the event loop's thread, which lives as long as ``up``.
+                preexec_fn=die_with_parent() if self.own_sessions else None,  # noqa: PLW1509
             )
         finally:
             handle.close()
