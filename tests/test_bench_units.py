@@ -295,7 +295,7 @@ def test_sglang_cpu_engine_fills_only_the_defaults_not_given(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from benchmarks.bench_command import CPU_DEFAULTS, apply_engine_defaults, configure
+    from benchmarks.suites.compare import CPU_DEFAULTS, apply_engine_defaults, configure
 
     parser = argparse.ArgumentParser()
     configure(parser)
