@@ -29,7 +29,7 @@ from benchmarks.metrics import Summary
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
 from benchmarks.runs import run_one
-from benchmarks.suites.shared import add_fleet_arguments, add_run_arguments, positive, rates, versions
+from benchmarks.suites.shared import add_fleet_arguments, add_run_arguments, fleet_spec, positive, rates, versions
 from benchmarks.workloads import (
     TraceError,
     TraceWindow,
@@ -233,15 +233,7 @@ def build_workload(args: argparse.Namespace, rate: float | None) -> Workload:
 async def run_routing(args: argparse.Namespace) -> BenchReport:
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     validate_contender_names(names)
-    spec = ClusterSpec(
-        workers=args.workers,
-        profile=args.profile,
-        speedup=args.speedup,
-        capacity_tokens=args.capacity_tokens,
-        page_size=args.page_size,
-        seed=args.seed,
-        engine=args.engine,
-    )
+    spec = fleet_spec(args, engine=args.engine)
     options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
     async with contextlib.AsyncExitStack() as stack:
         pool = await stack.enter_async_context(CpuWorkerPool(spec)) if spec.engine == "sglang-cpu" else None

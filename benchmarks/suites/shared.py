@@ -8,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_fleet_arguments", "add_run_arguments", "positive", "profiles", "rates", "versions"]
+from benchmarks.cluster import ClusterSpec
+
+__all__ = ["add_fleet_arguments", "add_run_arguments", "fleet_spec", "positive", "profiles", "rates", "versions"]
 
 
 def rates(text: str) -> list[float]:
@@ -102,6 +104,19 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, speedup_default: float)
     )
     c.add_argument("--json", type=Path, default=None, help="Write the results as JSON here.")
     return c
+
+
+def fleet_spec(args: argparse.Namespace, **extra: Any) -> ClusterSpec:
+    """The cluster the fleet flags describe (``extra``: the suite's own fields, e.g. ``engine``, ``hicache``)."""
+    return ClusterSpec(
+        workers=args.workers,
+        profile=args.profile,
+        speedup=args.speedup,
+        capacity_tokens=args.capacity_tokens,
+        page_size=args.page_size,
+        seed=args.seed,
+        **extra,
+    )
 
 
 def versions() -> dict[str, str | None]:

@@ -16,13 +16,13 @@ import sys
 import time
 
 from benchmarks.client import ClientOptions
-from benchmarks.cluster import HICACHE_SETTINGS, ClusterSpec
+from benchmarks.cluster import HICACHE_SETTINGS
 from benchmarks.contenders import create_contender
 from benchmarks.metrics import Summary
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.report import TieredReport, tiered_table
 from benchmarks.runs import run_one
-from benchmarks.suites.shared import add_fleet_arguments, add_run_arguments, positive, versions
+from benchmarks.suites.shared import add_fleet_arguments, add_run_arguments, fleet_spec, positive, versions
 from benchmarks.workloads import iter_token_ids, longctx_workload
 
 __all__ = ["TIERED_CONTENDERS", "configure", "main", "run_tiered", "tiered_contenders"]
@@ -129,15 +129,7 @@ async def run_tiered(args: argparse.Namespace) -> TieredReport:
     )
     rows: list[tuple[str, Summary, list[float]]] = []
     for tier in tiers:
-        spec = ClusterSpec(
-            workers=args.workers,
-            profile=args.profile,
-            speedup=args.speedup,
-            capacity_tokens=args.capacity_tokens,
-            page_size=args.page_size,
-            seed=args.seed,
-            hicache=tier,  # checked against HICACHE_SETTINGS above
-        )
+        spec = fleet_spec(args, hicache=tier)  # checked against HICACHE_SETTINGS above
         for name in names:
             summary, ttfts = await run_one(name, workload, spec, options, None, not args.no_progress)
             rows.append((tier, summary, ttfts))
