@@ -13,6 +13,7 @@ COPY extproc extproc
 COPY sglang_workers sglang_workers
 COPY prefix_router prefix_router
 COPY benchmarks benchmarks
+COPY prefix_router prefix_router
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # -- runtime: slim base, the wheel and its dependencies, nothing else --

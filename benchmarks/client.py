@@ -150,7 +150,7 @@ async def _timed_post(session: aiohttp.ClientSession, url: str, body: bytes) -> 
 
 
 class LatencyProbe:
-    """Sequential requests over one kept-alive connection per gateway (what the overhead suite times)."""
+    """Closed-loop load on each of several gateways (the overhead suite's requests per second)."""
 
     def __init__(self, base_urls: dict[str, str]) -> None:
         self.urls = {name: url.rstrip("/") + "/v1/chat/completions" for name, url in base_urls.items()}
@@ -163,10 +163,6 @@ class LatencyProbe:
     async def __aexit__(self, *exc: object) -> None:
         if self._session is not None:
             await self._session.close()
-
-    async def time_one(self, name: str, body: bytes) -> float:
-        assert self._session is not None
-        return await _timed_post(self._session, self.urls[name], body)
 
     async def throughput(self, name: str, bodies: Sequence[bytes], concurrency: int, duration_s: float) -> float:
         """Completed requests per second with ``concurrency`` requests always in flight (closed loop)."""

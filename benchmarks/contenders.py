@@ -40,7 +40,7 @@ import yaml
 
 from benchmarks.client import PREFIX_HEADER, UPSTREAM_HEADER
 from extproc.addresses import free_port
-from extproc.gateway.envoy_config import HCM_TYPE
+from extproc.envoy_config import HCM_TYPE
 
 __all__ = [
     "CONTENDERS",
@@ -448,7 +448,7 @@ class OursGateway(Contender):
 
     async def start(self, worker_urls: Sequence[str]) -> str:
         try:
-            from extproc.gateway.stack import GatewayStack
+            from prefix_router.stack import GatewayStack
         except ImportError as exc:
             raise ContenderError(f"our gateway stack is unavailable: {exc}") from None
         try:

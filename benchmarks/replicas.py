@@ -49,10 +49,10 @@ from benchmarks.client import ClientOptions, run_load
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.metrics import RequestResult, percentile
 from benchmarks.workloads import BenchRequest, Workload, block_text, gsp_workload, prefix_hash
+from extproc import envoy_config
 from extproc.addresses import free_port, split_host_port
-from extproc.gateway import envoy_config
-from extproc.gateway.envoy_config import GatewaySpec
-from extproc.gateway.stack import find_envoy
+from extproc.envoy_config import GatewaySpec
+from prefix_router.stack import find_envoy
 
 __all__ = [
     "ReplicaGateway",
@@ -109,7 +109,7 @@ class ReplicaGateway:
 
     ``router_config`` is merged into every replica's YAML config (e.g. ``observability`` or
     ``policy``); ``replica_configs[i]`` additionally into replica i's. ``router_command`` runs
-    ``prefix-router`` (default: this interpreter's ``-m extproc``; the console script works too).
+    ``prefix-router`` (default: this interpreter's ``-m prefix_router``; the console script works too).
     """
 
     def __init__(
@@ -120,7 +120,7 @@ class ReplicaGateway:
         router_config: dict[str, Any] | None = None,
         replica_configs: Sequence[dict[str, Any]] = (),
         env: dict[str, str] | None = None,
-        router_command: Sequence[str] = (sys.executable, "-m", "extproc"),
+        router_command: Sequence[str] = (sys.executable, "-m", "prefix_router"),
         startup_timeout_s: float = 60.0,
     ) -> None:
         if replicas < 1:

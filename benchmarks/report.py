@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.metrics import Summary, percentile
+from benchmarks.metrics import Summary
 
 __all__ = [
     "BenchReport",
     "TieredReport",
     "markdown_table",
-    "overhead_table",
     "plot_ttft_cdf",
     "plot_ttft_vs_load",
     "tiered_table",
@@ -244,30 +243,6 @@ def plot_ttft_vs_load(report: BenchReport, out_dir: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def overhead_table(latencies: dict[str, dict[int, list[float]]], throughput: dict[str, float], direct: str) -> str:
-    """Added latency per gateway and prompt size vs ``direct`` (plain Envoy), then requests/s."""
-    lines = [
-        "**Gateway overhead** (instant sim workers, sequential non-streamed requests, unique prompts, ms)",
-        "",
-        "| gateway | prompt tokens | requests | p50 ms | p99 ms | added p50 ms | added p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, by_size in latencies.items():
-        for size, values in by_size.items():
-            base = latencies[direct][size]
-            p50, p99 = percentile(values, 50) * 1000, percentile(values, 99) * 1000
-            add50 = p50 - percentile(base, 50) * 1000
-            add99 = p99 - percentile(base, 99) * 1000
-            lines.append(
-                f"| {name} | {size} | {len(values)} | {p50:.2f} | {p99:.2f} | "
-                + ("- | - |" if name == direct else f"{add50:+.2f} | {add99:+.2f} |")
-            )
-    if throughput:
-        lines += ["", "| gateway | requests/s (routing decisions/s), closed loop |", "|---|---:|"]
-        lines += [f"| {name} | {value:.0f} |" for name, value in throughput.items()]
-    return "\n".join(lines) + "\n"
 
 
 # -- the tiered-cache suite -------------------------------------------------------------------------

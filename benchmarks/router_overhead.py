@@ -1,26 +1,31 @@
-"""What the router adds to a request's latency: Envoy -> worker versus Envoy -> ext_proc -> worker.
+"""What a gateway adds to a request's latency: Envoy -> worker versus Envoy -> ext_proc -> worker (and peers).
 
-Two kinds of gateway over the same simulated workers with the ``instant`` timing profile (no
-simulated GPU time, so the worker costs only its HTTP handling and tokenization, the same in both
-paths): a plain Envoy (least-request, no ext_proc) and the full gateway (header strip, ext_proc, the
-router's policy, ORIGINAL_DST), one per policy. One client sends chat requests one at a time over a
-kept-alive connection, alternating between the plain Envoy and the gateway so that machine noise
-hits both alike, for prompts of about 1k, 8k and 32k tokens, in two cases:
+The one overhead measurement of this project: ``prefix-router bench --suite overhead`` and ``python -m
+benchmarks.router_overhead`` are the same command (this module's ``configure`` and ``main``).
 
-- cold: every prompt is a document never seen before (nothing in the router's piece cache);
+Over the same simulated workers with the ``instant`` timing profile (no simulated GPU time, so the
+worker costs only its HTTP handling and tokenization, the same on every path): a plain Envoy
+(least-request, no ext_proc, ``envoy-direct``), the full gateway (header strip, ext_proc, the router's
+policy, ORIGINAL_DST) once per policy, and each peer gateway (default sgl-router, its own Rust proxy, so
+its "added" figure compares two different proxies). One client sends chat requests one at a time over
+one kept-alive connection per gateway, every gateway in turn (the order rotating request by request so
+that machine noise hits all alike), for prompts of about 1k, 8k and 32k tokens, in two cases:
+
+- cold: every prompt is a document never seen before (nothing in the router's piece cache), new for
+  each gateway too (a worker must not have seen another path's copy);
 - warm: one shared document (a system prompt / RAG context) and a new question each time, the
   common case for prefix-aware routing: the document's tokens come from the piece cache.
 
-It prints p50 and p99 of both paths, the difference, and the router's CPU time per request (what
-bounds one router's throughput) with its idle background work (health checks, load polls)
-measured beforehand and subtracted.
-
-Run: ``python -m benchmarks.router_overhead`` (``--help`` for the knobs).
+It prints p50 and p99 of every path, the difference to ``envoy-direct``, and each router's CPU time per
+request (what bounds one router's throughput) with its idle background work (health checks, load
+polls) measured beforehand and subtracted; then, with ``--throughput-s``, each gateway's completed
+requests per second under closed-loop load (``--throughput-concurrency`` requests always in flight).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -28,18 +33,21 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.gateway.stack import GatewayStack
 from extproc.tokenization import load_tokenizer
+from prefix_router.stack import GatewayStack
 
-__all__ = ["OverheadRow", "format_table", "main", "measure_overhead"]
+__all__ = ["OverheadResult", "OverheadRow", "configure", "format_table", "main", "measure_overhead"]
 
 DEFAULT_SIZES = (1024, 8192, 32768)
 DEFAULT_POLICIES = ("round-robin", "prefix-aware")
+DEFAULT_PEERS = ("sgl-router",)
 CASES = ("cold", "warm")
+DIRECT = "envoy-direct"  # plain Envoy, least-request, no ext_proc: what every other gateway is compared to
 _WORDS = [
     "alpha",
     "bravo",
@@ -87,26 +95,34 @@ _WORDS = [
 
 @dataclass
 class OverheadRow:
-    """Latency figures for one policy, case and prompt size, in milliseconds."""
+    """Latency figures of one gateway for one case and prompt size, in milliseconds."""
 
-    policy: str
+    gateway: str  # ours:<policy> or a peer's name
     case: str
     prompt_tokens: int
     requests: int
-    direct_p50: float
+    direct_p50: float  # envoy-direct, measured in the same rounds
     direct_p99: float
-    router_p50: float
-    router_p99: float
+    p50: float
+    p99: float
 
-    router_cpu_ms: float | None = None  # router CPU per routed request, idle background subtracted (Linux only)
+    router_cpu_ms: float | None = None  # our router's CPU per request, idle background subtracted (Linux only)
 
     @property
     def added_p50(self) -> float:
-        return self.router_p50 - self.direct_p50
+        return self.p50 - self.direct_p50
 
     @property
     def added_p99(self) -> float:
-        return self.router_p99 - self.direct_p99
+        return self.p99 - self.direct_p99
+
+
+@dataclass
+class OverheadResult:
+    """Everything one run measured: latency rows and closed-loop requests per second per gateway."""
+
+    rows: list[OverheadRow]
+    requests_per_s: dict[str, float]
 
 
 def _document(tokens: int, rng: random.Random, tokenizer: object) -> str:
@@ -151,13 +167,17 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _idle_cpu_rate(pid: int, seconds: float = 2.0) -> float | None:
-    """The router's CPU seconds per second with no traffic (health checks, load polls, event loop)."""
-    before = _cpu_seconds(pid)
+def _idle_cpu_rates(pids: dict[str, int], seconds: float = 2.0) -> dict[str, float | None]:
+    """Each router's CPU seconds per second with no traffic (health checks, load polls, event loop)."""
+    before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
     start = time.perf_counter()
     time.sleep(seconds)
-    after = _cpu_seconds(pid)
-    return None if before is None or after is None else (after - before) / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    out: dict[str, float | None] = {}
+    for name, pid in pids.items():
+        after, was = _cpu_seconds(pid), before[name]
+        out[name] = None if was is None or after is None else (after - was) / wall
+    return out
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -187,111 +207,167 @@ class _Client:
 
 
 def _measure(
-    policy: str,
     case: str,
     size: int,
     requests: int,
     warmup: int,
     clients: dict[str, _Client],
-    router_pid: int,
-    idle_rate: float | None,
+    router_pids: dict[str, int],
+    idle_rates: dict[str, float | None],
     rng: random.Random,
     tokenizer: object,
-) -> OverheadRow:
+) -> list[OverheadRow]:
+    """One case and size: every gateway in turn per request (rotating), then one row per gateway."""
     prompts = _Prompts(case, size, rng, tokenizer)
-    paths = ("direct", "router")
+    paths = list(clients)
     bodies = [{name: prompts.body(i) for name in paths} for i in range(warmup + requests)]  # before the clock
-    times: dict[str, list[float]] = {"direct": [], "router": []}
-    cpu_before, start = _cpu_seconds(router_pid), time.perf_counter()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    cpu_before, start = {n: _cpu_seconds(pid) for n, pid in router_pids.items()}, time.perf_counter()
     for i, body in enumerate(bodies):
-        order = paths if i % 2 == 0 else paths[::-1]
-        for name in order:
+        shift = i % len(paths)
+        for name in paths[shift:] + paths[:shift]:
             elapsed = clients[name].chat(body[name])
             if i >= warmup:
                 times[name].append(elapsed)
-    cpu_after, wall = _cpu_seconds(router_pid), time.perf_counter() - start
-    cpu_ms = None
-    if cpu_before is not None and cpu_after is not None and idle_rate is not None:
-        cpu_ms = max(0.0, cpu_after - cpu_before - idle_rate * wall) * 1000 / len(bodies)
-    return OverheadRow(
-        policy,
-        case,
-        size,
-        requests,
-        statistics.median(times["direct"]),
-        _percentile(times["direct"], 0.99),
-        statistics.median(times["router"]),
-        _percentile(times["router"], 0.99),
-        cpu_ms,
-    )
+    wall = time.perf_counter() - start
+    cpu_ms: dict[str, float] = {}
+    for name, pid in router_pids.items():
+        before, after, idle = cpu_before[name], _cpu_seconds(pid), idle_rates.get(name)
+        if before is not None and after is not None and idle is not None:
+            cpu_ms[name] = max(0.0, after - before - idle * wall) * 1000 / len(bodies)
+    direct = times[DIRECT]
+    return [
+        OverheadRow(
+            name,
+            case,
+            size,
+            requests,
+            statistics.median(direct),
+            _percentile(direct, 0.99),
+            statistics.median(values),
+            _percentile(values, 0.99),
+            cpu_ms.get(name),
+        )
+        for name, values in times.items()
+        if name != DIRECT
+    ]
+
+
+def _closed_loop(
+    urls: dict[str, str], tokenizer: object, seed: int, concurrency: int, seconds: float
+) -> dict[str, float]:
+    """Completed requests per second of each gateway, one after the other, ``concurrency`` always in flight."""
+    import asyncio
+
+    from benchmarks.client import LatencyProbe
+
+    prompts = _Prompts("cold", 1024, random.Random(seed + 1), tokenizer)
+    bodies = [prompts.body(i) for i in range(256)]
+
+    async def run() -> dict[str, float]:
+        async with LatencyProbe(urls) as probe:
+            return {name: await probe.throughput(name, bodies, concurrency, seconds) for name in urls}
+
+    return asyncio.run(run())
+
+
+def _start_peers(names: tuple[str, ...], worker_urls: list[str]) -> tuple[dict[str, str], list[Any]]:
+    """Start each peer gateway over the workers: name -> URL (a peer that fails is said and left out)."""
+    import asyncio
+
+    from benchmarks.contenders import ContenderError, create_contender
+
+    urls: dict[str, str] = {}
+    started: list[Any] = []
+    for name in names:
+        peer = create_contender(name)
+        started.append(peer)
+        try:
+            urls[name] = asyncio.run(peer.start(worker_urls))
+        except ContenderError as exc:
+            print(f"  {name} did not start: {exc}", file=sys.stderr)
+    return urls, started
 
 
 def measure_overhead(
     sizes: tuple[int, ...] = DEFAULT_SIZES,
-    requests: int = 200,
+    requests: int = 100,
     warmup: int = 10,
     workers: int = 2,
     policies: tuple[str, ...] = DEFAULT_POLICIES,
     cases: tuple[str, ...] = CASES,
     seed: int = 0,
-) -> list[OverheadRow]:
-    """Start a plain Envoy and one gateway per policy over ``workers`` instant sim workers, measure, stop."""
+    peers: tuple[str, ...] = DEFAULT_PEERS,
+    throughput_s: float = 5.0,
+    throughput_concurrency: int = 16,
+) -> OverheadResult:
+    """Start ``workers`` instant sim workers, envoy-direct, one gateway per policy and the peers; measure; stop."""
+    import asyncio
+
     from prefix_router.fleet import start_fleet
 
     tokenizer = load_tokenizer()
     rng = random.Random(seed)
     sims = start_fleet("sim", workers, profile="instant", no_kv_events=True)
     urls = [s.url for s in sims]
-    rows: list[OverheadRow] = []
+    peer_processes: list[Any] = []
     try:
-        with GatewayStack(worker_urls=urls, router=False, upstream_host_header=False) as direct:
+        with contextlib.ExitStack() as stack:
+            gateways = {
+                DIRECT: stack.enter_context(
+                    GatewayStack(worker_urls=urls, router=False, upstream_host_header=False)
+                ).url
+            }
+            router_pids: dict[str, int] = {}
             for policy in policies:
-                with GatewayStack(worker_urls=urls, policy=policy, upstream_host_header=False) as routed:
-                    clients = {"direct": _Client(direct.url), "router": _Client(routed.url)}
-                    try:
-                        router_pid = routed.router_process.pid if routed.router_process else 0
-                        idle_rate = _idle_cpu_rate(router_pid)
-                        for case in cases:
-                            for size in sizes:
-                                rows.append(
-                                    _measure(
-                                        policy,
-                                        case,
-                                        size,
-                                        requests,
-                                        warmup,
-                                        clients,
-                                        router_pid,
-                                        idle_rate,
-                                        rng,
-                                        tokenizer,
-                                    )
-                                )
-                    finally:
-                        for client in clients.values():
-                            client.close()
+                routed = stack.enter_context(GatewayStack(worker_urls=urls, policy=policy, upstream_host_header=False))
+                gateways[f"ours:{policy}"] = routed.url
+                if routed.router_process is not None:
+                    router_pids[f"ours:{policy}"] = routed.router_process.pid
+            peer_urls, peer_processes = _start_peers(peers, urls)
+            gateways.update(peer_urls)
+            clients = {name: _Client(url) for name, url in gateways.items()}
+            try:
+                idle_rates = _idle_cpu_rates(router_pids)
+                rows = [
+                    row
+                    for case in cases
+                    for size in sizes
+                    for row in _measure(case, size, requests, warmup, clients, router_pids, idle_rates, rng, tokenizer)
+                ]
+            finally:
+                for client in clients.values():
+                    client.close()
+            rates = (
+                _closed_loop(gateways, tokenizer, seed, throughput_concurrency, throughput_s) if throughput_s else {}
+            )
     finally:
+        for peer in peer_processes:
+            asyncio.run(peer.stop())
         for sim in sims:
             sim.stop()
-    return rows
+    return OverheadResult(rows, rates)
 
 
-def format_table(rows: list[OverheadRow]) -> str:
+def format_table(result: OverheadResult) -> str:
     lines = [
-        "Router overhead (instant sim workers; sequential requests; ms)",
+        "**Gateway overhead** (instant sim workers; sequential non-streamed requests, every gateway in turn; ms)",
         "",
-        "| policy | case | prompt tokens | requests | direct p50 | direct p99 | via router p50 | via router p99 "
+        "| gateway | case | prompt tokens | requests | direct p50 | direct p99 | via gateway p50 | via gateway p99 "
         "| added p50 | added p99 | router CPU / request |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in result.rows:
         cpu = "n/a" if r.router_cpu_ms is None else f"{r.router_cpu_ms:.2f}"
         lines.append(
-            f"| {r.policy} | {r.case} | {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | "
-            f"{r.direct_p99:.2f} | {r.router_p50:.2f} | {r.router_p99:.2f} | {r.added_p50:+.2f} | "
+            f"| {r.gateway} | {r.case} | {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | "
+            f"{r.direct_p99:.2f} | {r.p50:.2f} | {r.p99:.2f} | {r.added_p50:+.2f} | "
             f"{r.added_p99:+.2f} | {cpu} |"
         )
-    return "\n".join(lines)
+    if result.requests_per_s:
+        lines += ["", "| gateway | requests/s (routing decisions/s), closed loop |", "|---|---:|"]
+        lines += [f"| {name} | {value:.0f} |" for name, value in result.requests_per_s.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _names(value: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -303,42 +379,117 @@ def _names(value: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.router_overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _peers(value: str) -> tuple[str, ...]:
+    """Peer gateways: contenders over the workers' HTTP API that are not ours (``none`` for no peer)."""
+    from benchmarks.contenders import create_contender
+
+    if value.strip() == "none":
+        return ()
+    names = _names(value)
+    for name in names:
+        try:
+            peer = create_contender(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if name.startswith("ours:") or peer.worker_transport != "http":
+            raise argparse.ArgumentTypeError(f"{name}: not a peer over HTTP workers (ours: use --policies)")
+    return names
+
+
+def _sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in value.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants comma-separated integers, got {value!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError("wants positive prompt sizes")
+    return sizes
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("overhead (instant workers; see docs/benchmarks.md)")
+    g.add_argument("--requests", type=int, default=100, help="Measured requests per row and gateway.")
+    g.add_argument("--warmup", type=int, default=10, help="Unmeasured requests first (per row).")
+    g.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=",".join(map(str, DEFAULT_SIZES)),
+        help="Prompt sizes in tokens, comma-separated.",
     )
-    parser.add_argument("--requests", type=int, default=200, help="Measured requests per row and path.")
-    parser.add_argument("--warmup", type=int, default=10, help="Unmeasured requests first (per row).")
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="Prompt sizes in tokens.")
-    parser.add_argument(
+    g.add_argument(
         "--policies",
         "--policy",
         type=_names,
-        default=DEFAULT_POLICIES,
-        help="Router policies, comma-separated (default: round-robin,prefix-aware).",
+        default=",".join(DEFAULT_POLICIES),
+        help="Our router's policies, one gateway each, comma-separated.",
     )
-    parser.add_argument(
+    g.add_argument(
         "--cases",
         type=lambda v: _names(v, CASES),
-        default=CASES,
-        help="cold (unique documents), warm (shared document, new question), or both (default).",
+        default=",".join(CASES),
+        help="cold (unique documents), warm (shared document, new question), or both.",
     )
-    parser.add_argument("--workers", type=int, default=2, help="Simulated workers behind both gateways.")
-    args = parser.parse_args(argv)
+    g.add_argument(
+        "--peers",
+        type=_peers,
+        default=",".join(DEFAULT_PEERS),
+        help="Peer gateways over the same workers, comma-separated (sgl-router, smg, envoy-rr, ...; none: no peer).",
+    )
+    g.add_argument("--workers", type=int, default=2, help="Simulated workers behind every gateway.")
+    g.add_argument(
+        "--throughput-s",
+        type=float,
+        default=5.0,
+        help="Seconds of closed-loop load per gateway after the latency rows (0: none).",
+    )
+    g.add_argument(
+        "--throughput-concurrency", type=int, default=16, help="Requests in flight during the closed-loop load."
+    )
+    g.add_argument("--seed", type=int, default=0, help="Seed of the prompt text.")
+    g.add_argument("--json", type=Path, default=None, help="Write the rows and requests/s as JSON here.")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.requests < 1 or args.warmup < 0 or args.workers < 1 or args.throughput_concurrency < 1:
+        print("router_overhead: --requests, --workers and --throughput-concurrency must be at least 1", file=sys.stderr)
+        return 2
     try:
-        sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
-    except ValueError:
-        parser.error(f"--sizes wants comma-separated integers, got {args.sizes!r}")
-    try:
-        rows = measure_overhead(sizes, args.requests, args.warmup, args.workers, args.policies, args.cases)
+        result = measure_overhead(
+            args.sizes,
+            args.requests,
+            args.warmup,
+            args.workers,
+            args.policies,
+            args.cases,
+            args.seed,
+            args.peers,
+            args.throughput_s,
+            args.throughput_concurrency,
+        )
     except Exception as exc:  # a failed start names the part and quotes its log
         print(f"router_overhead: {exc}", file=sys.stderr)
         return 1
-    print(format_table(rows))
+    print(format_table(result))
+    if args.json is not None:
+        from benchmarks.suites.shared import versions
+
+        data = {
+            "suite": "overhead",
+            "rows": [{**asdict(r), "added_p50": r.added_p50, "added_p99": r.added_p99} for r in result.rows],
+            "requests_per_s": result.requests_per_s,
+            "setup": {"workers": args.workers, "warmup": args.warmup, "seed": args.seed, "argv": sys.argv[1:]},
+            "versions": versions(),
+        }
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"results written to {args.json}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli = argparse.ArgumentParser(
+        prog="python -m benchmarks.router_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure(cli)
+    sys.exit(main(cli.parse_args()))

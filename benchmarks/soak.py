@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 
 __all__ = ["SoakReport", "main", "run_soak"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from extproc.gateway.stack import find_envoy
+from prefix_router.stack import find_envoy
 from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS
 
 

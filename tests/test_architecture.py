@@ -95,36 +95,70 @@ def test_no_import_cycles() -> None:
     assert _cycles(_graph()) == []
 
 
-def test_request_and_sync_paths_never_import_the_simulator_or_benchmarks() -> None:
-    graph = _graph()
+def test_the_router_never_imports_the_simulator_benchmarks_or_the_command() -> None:
+    graph = _graph()  # extproc is the router and nothing else: no exemption
     offenders = {
-        m: _reaches(graph, m, ("sglang_workers", "benchmarks"))
+        m: _reaches(graph, m, ("sglang_workers", "benchmarks", "prefix_router"))
         for m in graph
-        if m.startswith("extproc") and not m.startswith("extproc.gateway")
+        if m.startswith("extproc")
     }
     assert {m: t for m, t in offenders.items() if t} == {}
+
+
+REQUEST_PATH = (
+    "extproc.router",
+    "extproc.policies",
+    "extproc.servicer",
+    "extproc.request",
+    "extproc.response",
+    "extproc.prompt",
+    "extproc.telemetry",
+    "extproc.serve_command",
+)
 
 
 def test_sync_path_never_imports_the_request_path() -> None:
     graph = _graph()
-    request_path = (
-        "extproc.router",
-        "extproc.policies",
-        "extproc.servicer",
-        "extproc.prompt",
-        "extproc.telemetry",
-        "extproc.gateway",
-        "extproc.serve_command",
-    )
-    offenders = {m: _reaches(graph, m, request_path) for m in graph if m.startswith("extproc.sync")}
+    forbidden = (*REQUEST_PATH, "extproc.envoy_config")
+    offenders = {m: _reaches(graph, m, forbidden) for m in graph if m.startswith("extproc.sync")}
     assert {m: t for m, t in offenders.items() if t} == {}
 
 
-def test_request_path_never_imports_the_gateway_tooling() -> None:
+def test_request_path_never_imports_the_envoy_config_tooling() -> None:
     graph = _graph()
     offenders = {
-        m: _reaches(graph, m, ("extproc.gateway",))
+        m: _reaches(graph, m, ("extproc.envoy_config",))
         for m in graph
-        if m.startswith("extproc") and not m.startswith("extproc.gateway")
+        if m.startswith("extproc") and not m.startswith("extproc.envoy_config")
     }
     assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_the_workers_never_import_the_request_path_the_benchmarks_or_the_command() -> None:
+    graph = _graph()
+    forbidden = (*REQUEST_PATH, "benchmarks", "prefix_router")
+    offenders = {m: _reaches(graph, m, forbidden) for m in graph if m.startswith("sglang_workers")}
+    assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_only_the_entry_point_imports_the_commands() -> None:
+    """prefix_router.cli is the top: it may import everything, nothing imports it or ``up``.
+
+    The benchmarks may use the stack (``prefix_router.stack``) as a library; the command modules are
+    wired only by the entry point, by import statements, so this graph sees each of them.
+    """
+    graph = _graph()
+    importers = {
+        m: sorted(t for t in ts if t in ("prefix_router.cli", "prefix_router.up_command")) for m, ts in graph.items()
+    }
+    assert {m: t for m, t in importers.items() if t and m not in ("prefix_router.cli", "prefix_router.__main__")} == {}
+    commands = graph["prefix_router.cli"]
+    for module in (
+        "prefix_router.up_command",
+        "extproc.serve_command",
+        "extproc.envoy_config_command",
+        "sglang_workers.sim_worker_command",
+        "sglang_workers.sglang_launch_command",
+        "benchmarks.bench_command",
+    ):
+        assert module in commands, module

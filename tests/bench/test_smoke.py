@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.cli import main as cli_main
+from prefix_router.cli import main as cli_main
 
 
 @pytest.mark.timeout(90)
@@ -125,3 +125,51 @@ def test_bench_tiered_suite_with_a_shared_storage_tier(tmp_path: Path, capsys: p
     assert fleet["busy_prefill_s"] > 0 and row["gpu_seconds_per_request"] > 0
     assert fleet["cached_tokens"]["device"] > 0  # the documents' repeat questions hit
     assert sum(row["hit_rate_by_tier"].values()) == pytest.approx(row["hit_rate"], abs=0.02)
+
+
+@pytest.mark.timeout(120)
+def test_bench_overhead_suite_measures_every_gateway(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "overhead.json"
+    rc = cli_main(
+        [
+            "bench",
+            "--suite",
+            "overhead",
+            "--requests",
+            "4",
+            "--warmup",
+            "1",
+            "--sizes",
+            "128",
+            "--policies",
+            "round-robin",
+            "--peers",
+            "sgl-router",
+            "--throughput-s",
+            "0.5",
+            "--throughput-concurrency",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| ours:round-robin | cold | 128 | 4 |" in table and "| sgl-router | warm | 128 | 4 |" in table
+    data = json.loads(out.read_text())
+    rows = {(r["gateway"], r["case"]): r for r in data["rows"]}
+    assert set(rows) == {(g, c) for g in ("ours:round-robin", "sgl-router") for c in ("cold", "warm")}
+    for row in rows.values():
+        assert 0 < row["direct_p50"] <= row["direct_p99"] and 0 < row["p50"] <= row["p99"]
+    assert rows[("ours:round-robin", "cold")]["router_cpu_ms"] is not None  # our router's CPU, from /proc
+    assert rows[("sgl-router", "cold")]["router_cpu_ms"] is None
+    assert set(data["requests_per_s"]) == {"envoy-direct", "ours:round-robin", "sgl-router"}
+    assert all(rate > 0 for rate in data["requests_per_s"].values())
+
+
+def test_bench_suites_take_only_their_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--suite", "overhead", "--lc-docs", "2"])  # a tiered flag
+    assert "unrecognized arguments: --lc-docs" in capsys.readouterr().err
+    assert cli_main(["bench", "--matrix", "--suite", "tiered"]) == 2
+    assert "--matrix is a suite of its own" in capsys.readouterr().err

@@ -296,7 +296,7 @@ def test_sglang_cpu_engine_fills_only_the_defaults_not_given(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from benchmarks.bench_command import CPU_DEFAULTS, apply_engine_defaults, configure
+    from benchmarks.suites.compare import CPU_DEFAULTS, apply_engine_defaults, configure
 
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -308,7 +308,7 @@ def test_sglang_cpu_engine_fills_only_the_defaults_not_given(tmp_path: Path) -> 
     apply_engine_defaults(sim)
     assert sim.workers == 4 and sim.capacity_tokens == 24576  # the simulator's defaults are untouched
     done = subprocess.run(
-        [sys.executable, "-m", "extproc", "bench", "--engine", "sglang-cpu"],
+        [sys.executable, "-m", "prefix_router", "bench", "--engine", "sglang-cpu"],
         capture_output=True,
         text=True,
         timeout=60,

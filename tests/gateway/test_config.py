@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc import envoy_config
 from extproc.addresses import free_port
-from extproc.gateway import envoy_config
-from extproc.gateway.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
+from extproc.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def assemble(pieces: dict, listen_port: int = 18080) -> dict:
 
 def test_envoy_directory_matches_the_generator() -> None:
     for name, content in example_files().items():
-        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m extproc.gateway.envoy_config`"
+        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m extproc.envoy_config`"
 
 
 def test_envoy_directory_validates(envoy_bin: str, tmp_path: Path) -> None:
@@ -94,7 +94,7 @@ def test_filter_order_and_modes() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "extproc", "envoy-config", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "prefix_router", "envoy-config", *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -164,13 +164,16 @@ def test_cli_rejects_bad_input() -> None:
 
 def test_serve_explains_missing_workers_and_bad_config(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "extproc", "serve", "--metrics-port", "0"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "prefix_router", "serve", "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 2 and "no workers" in run.stderr and "Traceback" not in run.stderr
     config = tmp_path / "bad.yaml"
     config.write_text("server: {port: not-a-port}\n")
     run = subprocess.run(
-        [sys.executable, "-m", "extproc", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
+        [sys.executable, "-m", "prefix_router", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -202,7 +205,7 @@ def test_router_binds_loopback_by_default() -> None:
         [
             sys.executable,
             "-m",
-            "extproc",
+            "prefix_router",
             "serve",
             "--port",
             str(port),

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.addresses import free_port
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import SpoofTarget, envoy_stats, post, request, stream_lines
 
 LIMIT = 64 * 1024

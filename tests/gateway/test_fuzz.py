@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, request
 
 pytestmark = pytest.mark.timeout(120)

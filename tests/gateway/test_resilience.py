@@ -8,6 +8,7 @@ worker may, with a JSON 503, never a hang), and the supervisor brings the child 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -23,7 +24,7 @@ import aiohttp
 import pytest
 
 from extproc.addresses import free_port
-from extproc.gateway.stack import CrashLoopError, GatewayStack
+from prefix_router.stack import CrashLoopError, GatewayStack
 from tests.support.gateway_http import post
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,7 +235,7 @@ def _children(pid: int) -> dict[int, str]:
 def test_up_restarts_a_killed_worker_and_router_and_serves_throughout(envoy_bin: str) -> None:
     port = free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "up", "--sim-workers", "2", "--port", str(port), "--quiet"],
+        [sys.executable, "-m", "prefix_router", "up", "--sim-workers", "2", "--port", str(port), "--quiet"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -273,3 +274,70 @@ def test_up_restarts_a_killed_worker_and_router_and_serves_throughout(envoy_bin:
             except subprocess.TimeoutExpired:
                 os.killpg(up.pid, signal.SIGKILL)
                 up.wait()
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid`` (children, their children, ...), pid -> command line."""
+    out: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        found = _children(frontier.pop())
+        out.update(found)
+        frontier.extend(found)
+    return out
+
+
+def _gone(pid: int, cmdline: str) -> bool:
+    """Dead: no such process, a zombie (dead, waiting to be reaped), or the pid reused by another command."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        now = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X") or now != cmdline
+
+
+def test_no_child_outlives_up_even_when_up_is_killed(envoy_bin: str) -> None:
+    """SIGKILL runs no cleanup in ``up``: the kernel kills its children (PR_SET_PDEATHSIG), restarted ones too."""
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "prefix_router", "up", "--sim-workers", "2", "--port", str(port), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # not the test's process group: only the kill below reaches it
+    )
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(iter(up.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    children: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while "gateway is up" not in (up.stdout.readline() if up.stdout else ""):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(errors)
+        # A restarted worker is spawned again (from another thread of ``up``): it must die with ``up`` too.
+        worker = next(pid for pid, cmd in _children(up.pid).items() if " sim-worker " in cmd)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not any("is back" in line for line in errors):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(errors)
+            time.sleep(0.1)
+        children = _descendants(up.pid)
+        kinds = [cmd for cmd in children.values() if " sim-worker " in cmd]
+        assert len(kinds) == 2 and worker not in children, children
+        assert any(" serve " in cmd for cmd in children.values()), children
+        assert any("envoy" in cmd and " serve " not in cmd and " sim-worker " not in cmd for cmd in children.values())
+        up.kill()
+        up.wait(10)
+        deadline = time.monotonic() + 5
+        while not all(_gone(pid, cmd) for pid, cmd in children.items()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {pid: cmd for pid, cmd in children.items() if not _gone(pid, cmd)} == {}
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid, cmd in children.items():  # whatever survived a failed run must not leak into the next test
+            if not _gone(pid, cmd):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

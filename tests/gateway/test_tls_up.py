@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.addresses import free_port
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import envoy_stats, post
 
 PICKED = "cluster.prefix_router_picked.upstream_rq_total"
@@ -101,7 +101,18 @@ def _port_open(url: str) -> bool:
 def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str) -> None:
     port = free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "up", "--sim-workers", "2", "--port", str(port), "--policy", "round-robin"],
+        [
+            sys.executable,
+            "-m",
+            "prefix_router",
+            "up",
+            "--sim-workers",
+            "2",
+            "--port",
+            str(port),
+            "--policy",
+            "round-robin",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

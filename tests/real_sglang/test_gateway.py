@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 
-from extproc.gateway.stack import GatewayStack
+from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, request, stream_lines
 from tests.support.real_sglang import restart_cpu_worker
 from tests.support.sglang_session import fit_chat

@@ -11,7 +11,7 @@ from extproc.addresses import free_ports
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "extproc", "sim-worker", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "prefix_router", "sim-worker", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

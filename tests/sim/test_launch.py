@@ -15,7 +15,7 @@ import pytest
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "extproc", "sglang-launch", *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "prefix_router", "sglang-launch", *args], capture_output=True, text=True, timeout=30
     )
 
 
@@ -68,7 +68,17 @@ def test_cpu_launch_command_uses_the_install_and_the_cpu_flags(tmp_path: Path) -
     """--cpu takes the Python, the model and the environment from the `make sglang-cpu` install."""
     root = _fake_install(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "extproc", "sglang-launch", "--cpu", "--port", "31000", "--kv-events-host", "127.0.0.1"],
+        [
+            sys.executable,
+            "-m",
+            "prefix_router",
+            "sglang-launch",
+            "--cpu",
+            "--port",
+            "31000",
+            "--kv-events-host",
+            "127.0.0.1",
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -92,7 +102,7 @@ def test_cpu_launch_command_uses_the_install_and_the_cpu_flags(tmp_path: Path) -
 
 def test_cpu_launch_without_the_install_names_make_sglang_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "extproc", "sglang-launch", "--cpu"],
+        [sys.executable, "-m", "prefix_router", "sglang-launch", "--cpu"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -100,7 +110,7 @@ def test_cpu_launch_without_the_install_names_make_sglang_cpu(tmp_path: Path) ->
     )
     assert done.returncode == 1 and "make sglang-cpu" in done.stderr and "Traceback" not in done.stderr
     up = subprocess.run(
-        [sys.executable, "-m", "extproc", "up", "--engine", "sglang-cpu", "--workers", "2"],
+        [sys.executable, "-m", "prefix_router", "up", "--engine", "sglang-cpu", "--workers", "2"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -65,7 +65,7 @@ def _sim_worker(host: str, port: int) -> subprocess.Popen[bytes]:
         [
             sys.executable,
             "-m",
-            "extproc",
+            "prefix_router",
             "sim-worker",
             "--host",
             host,
@@ -142,7 +142,7 @@ def _serve(config: Path) -> tuple[subprocess.Popen[bytes], int]:
         [
             sys.executable,
             "-m",
-            "extproc",
+            "prefix_router",
             "serve",
             "--config",
             str(config),

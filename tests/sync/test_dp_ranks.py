@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from extproc.gateway.stack import GatewayStack
 from prefix_router.fleet import start_fleet
+from prefix_router.stack import GatewayStack
 from sglang_workers.real.launch_command import DP_ENV
 from tests.support.gateway_http import post, request
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.addresses import LOOPBACK, split_host_port
-from extproc.gateway.stack import CrashLoopError, GatewayStack
+from prefix_router.stack import CrashLoopError, GatewayStack
 
 __all__ = ["configure", "main"]
 

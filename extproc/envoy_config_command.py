@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from extproc.addresses import split_host_port
-from extproc.gateway.envoy_config import DEFAULT_MAX_BODY_BYTES, GatewaySpec, bootstrap, dump, pieces
+from extproc.envoy_config import DEFAULT_MAX_BODY_BYTES, GatewaySpec, bootstrap, dump, pieces
 
 __all__ = ["configure", "main", "spec_from_args"]
 

@@ -2,13 +2,15 @@
 
 N simulated SGLang workers, N real SGLang CPU workers (``sglang_workers.real``, after ``make
 sglang-cpu``) or workers you name, the router (``prefix-router serve``) and Envoy (configured by
-``extproc.gateway.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
+``extproc.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
 ``stop_router``/``start_router``) is kept stable.
 
 Under ``up`` the router and Envoy run in their own sessions, so a terminal Ctrl-C reaches only this
 process, which then stops them in order: Envoy first (no new requests), then the router, then the
-workers. Programmatic stacks keep them in the caller's process group, so an interrupted test or
+workers. Since no signal to ``up``'s process group reaches them there, they (and the simulated workers)
+are also set to die with ``up`` (Linux ``PR_SET_PDEATHSIG``): whatever ends it, even SIGKILL, no child
+outlives it. Programmatic stacks keep them in the caller's process group, so an interrupted test or
 benchmark run takes them down with it.
 
 ``supervise()`` keeps the stack whole: a child that dies (a simulated worker, the router, Envoy) is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -38,11 +41,35 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc import envoy_config
 from extproc.addresses import LOOPBACK, free_port, split_host_port
-from extproc.gateway import envoy_config
-from extproc.gateway.envoy_config import GatewaySpec
+from extproc.envoy_config import GatewaySpec
 
 __all__ = ["CrashLoopError", "GatewayStack", "StackError", "find_envoy"]
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux SIGKILL the child (the router, Envoy) when this process dies.
+
+    Whatever ends the parent (even SIGKILL, which runs no cleanup), the kernel then kills the child,
+    so a supervisor's children never outlive it. The signal follows the *thread* that forks: spawn from
+    a thread that lives as long as the parent (the main thread, or an executor's). None off Linux.
+    Workers get the same through ``sglang_workers.process`` (their own children too).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody will send the signal
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 class StackError(RuntimeError):
@@ -435,7 +462,7 @@ class GatewayStack:
         argv = [
             sys.executable,
             "-m",
-            "extproc",
+            "prefix_router",
             "serve",
             "--host",
             LOOPBACK,
@@ -544,6 +571,8 @@ class GatewayStack:
                 stdout=handle if stdout else None,
                 stderr=handle,
                 start_new_session=self.own_sessions,
+                # Spawned from the event loop's thread, which lives as long as ``up``.
+                preexec_fn=die_with_parent() if self.own_sessions else None,  # noqa: PLW1509
             )
         finally:
             handle.close()

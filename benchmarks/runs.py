@@ -1,0 +1,67 @@
+"""One contender at one offered load on a fresh cluster: the unit every comparing suite repeats."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from benchmarks.client import ClientOptions, run_load
+from benchmarks.cluster import Cluster, ClusterError, ClusterSpec, CpuWorkerPool
+from benchmarks.contenders import ContenderError, create_contender
+from benchmarks.metrics import RequestResult, Summary, failed, summarize
+from benchmarks.workloads import Workload
+
+__all__ = ["progress_bar", "run_one"]
+
+
+def progress_bar(total: int, desc: str, disabled: bool) -> Any:
+    """A tqdm bar on stderr (stdout is for the tables)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=disabled, leave=False, file=sys.stderr)
+
+
+async def run_one(
+    name: str,
+    workload: Workload,
+    spec: ClusterSpec,
+    options: ClientOptions,
+    rate: float | None,
+    progress: bool,
+    pool: CpuWorkerPool | None = None,
+) -> tuple[Summary, list[float]]:
+    """One contender at one offered load on a fresh (or flushed) cluster; a start failure becomes its row."""
+    contender = create_contender(name, page_size=spec.page_size)
+    cluster = Cluster(spec, pool)
+    try:
+        try:
+            await cluster.start()
+        except ClusterError as exc:
+            return failed(name, rate, f"cluster did not start: {exc}"), []
+        try:
+            urls = cluster.grpc_urls if contender.worker_transport == "grpc" else cluster.urls
+            url = await contender.start(urls)
+        except ContenderError as exc:
+            return failed(name, rate, str(exc)), []
+        model = await cluster.served_model()
+        if model is not None:
+            options = dataclasses.replace(options, model=model)
+        bar = progress_bar(len(workload.requests), f"{name} @ {rate:g} req/s" if rate else name, not progress)
+        results: list[RequestResult]
+        try:
+            results = await run_load(url, workload.requests, options, on_done=lambda _r: bar.update(1))
+        finally:
+            bar.close()
+        counts = await cluster.request_counts()
+        if not counts:  # workers did not report: count what the gateway said in x-upstream-host
+            for r in results:
+                if r.error is None and r.upstream:
+                    counts[r.upstream] = counts.get(r.upstream, 0) + 1
+        summary = summarize(name, rate, results, counts, spec.workers)
+        summary.fleet = await cluster.fleet_figures()
+        ttfts = sorted(r.ttft_s for r in results if r.error is None and r.ttft_s is not None)
+        return summary, ttfts
+    finally:
+        await contender.stop()
+        await cluster.stop()

@@ -1,0 +1,5 @@
+import sys
+
+from prefix_router.cli import main
+
+sys.exit(main())
