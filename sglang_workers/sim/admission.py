@@ -84,21 +84,11 @@ def next_prefill_batch(s: SchedulerState) -> list[Request]:
     batch = s.prefilling = []
 
     if s.chunked is not None:  # an unfinished chunked prefill always continues first
-        req = s.chunked
-        remaining = len(req.fill_ids) - req.kv_len
-        take = remaining if remaining <= rem_chunk else s.cache.page_align(rem_chunk)
-        if take > 0 and s.ensure_free(s.page_ceil(req.kv_len + take) - s.page_ceil(req.kv_len)):
-            req.chunk_prefix, req.chunk_len = req.kv_len, take
-            req.load_tokens = 0
-            req.kv_len += take
-            rem_chunk -= take
-            rem_input -= take
-            batch.append(req)
-            if take < remaining:
-                return batch
-            s.chunked = None
-        else:
+        taken = _continue_chunked(s, s.chunked, batch, rem_chunk)
+        if taken is None:
             return batch
+        rem_chunk -= taken
+        rem_input -= taken
 
     if len(s.running) + len(batch) >= cfg.max_running_requests:
         return batch
@@ -134,19 +124,7 @@ def next_prefill_batch(s: SchedulerState) -> list[Request]:
         if take <= 0 or not s.ensure_free(s.page_ceil(prefix_len + take) - prefix_len):
             s.cache.unlock(node)
             break
-        s.waiting.remove(req)
-        req.last_node, req.tree_len = node, prefix_len
-        req.kv_len = prefix_len + take
-        req.chunk_prefix, req.chunk_len = prefix_len, take
-        req.load_tokens = loaded
-        if req.cached_tokens < 0:
-            req.cached_tokens = prefix_len
-            req.admitted_at = time.monotonic()
-            req.cached_storage = min(req.storage_landed, loaded)
-            req.cached_host = loaded - req.cached_storage
-            req.cached_device = prefix_len - loaded
-            if not req.health_check:
-                record_admission(s.stats, req)
+        _admit(s, req, node, prefix_len, take, loaded)
         batch.append(req)
         rem_chunk -= take
         rem_input -= take
@@ -155,6 +133,44 @@ def next_prefill_batch(s: SchedulerState) -> list[Request]:
             break
         offset += take + min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
     return batch
+
+
+def _continue_chunked(s: SchedulerState, req: Request, batch: list[Request], rem_chunk: int) -> int | None:
+    """The next chunk of the unfinished chunked prefill ``req``, added to ``batch``.
+
+    Returns the tokens it takes when it finishes now (admission goes on), None when the batch ends here: the
+    chunk did not fit, or more chunks follow.
+    """
+    remaining = len(req.fill_ids) - req.kv_len
+    take = remaining if remaining <= rem_chunk else s.cache.page_align(rem_chunk)
+    if take <= 0 or not s.ensure_free(s.page_ceil(req.kv_len + take) - s.page_ceil(req.kv_len)):
+        return None
+    req.chunk_prefix, req.chunk_len = req.kv_len, take
+    req.load_tokens = 0
+    req.kv_len += take
+    batch.append(req)
+    if take < remaining:
+        return None
+    s.chunked = None
+    return take
+
+
+def _admit(s: SchedulerState, req: Request, node: TreeNode, prefix_len: int, take: int, loaded: int) -> None:
+    """Move ``req`` from the queue into the prefill batch: its KV extent, its chunk, and on its first admission
+    what of its prompt was cached where (device, host, storage)."""
+    s.waiting.remove(req)
+    req.last_node, req.tree_len = node, prefix_len
+    req.kv_len = prefix_len + take
+    req.chunk_prefix, req.chunk_len = prefix_len, take
+    req.load_tokens = loaded
+    if req.cached_tokens < 0:
+        req.cached_tokens = prefix_len
+        req.admitted_at = time.monotonic()
+        req.cached_storage = min(req.storage_landed, loaded)
+        req.cached_host = loaded - req.cached_storage
+        req.cached_device = prefix_len - loaded
+        if not req.health_check:
+            record_admission(s.stats, req)
 
 
 def load_back(s: SchedulerState, m: TierMatch) -> tuple[TreeNode | None, int]:

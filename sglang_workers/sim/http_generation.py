@@ -133,14 +133,12 @@ class GenerationApi:
         payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
         await resp.write(f"data: {payload}\n\n".encode())
 
-    # -- /generate ---------------------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
+    def _generate_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        """``/generate``'s prompts as token ids (``input_ids`` win over ``text``, as in SGLang) and whether batched."""
         text, ids = body.get("text"), body.get("input_ids")
         if text is None and ids is None:
             raise ApiError(400, "Either text, input_ids or input_embeds should be provided.", "generate")
-        prompts: list[list[int]]
-        if ids is not None:  # input_ids win over text, as in SGLang
+        if ids is not None:
             if not isinstance(ids, list):
                 raise validation_error("input_ids", "Input should be a valid list")
             batch = bool(ids) and isinstance(ids[0], list)
@@ -149,15 +147,19 @@ class GenerationApi:
             items = ids if batch else [ids]
             if not all(isinstance(p, list) for p in items):
                 raise validation_error("input_ids", "Input should be a valid list")
-            prompts = [check_input_ids(p, "input_ids", "generate") for p in items]
-        else:
-            batch = isinstance(text, list)
-            texts: list[Any] = text if isinstance(text, list) else [text]
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise validation_error("text", "Input should be a valid string")
-            prompts = [self.tokenizer.encode_text(str(t)) for t in texts]
-            if not all(prompts):
-                raise ApiError(400, "input_ids cannot be empty.", "generate")
+            return [check_input_ids(p, "input_ids", "generate") for p in items], batch
+        texts: list[Any] = text if isinstance(text, list) else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise validation_error("text", "Input should be a valid string")
+        prompts = [self.tokenizer.encode_text(str(t)) for t in texts]
+        if not all(prompts):
+            raise ApiError(400, "input_ids cannot be empty.", "generate")
+        return prompts, isinstance(text, list)
+
+    # -- /generate ---------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        prompts, batch = self._generate_prompts(body)
         params = body.get("sampling_params") or {}
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):

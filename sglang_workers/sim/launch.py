@@ -75,7 +75,7 @@ def spawn_sim_worker(
     argv = [
         sys.executable,
         "-m",
-        "extproc",
+        "prefix_router",
         "sim-worker",
         "--host",
         host,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from .metrics import GRAPH_PHASES, Histogram, HttpStats
 from .scheduler import Scheduler
@@ -89,13 +90,23 @@ class _Page:
 
 
 def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = None) -> str:
-    """The whole ``/metrics`` page of one simulated worker."""
+    """The whole ``/metrics`` page of one simulated worker, section by section in SGLang's order."""
     page = _Page(model)
-    stats, load, profile, config = scheduler.stats, scheduler.load(), scheduler.profile, scheduler.config
-    sched, tok = page.scheduler, page.tokenizer
-    pid = (("pid", str(os.getpid())),)
+    load = scheduler.load()
+    cpu = time.process_time()
+    _request_metrics(page, scheduler)
+    _scheduler_histograms(page, scheduler)
+    _process_metrics(page, scheduler, http, cpu)
+    _scheduler_gauges(page, scheduler, load, http)
+    _scheduler_counters(page, scheduler, cpu)
+    if scheduler.hicache is not None:
+        _hicache(page.lines, scheduler, model)
+    return "\n".join(page.lines) + "\n"
 
-    # -- request metrics (SGLang's tokenizer process) -------------------------------------------------
+
+def _request_metrics(page: _Page, scheduler: Scheduler) -> None:
+    """Request metrics (SGLang's tokenizer process): latencies, lengths, token counters."""
+    stats, tok = scheduler.stats, page.tokenizer
     streams = sorted(stats.finished.items())
 
     def by_stream(flag: bool) -> tuple[tuple[str, str], ...]:
@@ -152,7 +163,10 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
             if value or source == "device":
                 page.sample("cached_tokens_total", (*tok, ("cache_source", source)), value)
 
-    # -- scheduler histograms -------------------------------------------------------------------------
+
+def _scheduler_histograms(page: _Page, scheduler: Scheduler) -> None:
+    """The scheduler's histograms: DP attention, stage latencies, queueing, evictions."""
+    stats, config, sched = scheduler.stats, scheduler.config, page.scheduler
     page.histogram(
         "dp_attention_token_imbalance_ratio",
         "Per MLP-sync step, max tokens over mean tokens across the DP ranks (1.0 = balanced).",
@@ -188,7 +202,10 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         page.family("evicted_tokens_total", "counter", "The number of device KV token slots freed by eviction.")
         page.sample("evicted_tokens_total", cache_labels, evicted)
 
-    # -- start-up, process, HTTP ------------------------------------------------------------------------
+
+def _process_metrics(page: _Page, scheduler: Scheduler, http: HttpStats | None, cpu: float) -> None:
+    """Start-up phases, process CPU and the HTTP server's request counters."""
+    config, tok = scheduler.config, page.tokenizer
     page.family("startup_time_seconds", "gauge", "Engine startup duration by phase in seconds.")
     for phase in STARTUP_PHASES:
         page.sample(
@@ -200,7 +217,6 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
     for phase in GRAPH_PHASES:
         page.sample("startup_cuda_graph_time_seconds", (*tok, ("phase", phase)), 0.0)
     page.family("process_cpu_seconds_total", "counter", "Total CPU time consumed by this process (user + system)")
-    cpu = time.process_time()
     for component in ("detokenizer", "tokenizer"):
         page.sample("process_cpu_seconds_total", (("component", component),), cpu if component == "tokenizer" else 0.0)
     if http is not None:
@@ -215,7 +231,11 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
                 count,
             )
 
-    # -- scheduler gauges -----------------------------------------------------------------------------
+
+def _scheduler_gauges(page: _Page, scheduler: Scheduler, load: dict[str, Any], http: HttpStats | None) -> None:
+    """The scheduler's gauges: queues, KV pool, memory, routing keys, active HTTP requests."""
+    profile, config, sched = scheduler.profile, scheduler.config, page.scheduler
+    pid = (("pid", str(os.getpid())),)
     capacity = scheduler.capacity
     page.gauge("num_retracted_reqs", "The number of retracted requests.", load["queues"]["retracted"], (*sched, *pid))
     page.gauge("num_paused_reqs", "The number of paused requests by async weight sync.", 0, (*sched, *pid))
@@ -292,7 +312,10 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         for (endpoint, method), count in http.active.items():
             page.sample("http_requests_active", (("endpoint", endpoint), ("method", method)), count)
 
-    # -- scheduler counters ---------------------------------------------------------------------------
+
+def _scheduler_counters(page: _Page, scheduler: Scheduler, cpu: float) -> None:
+    """The scheduler's counters: effective prefill tokens, idle and stage time, forward passes, tokens."""
+    stats, sched = scheduler.stats, page.scheduler
     page.family(
         "prefill_effective_tokens_total",
         "counter",
@@ -337,9 +360,6 @@ def render_metrics(scheduler: Scheduler, model: str, http: HttpStats | None = No
         ("prefill_cache", stats.prefill_cache_tokens),
     ):
         page.sample("realtime_tokens_total", (*sched, ("mode", mode)), value)
-    if scheduler.hicache is not None:
-        _hicache(page.lines, scheduler, model)
-    return "\n".join(page.lines) + "\n"
 
 
 def _scheduler_label_text(model: str, extra: str = "") -> str:
