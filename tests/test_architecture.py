@@ -157,8 +157,8 @@ def test_only_the_entry_point_imports_the_commands() -> None:
         "prefix_router.up_command",
         "extproc.serve_command",
         "extproc.envoy_config_command",
-        "sglang_workers.sim_worker_command",
-        "sglang_workers.sglang_launch_command",
+        "sglang_workers.sim.command",
+        "sglang_workers.real.launch_command",
         "benchmarks.bench_command",
     ):
         assert module in commands, module

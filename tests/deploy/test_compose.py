@@ -123,9 +123,7 @@ def test_gpu_worker_command_is_sglang_launch_output(compose: dict[str, Any]) -> 
 def test_sim_workers_run_the_router_image_with_valid_flags(compose: dict[str, Any]) -> None:
     sim = {n: s for n, s in _active(compose, "sim").items() if n.startswith("sim-worker-")}
     assert len(sim) == 2
-    sim_cli = pytest.importorskip(
-        "sglang_workers.sim_worker_command", reason="sglang_workers.sim_worker_command not available"
-    )
+    sim_cli = pytest.importorskip("sglang_workers.sim.command", reason="sglang_workers.sim.command not available")
     import argparse
 
     for svc in sim.values():
