@@ -35,7 +35,9 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello ther
 def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
-        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1}\nevents: {enabled: false}\n"
+        # keep_last_healthy_s: hung workers (SIGSTOP) stay candidates that long after their last probe.
+        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1, keep_last_healthy_s: 0.5}\n"
+        "events: {enabled: false}\n"
     )
     gateway = GatewayStack(
         sim_workers=2,

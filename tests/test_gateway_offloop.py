@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
 from extproc.router import Router
-from extproc.servicer import ExtProcServicer, add_services, mark_serving
+from extproc.servicer import ExtProcServicer, add_services, mark_ready, mark_serving
 from extproc.sync.workers import Worker, WorkerRegistry
 
 CHAT_PATH = "/v1/chat/completions"
@@ -102,6 +102,7 @@ async def service() -> AsyncIterator[tuple[Router, grpc.aio.Channel]]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await mark_serving(health, True)
+    await mark_ready(health, True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield router, channel

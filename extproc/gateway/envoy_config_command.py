@@ -88,6 +88,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "the worker nothing; use /health (a one-token generation, >= 1 s) for releases without /ready."
         ),
     )
+    parser.add_argument(
+        "--body-mode",
+        choices=["buffered", "streamed"],
+        default="buffered",
+        help=(
+            "How Envoy hands bodies to the router: buffered (whole request body in one message, responses not "
+            "sent) or streamed (FULL_DUPLEX_STREAMED both ways, as GIE gateways configure an endpoint picker)."
+        ),
+    )
+    parser.add_argument(
+        "--max-message-timeout-ms",
+        type=int,
+        help=(
+            "Longest wait the router may ask Envoy for while a request waits in its flow control "
+            "(ext_proc max_message_timeout); set it above flow_control.queue_ttl_s."
+        ),
+    )
     parser.add_argument("-o", "--output", type=Path, help="Write to this file instead of stdout.")
 
 
@@ -111,6 +128,8 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         tls_key=args.tls_key,
         tls_sni=args.tls_sni,
         health_path=args.health_path,
+        body_mode=args.body_mode,
+        max_message_timeout_ms=args.max_message_timeout_ms,
     )
 
 
