@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -125,11 +125,18 @@ class FlowController:
         """Requests waiting now, all bands together."""
         return self._waiting
 
-    async def admit(self, admission: Admission, has_room: Callable[[], bool]) -> float:
+    async def admit(
+        self,
+        admission: Admission,
+        has_room: Callable[[], bool],
+        on_queued: Callable[[float], Awaitable[None]] | None = None,
+    ) -> float:
         """Wait until the request may be routed; returns seconds waited. Raises ``ShedError`` (429).
 
-        ``has_room`` says whether some worker eligible for this request has room now. Cancelling the
-        caller (the client went away) removes it from its band.
+        ``has_room`` says whether some worker eligible for this request has room now. ``on_queued``
+        is awaited with the longest wait ahead when the request joins a band (the servicer asks
+        Envoy for that much more time). Cancelling the caller (the client went away) removes it
+        from its band.
         """
         band_label = str(admission.priority)
         if self._waiting == 0 and has_room():
@@ -147,6 +154,8 @@ class FlowController:
         self._start_ticker()
         self.wake()
         try:
+            if on_queued is not None and not waiter.admitted.done():
+                await on_queued(self.config.queue_ttl_s)
             await asyncio.wait_for(asyncio.shield(waiter.admitted), self.config.queue_ttl_s)
         except TimeoutError:
             if not waiter.admitted.done():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -186,14 +187,18 @@ class Router:
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
 
     async def aroute(
-        self, parsed: ParsedRequest, subset: frozenset[str] | None = None, admission: Admission | None = None
+        self,
+        parsed: ParsedRequest,
+        subset: frozenset[str] | None = None,
+        admission: Admission | None = None,
+        on_queued: Callable[[float], Awaitable[None]] | None = None,
     ) -> RouteOutcome:
         """``route`` for the event loop: a prompt that is mostly new is tokenized in the thread pool.
 
         ``subset`` (the gateway's subset hint): only workers at these ``ip:port``s may be chosen; an
         empty or ineligible subset raises NoWorkerError (503). With flow control on, the request
         waits here while every eligible worker is saturated (``admission``: its band and fairness
-        id), or raises ``ShedError`` (429).
+        id), or raises ``ShedError`` (429); ``on_queued`` is awaited when it starts waiting.
 
         A warm prompt (at most ``server.inline_tokenize_chars`` characters missing the piece cache)
         costs less than a thread hop and is done in place. Everything that reads or changes shared
@@ -212,7 +217,8 @@ class Router:
             workers = self._workers(parsed, subset)  # health may have changed meanwhile
         waited = 0.0
         if self.flow is not None:
-            waited = await self.flow.admit(admission or _ADMIT_ALL, lambda: self._has_room(parsed, subset))
+            has_room = lambda: self._has_room(parsed, subset)  # noqa: E731 (read at every check)
+            waited = await self.flow.admit(admission or _ADMIT_ALL, has_room, on_queued)
             if waited:  # the fleet changed while it waited (a new page size is hashed in ``_match``)
                 workers = self._workers(parsed, subset)
             # Admitted because some worker has room: the policy chooses among those only.

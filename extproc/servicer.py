@@ -29,6 +29,7 @@ import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import duration_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.config import RouterConfig
@@ -85,6 +86,17 @@ class _Exchange:
     decided: bool = False  # a decision (or an error) has answered the request part
     ended: bool = False  # an ImmediateResponse went out: Envoy sends nothing we must answer
     outcome: RouteOutcome | None = None
+    context: grpc.aio.ServicerContext | None = None
+
+    async def extend_timeout(self, seconds: float) -> None:
+        """Ask Envoy to wait ``seconds`` more for our reply (the request waits in flow control).
+
+        Envoy honours it up to the filter's ``max_message_timeout`` (``envoy-config --max-message-timeout-ms``).
+        """
+        if self.context is not None:
+            timeout = duration_pb2.Duration()
+            timeout.FromMilliseconds(int(seconds * 1000) + 1000)
+            await self.context.write(pb.ProcessingResponse(override_message_timeout=timeout))
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -101,7 +113,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        exchange = _Exchange()
+        exchange = _Exchange(context=context)
         first = True
         try:
             async for message in request_iterator:
@@ -194,7 +206,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 objective=gie.objective or "",
             )
             # Tokenizing runs in the router's pool; a cancel here (client gone) leaves no slot taken.
-            outcome = await self.router.aroute(parsed, subset=ex.subset, admission=admission)
+            outcome = await self.router.aroute(
+                parsed, subset=ex.subset, admission=admission, on_queued=ex.extend_timeout
+            )
         except RequestError as exc:
             ex.ended = True
             return [error_response(exc.status, exc.message, exc.type, exc.param)]

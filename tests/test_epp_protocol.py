@@ -78,6 +78,7 @@ class Gateway:
         self.outbox: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
         self.call = stub.Process(self._messages())
         self._pending: asyncio.Future[pb.ProcessingResponse] | None = None
+        self.extensions: list[int] = []
 
     async def _messages(self) -> AsyncIterator[pb.ProcessingRequest]:
         while (message := await self.outbox.get()) is not None:
@@ -98,6 +99,15 @@ class Gateway:
             out.append(await asyncio.wait_for(asyncio.shield(self._next()), timeout))
             self._pending = None
         return out
+
+    async def decision(self, timeout: float = 10.0) -> pb.ProcessingResponse:
+        """The next reply that answers a phase (timeout extensions, counted in ``extensions``, skipped)."""
+        while True:
+            (reply,) = await self.read(1, timeout)
+            if reply.WhichOneof("response") is not None:
+                return reply
+            assert reply.HasField("override_message_timeout")
+            self.extensions.append(reply.override_message_timeout.ToMilliseconds())
 
     async def nothing_pending(self, wait: float = 0.2) -> bool:
         """True when no reply arrives within ``wait`` (a read still pending is kept for ``read``)."""
@@ -427,19 +437,20 @@ async def _route(
     await gw.send(
         _headers_message(body, True, extra={"x-gateway-inference-objective": objective}), *_body_messages(body, True)
     )
-    return gw, asyncio.ensure_future(gw.read(1, timeout=10))
+    return gw, asyncio.ensure_future(gw.decision())
 
 
 @pytest.mark.parametrize("service", [FLOW], indirect=True)
 async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: ignore[no-untyped-def]
     router, stub, _ = service
     held = [await _route(stub, "critical") for _ in ENDPOINTS]  # every worker at its bound now
-    for _, task in held:
-        (reply,) = await task
+    for gw, task in held:
+        reply = await task
         assert reply.WhichOneof("response") == "request_headers"
+        assert gw.extensions == []  # placed at once: Envoy's timeout was never extended
     # A sheddable request past saturation: 429 at once, with Retry-After.
     gw, task = await _route(stub, "batch")
-    (shed,) = await task
+    shed = await task
     assert shed.immediate_response.status.code == 429
     headers = {h.header.key: h.header.raw_value.decode() for h in shed.immediate_response.headers.set_headers}
     assert headers["retry-after"] == "3" and headers["x-llm-d-request-dropped-reason"] == "sheddable"
@@ -449,11 +460,12 @@ async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: 
     await asyncio.sleep(0.1)
     assert not task.done() and router.flow is not None and router.flow.waiting == 1
     await held[0][0].close()
-    (routed,) = await task
+    routed = await task
     assert routed.WhichOneof("response") == "request_headers"
+    assert waiting.extensions == [1500]  # queued: Envoy was asked to wait the queue TTL (+1 s)
     # One that waits past the queue TTL gets 429 too.
     late, task = await _route(stub, "critical")
-    (expired,) = await task
+    expired = await task
     assert expired.immediate_response.status.code == 429
     assert "waited" in orjson.loads(expired.immediate_response.body)["error"]["message"]
     for gw in [waiting, late, *(g for g, _ in held[1:])]:

@@ -291,3 +291,68 @@ def test_subset_hint_is_honoured_and_an_empty_one_is_503(stack: GatewayStack, tm
     finally:
         process.terminate()
         process.wait(10)
+
+
+# -- flow control behind the real Envoy ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["buffered", "streamed"])
+def flow_stack(
+    request: pytest.FixtureRequest, envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayStack]:
+    config = tmp_path_factory.mktemp("flow") / "router.yaml"
+    config.write_text(
+        "events: {enabled: false}\n"
+        "flow_control:\n"
+        "  enabled: true\n  max_in_flight_per_worker: 1\n  queue_ttl_s: 4\n  retry_after_s: 2\n"
+        "  objectives: {critical: {priority: 10}, batch: {priority: -1}}\n"
+    )
+    gateway = GatewayStack(
+        sim_workers=2,
+        sim_worker_options={"no_kv_events": True},
+        policy="least-load",
+        config=config,
+        body_mode=request.param,
+        max_message_timeout_ms=6000,  # above queue_ttl_s: a waiting request is never failed open
+    )
+    with gateway:
+        yield gateway
+
+
+def _post_objective(url: str, objective: str, body: dict[str, Any] | None = None) -> Any:
+    return post(
+        url + "/v1/chat/completions", body or CHAT, headers={"x-gateway-inference-objective": objective}, timeout=20
+    )
+
+
+def test_flow_control_holds_critical_and_sheds_sheddable_past_saturation(flow_stack: GatewayStack) -> None:
+    long = {**CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    held = [stream_lines(flow_stack.url + "/v1/chat/completions", long) for _ in range(2)]
+    for lines in held:
+        next(lines)  # both workers at their bound of one request now
+    failopen_before = envoy_stats(flow_stack.admin_url).get("cluster.prefix_router_workers.upstream_rq_total", 0)
+    shed = _post_objective(flow_stack.url, "batch")
+    assert shed.status == 429
+    assert shed.headers["retry-after"] == "2" and shed.json()["error"]["code"] == 429
+    waited: list[tuple[int, float]] = []
+
+    def critical() -> None:
+        start = time.monotonic()
+        waited.append((_post_objective(flow_stack.url, "critical").status, time.monotonic() - start))
+
+    thread = threading.Thread(target=critical)
+    thread.start()
+    time.sleep(1.2)  # past Envoy's 500 ms message timeout: it waits because the router asked for more time
+    assert not waited
+    held[0].close()  # one worker has room again
+    thread.join(10)
+    assert waited and waited[0][0] == 200 and waited[0][1] > 1.0
+    held[1].close()
+    # Nothing went around the router (fail-open) while it waited.
+    assert (
+        envoy_stats(flow_stack.admin_url).get("cluster.prefix_router_workers.upstream_rq_total", 0) == failopen_before
+    )
+    shed_total = _metric(flow_stack, "prefix_router_flow_shed_total")
+    assert shed_total == {'prefix_router_flow_shed_total{priority="-1",reason="sheddable"}': 1.0}
+    waits = _metric(flow_stack, "prefix_router_flow_wait_seconds_count")
+    assert waits['prefix_router_flow_wait_seconds_count{priority="10"}'] >= 1
