@@ -228,6 +228,19 @@ class Router:
             self.flow.wake()  # this one took its slot: the next waiter may fit too
         return outcome
 
+    def pass_through_endpoints(self, subset: frozenset[str] | None, fallbacks: int) -> list[str]:
+        """Endpoints for a request the router does not route by prompt (``/v1/models``, health, ...).
+
+        Our own Envoy config never sends those here; a GIE gateway sends every request of the pool's
+        routes, and without a destination its ORIGINAL_DST cluster has no upstream. Fewest in
+        flight first; nothing is counted (such requests are cheap and not tracked).
+        """
+        workers = self.registry.candidates(None)
+        if subset is not None:
+            workers = [w for w in workers if w.endpoint in subset]
+        ranked = sorted(workers, key=lambda w: w.in_flight)
+        return [w.endpoint for w in ranked[: fallbacks + 1]]
+
     def _has_room(self, parsed: ParsedRequest, subset: frozenset[str] | None) -> bool:
         """Whether some worker this request may go to is below the saturation bounds of flow control."""
         try:

@@ -156,9 +156,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         ex.path = ex.headers.get(":path", "")
         ex.kind = generation_kind(ex.headers.get(":method", ""), ex.path)
         ex.subset = subset_hint(message)
-        if ex.kind is None:
+        if ex.kind is None:  # not a generation request: any worker (our Envoy routes these itself)
             ex.decided = True
-            return [continue_headers()]  # not a generation request: ordinary routing
+            endpoints = self.router.pass_through_endpoints(ex.subset, self.fallbacks)
+            if not endpoints:
+                return [continue_headers()]
+            return [route_response(endpoints, phase="request_headers")]
         if message.request_headers.end_of_stream:  # no body will follow: this reply is the only chance
             return await self._decide(ex, b"", "headers")
         length = ex.headers.get("content-length")
