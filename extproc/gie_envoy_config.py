@@ -34,6 +34,9 @@ EPP_CLUSTER = "envoyextensionpolicy_epp"  # the picker's Service
 POOL_CLUSTER = "endpointpicker_pool_original_dst"  # the InferencePool's endpoints
 
 
+_HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+
+
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -65,7 +68,7 @@ def bootstrap(
         },
     }
     hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": _HCM_TYPE,
         "stat_prefix": "gateway",
         "route_config": {
             "name": "gateway",
