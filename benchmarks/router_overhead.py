@@ -40,6 +40,7 @@ __all__ = ["OverheadRow", "format_table", "main", "measure_overhead"]
 DEFAULT_SIZES = (1024, 8192, 32768)
 DEFAULT_POLICIES = ("round-robin", "prefix-aware")
 CASES = ("cold", "warm")
+BODY_MODES = ("buffered", "streamed")  # Envoy's ext_proc body mode: BUFFERED or FULL_DUPLEX_STREAMED
 _WORDS = [
     "alpha",
     "bravo",
@@ -99,6 +100,7 @@ class OverheadRow:
     router_p99: float
 
     router_cpu_ms: float | None = None  # router CPU per routed request, idle background subtracted (Linux only)
+    body_mode: str = "buffered"
 
     @property
     def added_p50(self) -> float:
@@ -234,6 +236,7 @@ def measure_overhead(
     policies: tuple[str, ...] = DEFAULT_POLICIES,
     cases: tuple[str, ...] = CASES,
     seed: int = 0,
+    body_modes: tuple[str, ...] = ("buffered",),
 ) -> list[OverheadRow]:
     """Start a plain Envoy and one gateway per policy over ``workers`` instant sim workers, measure, stop."""
     from sglang_workers.process import start_sim_workers
@@ -245,28 +248,30 @@ def measure_overhead(
     rows: list[OverheadRow] = []
     try:
         with GatewayStack(worker_urls=urls, router=False, upstream_host_header=False) as direct:
-            for policy in policies:
-                with GatewayStack(worker_urls=urls, policy=policy, upstream_host_header=False) as routed:
+            for policy, body_mode in [(p, m) for p in policies for m in body_modes]:
+                with GatewayStack(
+                    worker_urls=urls, policy=policy, upstream_host_header=False, body_mode=body_mode
+                ) as routed:
                     clients = {"direct": _Client(direct.url), "router": _Client(routed.url)}
                     try:
                         router_pid = routed.router_process.pid if routed.router_process else 0
                         idle_rate = _idle_cpu_rate(router_pid)
                         for case in cases:
                             for size in sizes:
-                                rows.append(
-                                    _measure(
-                                        policy,
-                                        case,
-                                        size,
-                                        requests,
-                                        warmup,
-                                        clients,
-                                        router_pid,
-                                        idle_rate,
-                                        rng,
-                                        tokenizer,
-                                    )
+                                row = _measure(
+                                    policy,
+                                    case,
+                                    size,
+                                    requests,
+                                    warmup,
+                                    clients,
+                                    router_pid,
+                                    idle_rate,
+                                    rng,
+                                    tokenizer,
                                 )
+                                row.body_mode = body_mode
+                                rows.append(row)
                     finally:
                         for client in clients.values():
                             client.close()
@@ -280,14 +285,14 @@ def format_table(rows: list[OverheadRow]) -> str:
     lines = [
         "Router overhead (instant sim workers; sequential requests; ms)",
         "",
-        "| policy | case | prompt tokens | requests | direct p50 | direct p99 | via router p50 | via router p99 "
-        "| added p50 | added p99 | router CPU / request |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | body mode | case | prompt tokens | requests | direct p50 | direct p99 | via router p50 "
+        "| via router p99 | added p50 | added p99 | router CPU / request |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cpu = "n/a" if r.router_cpu_ms is None else f"{r.router_cpu_ms:.2f}"
         lines.append(
-            f"| {r.policy} | {r.case} | {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | "
+            f"| {r.policy} | {r.body_mode} | {r.case} | {r.prompt_tokens} | {r.requests} | {r.direct_p50:.2f} | "
             f"{r.direct_p99:.2f} | {r.router_p50:.2f} | {r.router_p99:.2f} | {r.added_p50:+.2f} | "
             f"{r.added_p99:+.2f} | {cpu} |"
         )
@@ -326,13 +331,21 @@ def main(argv: list[str] | None = None) -> int:
         help="cold (unique documents), warm (shared document, new question), or both (default).",
     )
     parser.add_argument("--workers", type=int, default=2, help="Simulated workers behind both gateways.")
+    parser.add_argument(
+        "--body-modes",
+        type=lambda v: _names(v, BODY_MODES),
+        default=("buffered",),
+        help="Envoy's ext_proc body mode of the gateway: buffered, streamed (FULL_DUPLEX_STREAMED), or both.",
+    )
     args = parser.parse_args(argv)
     try:
         sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
     except ValueError:
         parser.error(f"--sizes wants comma-separated integers, got {args.sizes!r}")
     try:
-        rows = measure_overhead(sizes, args.requests, args.warmup, args.workers, args.policies, args.cases)
+        rows = measure_overhead(
+            sizes, args.requests, args.warmup, args.workers, args.policies, args.cases, body_modes=args.body_modes
+        )
     except Exception as exc:  # a failed start names the part and quotes its log
         print(f"router_overhead: {exc}", file=sys.stderr)
         return 1
