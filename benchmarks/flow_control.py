@@ -77,46 +77,49 @@ async def _one(
     session: aiohttp.ClientSession, url: str, objective: str, body: bytes, result: ClassResult, hang_s: float
 ) -> None:
     result.sent += 1
-    start = time.monotonic()
     try:
-        async with asyncio.timeout(hang_s):
-            async with session.post(
-                url + "/v1/chat/completions",
-                data=body,
-                headers={"content-type": "application/json", "x-gateway-inference-objective": objective},
-            ) as response:
-                if response.status == 429:
-                    await response.read()
-                    if response.headers.get("retry-after") is None:  # a 429 must say when to come back
-                        result.other += 1
-                    else:
-                        result.shed += 1
-                    return
-                if response.status >= 500:
-                    await response.read()
-                    result.server_errors += 1
-                    return
-                if response.status != 200:
-                    await response.read()
-                    result.other += 1
-                    return
-                first: float | None = None
-                done = False
-                async for line in response.content:
-                    if line.startswith(b"data:"):
-                        if first is None:
-                            first = time.monotonic() - start
-                        if line.strip() == b"data: [DONE]":
-                            done = True
-                if done and first is not None:
-                    result.ok += 1
-                    result.ttfts.append(first)
-                else:
-                    result.other += 1
+        await asyncio.wait_for(_attempt(session, url, objective, body, result), hang_s)
     except TimeoutError:
         result.hung += 1
     except aiohttp.ClientError:
         result.other += 1
+
+
+async def _attempt(session: aiohttp.ClientSession, url: str, objective: str, body: bytes, result: ClassResult) -> None:
+    start = time.monotonic()
+    async with session.post(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"content-type": "application/json", "x-gateway-inference-objective": objective},
+    ) as response:
+        if response.status == 429:
+            await response.read()
+            if response.headers.get("retry-after") is None:  # a 429 must say when to come back
+                result.other += 1
+            else:
+                result.shed += 1
+            return
+        if response.status >= 500:
+            await response.read()
+            result.server_errors += 1
+            return
+        if response.status != 200:
+            await response.read()
+            result.other += 1
+            return
+        first: float | None = None
+        done = False
+        async for line in response.content:
+            if line.startswith(b"data:"):
+                if first is None:
+                    first = time.monotonic() - start
+                if line.strip() == b"data: [DONE]":
+                    done = True
+        if done and first is not None:
+            result.ok += 1
+            result.ttfts.append(first)
+        else:
+            result.other += 1
 
 
 async def _load(
