@@ -178,6 +178,26 @@ def test_cli_pieces_and_bootstrap_with_tls_validate(envoy_bin: str, tmp_path: Pa
     validate(envoy_bin, full.stdout, tmp_path)
 
 
+def test_cli_prints_the_streamed_configuration(envoy_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "streamed.yaml"
+    run = _cli(
+        "--worker",
+        "127.0.0.1:30001",
+        "--bootstrap",
+        "--body-mode",
+        "streamed",
+        "--max-message-timeout-ms",
+        "31000",
+        "-o",
+        str(out),
+    )
+    assert run.returncode == 0, run.stderr
+    text = out.read_text()
+    assert "request_body_mode: FULL_DUPLEX_STREAMED" in text and "response_body_mode: FULL_DUPLEX_STREAMED" in text
+    assert "max_message_timeout: 31.000s" in text
+    validate(envoy_bin, text, tmp_path)
+
+
 def test_cli_rejects_bad_input() -> None:
     bad = _cli("--worker", "no-port-here")
     assert bad.returncode == 2 and "host:port" in bad.stderr and "Traceback" not in bad.stderr
