@@ -1,10 +1,10 @@
 """ext_proc replies: routing header mutations and OpenAI-style immediate error responses.
 
 Builders only (no gRPC): the servicer picks one per Envoy message. The destination travels twice,
-as the ``x-gateway-destination-endpoint`` header (the primary; set with OVERWRITE so a client copy can
-never win; the ``router-picked`` route matches on it) and as dynamic metadata ``envoy.lb`` (the Endpoint
-Picker convention: primary, then fallbacks, read by Envoy's ``override_host`` load balancer, which
-retries a refused connection on the next one).
+as the ``x-gateway-destination-endpoint`` header (set with OVERWRITE so a client copy can never win; the
+``router-picked`` route matches on it) and as dynamic metadata ``envoy.lb``, both the same
+``ip:port,ip:port,...`` (the Endpoint Picker protocol: primary, then fallbacks, read by Envoy's
+``override_host`` load balancer, which retries a refused connection on the next one).
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ def route_response(
 ) -> pb.ProcessingResponse:
     """Send the request to ``endpoints`` (primary first): header + ``envoy.lb`` metadata + route-cache clear.
 
-    The header carries the primary only (the convention's header is one ``ip:port``). The ``envoy.lb``
-    metadata carries the whole list, primary first, as the Endpoint Picker convention has it: Envoy's
-    ``override_host`` load balancer takes one entry per attempt, so a retry after a refused connection
-    goes to the next worker of the ranking.
+    Header and ``envoy.lb`` metadata carry the same list, primary first (the protocol requires them
+    equal): Envoy's ``override_host`` load balancer takes one entry per attempt, so a retry after a
+    refused connection goes to the next worker of the ranking. A gateway whose cluster is
+    ``ORIGINAL_DST`` on the header (Envoy Gateway's InferencePool translation) parses one ``ip:port``
+    only: run the router with ``server.fallback_endpoints: 0`` there.
 
     ``phase`` is the message being answered (``request_body``, or ``request_headers`` for a bodiless
     request and in FULL_DUPLEX_STREAMED mode); Envoy applies header mutations only in the reply to
@@ -109,7 +110,7 @@ def route_response(
     """
     set_headers = [
         base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoints[0].encode()),
+            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=",".join(endpoints).encode()),
             append_action=_OVERWRITE,
         )
     ]

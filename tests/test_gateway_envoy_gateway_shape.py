@@ -33,9 +33,16 @@ def test_the_kept_file_matches_the_generator() -> None:
 
 
 @pytest.fixture(scope="module")
-def router_stack(envoy_bin: str) -> Iterator[GatewayStack]:
+def router_stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
+    # ORIGINAL_DST parses one ip:port: behind this shape the router names no fallbacks.
+    config = tmp_path_factory.mktemp("router") / "router.yaml"
+    config.write_text("server: {fallback_endpoints: 0}\nevents: {enabled: false}\n")
     with GatewayStack(
-        sim_workers=2, sim_worker_options={"no_kv_events": True}, policy="round-robin", max_body_bytes=9 * 1024 * 1024
+        sim_workers=2,
+        sim_worker_options={"no_kv_events": True},
+        policy="round-robin",
+        max_body_bytes=9 * 1024 * 1024,
+        config=config,
     ) as stack:
         yield stack
 
