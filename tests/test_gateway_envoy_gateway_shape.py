@@ -67,14 +67,14 @@ def shaped(
     )
     url = f"http://127.0.0.1:{listen}"
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            http_request(f"http://127.0.0.1:{admin}/ready", timeout=1)
-            break
-        except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, "Envoy did not start"
-            time.sleep(0.1)
     try:
+        while True:
+            try:
+                http_request(f"http://127.0.0.1:{admin}/ready", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None, "Envoy did not start"
+                time.sleep(0.1)
         yield url, request.param
     finally:
         process.terminate()

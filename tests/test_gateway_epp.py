@@ -259,7 +259,10 @@ def _subset_envoy(stack: GatewayStack, subset: list[str], log_dir: Path) -> tupl
             request(url + "/v1/models", timeout=2)
             return process, url
         except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, "the subset Envoy did not start"
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                process.wait()
+                raise AssertionError("the subset Envoy did not start") from None
             time.sleep(0.1)
 
 
