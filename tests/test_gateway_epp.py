@@ -166,6 +166,26 @@ def test_an_8_mib_body_in_64_kib_chunks_reaches_the_worker_whole(stack: GatewayS
     assert json.loads(data)["usage"]["completion_tokens"] == 3
 
 
+def test_a_slow_upload_is_routed_by_the_router_not_failed_open(stack: GatewayStack) -> None:
+    """The decision waits for the last chunk, longer than Envoy's 500 ms message timeout, without failing open."""
+    raw = json.dumps({"model": "default", "prompt": "Once upon a time " * 2000, "max_tokens": 2}).encode()
+
+    def slowly() -> Iterator[bytes]:
+        for i in range(0, len(raw), 4096):
+            time.sleep(0.1)
+            yield raw[i : i + 4096]
+
+    before = envoy_stats(stack.admin_url)
+    status, data = _chunked_post(stack.url, slowly())
+    after = envoy_stats(stack.admin_url)
+    assert status == 200, data[:300]
+    assert len(raw) // 4096 >= 8  # at least 0.8 s of upload
+    failopen = "cluster.prefix_router_workers.upstream_rq_total"
+    picked = "cluster.prefix_router_picked.upstream_rq_total"
+    assert after.get(failopen, 0) == before.get(failopen, 0)
+    assert after[picked] > before.get(picked, 0)
+
+
 def test_model_name_rewrite_reaches_the_worker(stack: GatewayStack) -> None:
     reply = post(
         stack.url + "/v1/chat/completions", CHAT, headers={"x-gateway-model-name-rewrite": "a-rewritten-model-name"}
