@@ -63,6 +63,7 @@ ACCESS_LOG_FORMAT = (
     " (%ROUTE_NAME%, %RESPONSE_CODE_DETAILS%)\n"
 )
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # same default as ServerConfig.max_body_bytes
+DEFAULT_MAX_MESSAGE_TIMEOUT_MS = 35_000  # above FlowControlConfig.queue_ttl_s (30 s) + the 1 s the router adds
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -106,8 +107,9 @@ class GatewaySpec:
     # How Envoy hands bodies to the router: "buffered" (whole body, one message) or "streamed"
     # (FULL_DUPLEX_STREAMED both ways, as GIE gateways configure it; see extproc/servicer.py).
     body_mode: str = "buffered"
-    # Longest wait flow control may ask for (override_message_timeout while queued); None: no queueing.
-    max_message_timeout_ms: int | None = None
+    # Longest wait flow control may ask for (override_message_timeout while a request is queued). It
+    # costs nothing until the router asks: the default covers flow_control.queue_ttl_s' default (30 s) + 1 s.
+    max_message_timeout_ms: int | None = DEFAULT_MAX_MESSAGE_TIMEOUT_MS
 
     @property
     def buffer_limit_bytes(self) -> int:

@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from extproc.addresses import split_host_port
-from extproc.gateway.envoy_config import DEFAULT_MAX_BODY_BYTES, GatewaySpec, bootstrap, dump, pieces
+from extproc.gateway.envoy_config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
+    GatewaySpec,
+    bootstrap,
+    dump,
+    pieces,
+)
 
 __all__ = ["configure", "main", "spec_from_args"]
 
@@ -100,9 +107,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-message-timeout-ms",
         type=int,
+        default=DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
         help=(
             "Longest wait the router may ask Envoy for while a request waits in its flow control "
-            "(ext_proc max_message_timeout); set it above flow_control.queue_ttl_s."
+            "(ext_proc max_message_timeout; default 35000, above flow_control.queue_ttl_s' default of 30 s "
+            "plus 1 s). Until the router asks, message_timeout (--timeout-ms) applies."
         ),
     )
     parser.add_argument("-o", "--output", type=Path, help="Write to this file instead of stdout.")

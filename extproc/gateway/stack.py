@@ -160,7 +160,7 @@ class GatewayStack:
         startup_timeout_s: float = 60.0,
         own_sessions: bool = False,
         body_mode: str = "buffered",
-        max_message_timeout_ms: int | None = None,
+        max_message_timeout_ms: int | None = envoy_config.DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
     ) -> None:
         if not worker_urls and sim_workers <= 0 and sglang_cpu_workers <= 0:
             raise ValueError("give worker_urls, sim_workers > 0 or sglang_cpu_workers > 0")
