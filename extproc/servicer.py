@@ -188,10 +188,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return []
         return await self._decide(ex, bytes(ex.body), "streamed-body")
 
-    def _error(self, ex: _Exchange, status: int, message: str, **kwargs: object) -> list[pb.ProcessingResponse]:
+    def _error(self, ex: _Exchange, status: int, message: str) -> list[pb.ProcessingResponse]:
         ex.decided = ex.ended = True
         types = {413: "request_too_large"}
-        return [error_response(status, message, type_=types.get(status), **kwargs)]  # type: ignore[arg-type]
+        return [error_response(status, message, type_=types.get(status))]
 
     async def _decide(self, ex: _Exchange, body: bytes, at: str) -> list[pb.ProcessingResponse]:
         """Route the request; ``at`` is where its body ended: headers (none), body, streamed-body, trailers."""
