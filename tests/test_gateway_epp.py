@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -379,3 +381,42 @@ def test_flow_control_holds_critical_and_sheds_sheddable_past_saturation(flow_st
     assert shed_total == {'prefix_router_flow_shed_total{priority="-1",reason="sheddable"}': 1.0}
     waits = _metric(flow_stack, "prefix_router_flow_wait_seconds_count")
     assert waits['prefix_router_flow_wait_seconds_count{priority="10"}'] >= 1
+
+
+# -- every worker misses its probes at once while it still serves -----------------------------------
+
+
+@pytest.fixture(scope="module", params=["buffered", "streamed"])
+def blip_stack(
+    request: pytest.FixtureRequest, envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayStack]:
+    config = tmp_path_factory.mktemp("blip") / "router.yaml"
+    config.write_text(
+        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 1, healthy_after: 1, keep_last_healthy_s: 10}\n"
+        "events: {enabled: false}\nload: {poll_interval_s: 60}\n"
+    )
+    gateway = GatewayStack(
+        sim_workers=2, sim_worker_options={"no_kv_events": True}, config=config, body_mode=request.param
+    )
+    with gateway:
+        yield gateway
+
+
+def test_the_last_healthy_set_serves_while_every_worker_misses_its_probes(blip_stack: GatewayStack) -> None:
+    sims = blip_stack.sim_processes
+    for sim in sims:
+        os.kill(sim.process.pid, signal.SIGSTOP)  # alive (the kernel still accepts), but no probe answers
+    replies: list[int] = []
+    try:
+        healthy = "prefix_router_worker_healthy{"
+        _wait_until(lambda: sum(_metric(blip_stack, healthy).values()) == 0)  # every worker out of the candidates
+        thread = threading.Thread(
+            target=lambda: replies.append(post(blip_stack.url + "/v1/chat/completions", CHAT, timeout=20).status)
+        )
+        thread.start()
+        time.sleep(0.5)
+    finally:
+        for sim in sims:
+            os.kill(sim.process.pid, signal.SIGCONT)
+    thread.join(20)
+    assert replies == [200]  # routed to the last healthy set, served once the workers answer again: not a 503
