@@ -151,6 +151,7 @@ def _router_config(flow: bool, args: argparse.Namespace) -> str:
             "flow_control:",
             "  enabled: true",
             f"  max_in_flight_per_worker: {args.max_in_flight}",
+            f"  sheddable_share: {args.sheddable_share}",
             f"  queue_ttl_s: {args.ttl}",
             "  retry_after_s: 1",
             "  objectives: {critical: {priority: 10}, batch: {priority: -1}}",
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=1500, help="Words of each (unique) prompt.")
     parser.add_argument("--max-tokens", type=int, default=128, help="Tokens generated per request.")
     parser.add_argument("--max-in-flight", type=int, default=8, help="Flow control's bound per worker.")
+    parser.add_argument(
+        "--sheddable-share", type=float, default=0.5, help="Share of that bound sheddable requests may use."
+    )
     parser.add_argument("--ttl", type=float, default=10.0, help="Flow control's queue TTL (s).")
     parser.add_argument("--target", type=float, default=1.0, help="TTFT target of the critical class (s), reported.")
     parser.add_argument("--hang-s", type=float, default=120.0, help="A stream not finished after this is hung.")

@@ -383,6 +383,15 @@ class FlowControlConfig(Section):
             "queued in the worker: the bound on queued work); pick it near the worker's batch size."
         ),
     )
+    sheddable_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description=(
+            "A sheddable request (negative priority) sees a worker as saturated once this share of "
+            "max_in_flight_per_worker is in flight there: the rest is kept for the bands that must not be shed."
+        ),
+    )
     max_waiting_per_worker: int | None = Field(
         None,
         ge=0,

@@ -217,12 +217,14 @@ class Router:
             workers = self._workers(parsed, subset)  # health may have changed meanwhile
         waited = 0.0
         if self.flow is not None:
-            has_room = lambda: self._has_room(parsed, subset)  # noqa: E731 (read at every check)
-            waited = await self.flow.admit(admission or _ADMIT_ALL, has_room, on_queued)
+            admission = admission or _ADMIT_ALL
+            priority = admission.priority
+            has_room = lambda: self._has_room(parsed, subset, priority)  # noqa: E731 (read at every check)
+            waited = await self.flow.admit(admission, has_room, on_queued)
             if waited:  # the fleet changed while it waited (a new page size is hashed in ``_match``)
                 workers = self._workers(parsed, subset)
             # Admitted because some worker has room: the policy chooses among those only.
-            workers = [w for w in workers if self._room_at(w)] or workers
+            workers = [w for w in workers if self._room_at(w, priority)] or workers
         outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited)
         if waited and self.flow is not None:
             self.flow.wake()  # this one took its slot: the next waiter may fit too
@@ -241,18 +243,24 @@ class Router:
         ranked = sorted(workers, key=lambda w: w.in_flight)
         return [w.endpoint for w in ranked[: fallbacks + 1]]
 
-    def _has_room(self, parsed: ParsedRequest, subset: frozenset[str] | None) -> bool:
+    def _has_room(self, parsed: ParsedRequest, subset: frozenset[str] | None, priority: int = 0) -> bool:
         """Whether some worker this request may go to is below the saturation bounds of flow control."""
         try:
             workers = self._workers(parsed, subset)
         except (NoWorkerError, RequestError):
             return True  # routing will answer it (503 / 400) at once: no reason to hold it
-        return any(self._room_at(w) for w in workers)
+        return any(self._room_at(w, priority) for w in workers)
 
-    def _room_at(self, worker: Worker) -> bool:
-        """Below both saturation bounds: the router's in-flight count there, and its reported queue."""
+    def _room_at(self, worker: Worker, priority: int = 0) -> bool:
+        """Below both saturation bounds: the router's in-flight count there, and its reported queue.
+
+        A sheddable request (negative priority) gets only ``sheddable_share`` of the in-flight bound.
+        """
         bounds = self.config.flow_control
-        if worker.in_flight >= bounds.max_in_flight_per_worker:
+        limit = bounds.max_in_flight_per_worker
+        if priority < 0:
+            limit = max(1, int(limit * bounds.sheddable_share))
+        if worker.in_flight >= limit:
             return False
         if bounds.max_waiting_per_worker is not None:
             load = self.loads.get(worker)

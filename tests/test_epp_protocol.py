@@ -502,3 +502,27 @@ async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> No
     for g, _ in held:
         await g.close()
     await _wait(lambda: sum(_in_flight(router).values()) == 0)
+
+
+HEADROOM = FlowControlConfig(
+    enabled=True,
+    max_in_flight_per_worker=2,
+    sheddable_share=0.5,
+    objectives={"critical": ObjectiveConfig(priority=10), "batch": ObjectiveConfig(priority=-1)},
+)
+
+
+@pytest.mark.parametrize("service", [HEADROOM], indirect=True)
+async def test_sheddable_requests_leave_headroom_for_the_others(service) -> None:  # type: ignore[no-untyped-def]
+    router, stub, _ = service
+    held = [await _route(stub, "critical") for _ in ENDPOINTS]  # one in flight per worker: half the bound
+    for _, task in held:
+        await task
+    gw, task = await _route(stub, "batch")
+    assert (await task).immediate_response.status.code == 429  # sheddable: saturated at half the bound
+    await gw.close()
+    critical, task = await _route(stub, "critical")
+    assert (await task).WhichOneof("response") == "request_headers"  # critical: still room
+    for g in [critical, *(g for g, _ in held)]:
+        await g.close()
+    await _wait(lambda: sum(_in_flight(router).values()) == 0)
