@@ -48,6 +48,7 @@ DEFAULT_POLICIES = ("round-robin", "prefix-aware")
 DEFAULT_PEERS = ("sgl-router",)
 CASES = ("cold", "warm")
 DIRECT = "envoy-direct"  # plain Envoy, least-request, no ext_proc: what every other gateway is compared to
+BODY_MODES = ("buffered", "streamed")  # Envoy's ext_proc body mode: BUFFERED or FULL_DUPLEX_STREAMED
 _WORDS = [
     "alpha",
     "bravo",
@@ -300,6 +301,7 @@ def measure_overhead(
     peers: tuple[str, ...] = DEFAULT_PEERS,
     throughput_s: float = 5.0,
     throughput_concurrency: int = 16,
+    body_modes: tuple[str, ...] = ("buffered",),
 ) -> OverheadResult:
     """Start ``workers`` instant sim workers, envoy-direct, one gateway per policy and the peers; measure; stop."""
     import asyncio
@@ -320,10 +322,14 @@ def measure_overhead(
             }
             router_pids: dict[str, int] = {}
             for policy in policies:
-                routed = stack.enter_context(GatewayStack(worker_urls=urls, policy=policy, upstream_host_header=False))
-                gateways[f"ours:{policy}"] = routed.url
-                if routed.router_process is not None:
-                    router_pids[f"ours:{policy}"] = routed.router_process.pid
+                for mode in body_modes:
+                    name = f"ours:{policy}" if mode == "buffered" else f"ours:{policy} ({mode})"
+                    routed = stack.enter_context(
+                        GatewayStack(worker_urls=urls, policy=policy, upstream_host_header=False, body_mode=mode)
+                    )
+                    gateways[name] = routed.url
+                    if routed.router_process is not None:
+                        router_pids[name] = routed.router_process.pid
             peer_urls, peer_processes = _start_peers(peers, urls)
             gateways.update(peer_urls)
             clients = {name: _Client(url) for name, url in gateways.items()}
@@ -445,6 +451,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--throughput-concurrency", type=int, default=16, help="Requests in flight during the closed-loop load."
     )
+    g.add_argument(
+        "--body-modes",
+        type=lambda v: _names(v, BODY_MODES),
+        default=("buffered",),
+        help="Envoy's ext_proc body mode of our gateways: buffered, streamed (FULL_DUPLEX_STREAMED), or both "
+        "(one gateway per policy and mode; streamed ones are named 'ours:POLICY (streamed)').",
+    )
     g.add_argument("--seed", type=int, default=0, help="Seed of the prompt text.")
     g.add_argument("--json", type=Path, default=None, help="Write the rows and requests/s as JSON here.")
 
@@ -465,6 +478,7 @@ def main(args: argparse.Namespace) -> int:
             args.peers,
             args.throughput_s,
             args.throughput_concurrency,
+            args.body_modes,
         )
     except Exception as exc:  # a failed start names the part and quotes its log
         print(f"router_overhead: {exc}", file=sys.stderr)

@@ -20,12 +20,14 @@ __all__ = [
     "DiscoveryConfig",
     "DnsWorkersConfig",
     "EventsConfig",
+    "FlowControlConfig",
     "HealthConfig",
     "IndexConfig",
     "KubernetesDiscoveryConfig",
     "LoadConfig",
     "MemoryConfig",
     "ModelConfig",
+    "ObjectiveConfig",
     "ObservabilityConfig",
     "PolicyConfig",
     "RouterConfig",
@@ -263,6 +265,14 @@ class HealthConfig(Section):
         ),
     )
     unhealthy_after: int = Field(2, description="Consecutive failures before a worker leaves the candidate set.")
+    keep_last_healthy_s: float = Field(
+        5.0,
+        ge=0,
+        description=(
+            "When no worker is healthy, route to those that left the candidates less than this long ago after "
+            "failed probes (not refused connections), as Envoy's panic threshold does; past it, 503. 0: never."
+        ),
+    )
     healthy_after: int = Field(1, description="Consecutive successes before it comes back.")
 
 
@@ -350,6 +360,67 @@ class SharedStateConfig(Section):
     retry_s: float = Field(1.0, gt=0, description="Pause before reconnecting after the store failed.")
 
 
+class ObjectiveConfig(Section):
+    """One inference objective, as a GIE ``InferenceObjective`` names it (``x-gateway-inference-objective``)."""
+
+    priority: int = Field(
+        0, description="Its band: higher is served first; a negative priority is sheddable (429 when saturated)."
+    )
+
+
+class FlowControlConfig(Section):
+    """Requests wait in the router past saturation, in priority bands, fairly across fairness ids (docs/gateway.md).
+
+    Off by default: a router without it places every request at once, as before.
+    """
+
+    enabled: bool = Field(False, description="Queue requests in the router while every eligible worker is saturated.")
+    max_in_flight_per_worker: int = Field(
+        16,
+        ge=1,
+        description=(
+            "A worker is saturated while the router has this many requests in flight there (running plus "
+            "queued in the worker: the bound on queued work); pick it near the worker's batch size."
+        ),
+    )
+    sheddable_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description=(
+            "A sheddable request (negative priority) sees a worker as saturated once this share of "
+            "max_in_flight_per_worker is in flight there: the rest is kept for the bands that must not be shed."
+        ),
+    )
+    max_waiting_per_worker: int | None = Field(
+        None,
+        ge=0,
+        description="Also saturated while the worker reports at least this many waiting requests (null: not used).",
+    )
+    queue_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "Longest wait in the router; then 429. Envoy's ext_proc max_message_timeout must exceed it "
+            "(`prefix-router envoy-config --flow-control-ttl-s` sets it)."
+        ),
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of a 429.")
+    max_queued: int = Field(10_000, ge=0, description="At most this many requests wait; more get 429 at once.")
+    poll_interval_s: float = Field(
+        0.05, gt=0, description="While requests wait, room is checked this often (besides every request's end)."
+    )
+    default_priority: int = Field(0, description="Priority of a request without a known objective.")
+    objectives: dict[str, ObjectiveConfig] = Field(
+        default_factory=dict, description="Objective name -> its priority (what an InferenceObjective would give)."
+    )
+
+    def priority_of(self, objective: str | None) -> int:
+        """The band of a request naming ``objective`` (the default for none or an unknown one)."""
+        found = self.objectives.get(objective) if objective else None
+        return found.priority if found is not None else self.default_priority
+
+
 class RouterConfig(Section):
     """Everything `prefix-router serve` needs."""
 
@@ -365,6 +436,7 @@ class RouterConfig(Section):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
+    flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from extproc.epp import SERVED_KEY, SUBSET_NAMESPACE
 from extproc.request import GENERATION_PATHS
 from extproc.response import DESTINATION_HEADER, DP_RANK_HEADERS, LB_METADATA_NAMESPACE
 
@@ -62,6 +63,7 @@ ACCESS_LOG_FORMAT = (
     " (%ROUTE_NAME%, %RESPONSE_CODE_DETAILS%)\n"
 )
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # same default as ServerConfig.max_body_bytes
+DEFAULT_MAX_MESSAGE_TIMEOUT_MS = 35_000  # above FlowControlConfig.queue_ttl_s (30 s) + the 1 s the router adds
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -102,6 +104,12 @@ class GatewaySpec:
     # after a failed /health): free for the worker, and Envoy starts without waiting a second for /health's
     # generation. Releases without /ready want "/health" (its 5 s timeout is kept for that).
     health_path: str = "/ready"
+    # How Envoy hands bodies to the router: "buffered" (whole body, one message) or "streamed"
+    # (FULL_DUPLEX_STREAMED both ways, as GIE gateways configure it; see extproc/servicer.py).
+    body_mode: str = "buffered"
+    # Longest wait flow control may ask for (override_message_timeout while a request is queued). It
+    # costs nothing until the router asks: the default covers flow_control.queue_ttl_s' default (30 s) + 1 s.
+    max_message_timeout_ms: int | None = DEFAULT_MAX_MESSAGE_TIMEOUT_MS
 
     @property
     def buffer_limit_bytes(self) -> int:
@@ -120,26 +128,38 @@ def http_filters(spec: GatewaySpec) -> list[dict[str, Any]]:
     }
     chain = [strip]
     if spec.extproc is not None:
+        streamed = spec.body_mode == "streamed"
+        ext_proc: dict[str, Any] = {
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "failure_mode_allow": True,
+            "message_timeout": f"{spec.timeout_ms / 1000:.3f}s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED" if streamed else "BUFFERED",
+                # FULL_DUPLEX_STREAMED needs trailers sent: a body ended by trailers ends there.
+                "request_trailer_mode": "SEND" if streamed else "SKIP",
+                # The response headers carry the endpoint that served (after fallbacks) to the router.
+                "response_header_mode": "SEND",
+                "response_body_mode": "FULL_DUPLEX_STREAMED" if streamed else "NONE",
+                "response_trailer_mode": "SEND" if streamed else "SKIP",
+            },
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
+                "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE, SUBSET_NAMESPACE]},
+            },
+        }
+        if spec.max_message_timeout_ms is not None:
+            ext_proc["max_message_timeout"] = f"{spec.max_message_timeout_ms / 1000:.3f}s"
         chain.append(
             {
                 "name": "envoy.filters.http.ext_proc",
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
-                    "failure_mode_allow": True,
-                    "message_timeout": f"{spec.timeout_ms / 1000:.3f}s",
-                    "processing_mode": {
-                        "request_header_mode": "SEND",
-                        "request_body_mode": "BUFFERED",
-                        "request_trailer_mode": "SKIP",
-                        "response_header_mode": "SKIP",
-                        "response_body_mode": "NONE",
-                        "response_trailer_mode": "SKIP",
-                    },
-                    "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+                    **ext_proc,
                 },
             }
         )
+        chain.append(_served_to_metadata())
     chain.append(
         {
             "name": "envoy.filters.http.router",
@@ -147,6 +167,28 @@ def http_filters(spec: GatewaySpec) -> list[dict[str, Any]]:
         }
     )
     return chain
+
+
+def _served_to_metadata() -> dict[str, Any]:
+    """Turn the served-endpoint response header (added by the picked route) into ``envoy.lb`` metadata.
+
+    It runs after ext_proc in the chain, so before it on the response: the router then reads the
+    endpoint that really served from the response headers' ``metadata_context``, as the Endpoint
+    Picker protocol has it. The header itself is removed, so clients never see it.
+    """
+    return {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "response_rules": [
+                {
+                    "header": SERVED_KEY,
+                    "on_header_present": {"metadata_namespace": LB_METADATA_NAMESPACE, "key": SERVED_KEY},
+                    "remove": True,
+                }
+            ],
+        },
+    }
 
 
 def _no_circuit_breaking() -> dict[str, Any]:
@@ -361,6 +403,9 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
         "route": {"cluster": PICKED_CLUSTER, **action, "retry_policy": _retry_policy(spec, other_host=False)},
         **extra,
     }
+    # The worker that really served (after fallbacks), for the router: see _served_to_metadata.
+    served = {"header": {"key": SERVED_KEY, "value": "%UPSTREAM_HOST%"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+    picked["response_headers_to_add"] = [*picked.get("response_headers_to_add", []), served]
     paths = "|".join(re.escape(p.lstrip("/")) for p in GENERATION_PATHS)
     generation = {"name": "fail-open", "match": {"safe_regex": {"regex": f"^/({paths})$"}}, "route": failopen, **extra}
     other = {

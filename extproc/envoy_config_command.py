@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from extproc.addresses import split_host_port
-from extproc.envoy_config import DEFAULT_MAX_BODY_BYTES, GatewaySpec, bootstrap, dump, pieces
+from extproc.envoy_config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
+    GatewaySpec,
+    bootstrap,
+    dump,
+    pieces,
+)
 
 __all__ = ["configure", "main", "spec_from_args"]
 
@@ -88,6 +95,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "the worker nothing; use /health (a one-token generation, >= 1 s) for releases without /ready."
         ),
     )
+    parser.add_argument(
+        "--body-mode",
+        choices=["buffered", "streamed"],
+        default="buffered",
+        help=(
+            "How Envoy hands bodies to the router: buffered (whole request body in one message, responses not "
+            "sent) or streamed (FULL_DUPLEX_STREAMED both ways, as GIE gateways configure an endpoint picker)."
+        ),
+    )
+    parser.add_argument(
+        "--max-message-timeout-ms",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
+        help=(
+            "Longest wait the router may ask Envoy for while a request waits in its flow control "
+            "(ext_proc max_message_timeout; default 35000, above flow_control.queue_ttl_s' default of 30 s "
+            "plus 1 s). Until the router asks, message_timeout (--timeout-ms) applies."
+        ),
+    )
     parser.add_argument("-o", "--output", type=Path, help="Write to this file instead of stdout.")
 
 
@@ -111,6 +137,8 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         tls_key=args.tls_key,
         tls_sni=args.tls_sni,
         health_path=args.health_path,
+        body_mode=args.body_mode,
+        max_message_timeout_ms=args.max_message_timeout_ms,
     )
 
 

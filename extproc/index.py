@@ -298,6 +298,21 @@ class BlockIndex:
                     break  # never drop the decision just recorded
                 self._pop_recent(largest, fifo, force=True)
 
+    def unrecord_routed(self, worker_id: str, keys: Sequence[int]) -> None:
+        """Take back the record of the latest decision that sent ``keys`` to the worker (Envoy served it elsewhere)."""
+        with self._lock:
+            slot = self._slot(worker_id)
+            fifo = self._recent_fifo.get(slot)
+            if not fifo:
+                return
+            for position in range(len(fifo) - 1, -1, -1):
+                stamp, recorded = fifo[position]
+                if recorded is keys or list(recorded) == list(keys):
+                    del fifo[position]
+                    fifo.appendleft((stamp, recorded))
+                    self._pop_recent(slot, fifo, force=False)
+                    return
+
     def _expire(self, slot: int, now: float) -> None:
         fifo = self._recent_fifo.get(slot)
         if not fifo:

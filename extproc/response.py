@@ -1,10 +1,10 @@
 """ext_proc replies: routing header mutations and OpenAI-style immediate error responses.
 
 Builders only (no gRPC): the servicer picks one per Envoy message. The destination travels twice,
-as the ``x-gateway-destination-endpoint`` header (the primary; set with OVERWRITE so a client copy can
-never win; the ``router-picked`` route matches on it) and as dynamic metadata ``envoy.lb`` (the Endpoint
-Picker convention: primary, then fallbacks, read by Envoy's ``override_host`` load balancer, which
-retries a refused connection on the next one).
+as the ``x-gateway-destination-endpoint`` header (set with OVERWRITE so a client copy can never win; the
+``router-picked`` route matches on it) and as dynamic metadata ``envoy.lb``, both the same
+``ip:port,ip:port,...`` (the Endpoint Picker protocol: primary, then fallbacks, read by Envoy's
+``override_host`` load balancer, which retries a refused connection on the next one).
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ __all__ = [
     "DESTINATION_HEADER",
     "DP_RANK_HEADERS",
     "LB_METADATA_NAMESPACE",
+    "STREAMED_CHUNK_BYTES",
     "continue_body",
     "continue_headers",
+    "continue_phase",
     "error_body",
     "error_response",
     "route_response",
+    "streamed_body",
 ]
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -47,6 +50,17 @@ _ERROR_TYPES = {
 # Replies that never change are built once: they go out on every pass-through request.
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CONTINUE = {
+    "request_headers": _CONTINUE_HEADERS,
+    "request_body": _CONTINUE_BODY,
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+# A request body streamed back to Envoy (FULL_DUPLEX_STREAMED) goes in pieces of this size: one
+# gRPC message per piece keeps every message far below gRPC's 4 MiB default limits.
+STREAMED_CHUNK_BYTES = 64 * 1024
 
 
 def continue_headers() -> pb.ProcessingResponse:
@@ -59,32 +73,61 @@ def continue_body() -> pb.ProcessingResponse:
     return _CONTINUE_BODY
 
 
+def continue_phase(phase: str) -> pb.ProcessingResponse | None:
+    """Let the message of ``phase`` through unchanged (None for a phase without a reply)."""
+    return _CONTINUE.get(phase)
+
+
+def streamed_body(chunk: bytes, end_of_stream: bool, phase: str = "request_body") -> pb.ProcessingResponse:
+    """One piece of a body streamed back to Envoy in FULL_DUPLEX_STREAMED mode (request or response)."""
+    mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream))
+    body = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+    if phase == "response_body":
+        return pb.ProcessingResponse(response_body=body)
+    return pb.ProcessingResponse(request_body=body)
+
+
 def route_response(
-    endpoints: Sequence[str], extra_headers: Mapping[str, str] | None = None, phase: str = "request_body"
+    endpoints: Sequence[str],
+    extra_headers: Mapping[str, str] | None = None,
+    phase: str = "request_body",
+    body: bytes | None = None,
+    content_length: int | None = None,
 ) -> pb.ProcessingResponse:
     """Send the request to ``endpoints`` (primary first): header + ``envoy.lb`` metadata + route-cache clear.
 
-    The header carries the primary only (the convention's header is one ``ip:port``). The ``envoy.lb``
-    metadata carries the whole list, primary first, as the Endpoint Picker convention has it: Envoy's
-    ``override_host`` load balancer takes one entry per attempt, so a retry after a refused connection
-    goes to the next worker of the ranking.
+    Header and ``envoy.lb`` metadata carry the same list, primary first (the protocol requires them
+    equal): Envoy's ``override_host`` load balancer takes one entry per attempt, so a retry after a
+    refused connection goes to the next worker of the ranking. A gateway whose cluster is
+    ``ORIGINAL_DST`` on the header (Envoy Gateway's InferencePool translation) parses one ``ip:port``
+    only: run the router with ``server.fallback_endpoints: 0`` there.
 
     ``phase`` is the message being answered (``request_body``, or ``request_headers`` for a bodiless
-    request); Envoy applies header mutations only in the reply to the phase it is waiting on.
+    request and in FULL_DUPLEX_STREAMED mode); Envoy applies header mutations only in the reply to
+    the phase it is waiting on. ``body`` replaces a buffered body (with ``content-length`` set to its
+    length, which Envoy requires); ``content_length`` sets that header in a headers reply whose
+    streamed body will be of another length than the client's.
     """
     set_headers = [
         base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoints[0].encode()),
+            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=",".join(endpoints).encode()),
             append_action=_OVERWRITE,
         )
     ]
-    for key, header_value in (extra_headers or {}).items():
+    headers = dict(extra_headers or {})
+    if body is not None:
+        content_length = len(body)
+    if content_length is not None:
+        headers["content-length"] = str(content_length)
+    for key, header_value in headers.items():
         set_headers.append(
             base_pb2.HeaderValueOption(
                 header=base_pb2.HeaderValue(key=key, raw_value=header_value.encode()), append_action=_OVERWRITE
             )
         )
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=set_headers), clear_route_cache=True)
+    if body is not None and phase == "request_body":
+        common.body_mutation.body = body
     metadata = struct_pb2.Struct()
     metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = ",".join(endpoints)
     if phase == "request_headers":
@@ -107,14 +150,23 @@ def error_body(status: int, message: str, type_: str | None = None, param: str |
 
 
 def error_response(
-    status: int, message: str, type_: str | None = None, param: str | None = None, details: str = "prefix_router"
+    status: int,
+    message: str,
+    type_: str | None = None,
+    param: str | None = None,
+    details: str = "prefix_router",
+    extra_headers: Mapping[str, str] | None = None,
 ) -> pb.ProcessingResponse:
-    """End the request from the router with an OpenAI-style JSON error (no worker sees it)."""
+    """End the request from the router with an OpenAI-style JSON error (no worker sees it).
+
+    ``extra_headers`` go on the reply as well (``retry-after`` on a 429, the reason a request was dropped).
+    """
     headers = pb.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
             )
+            for key, value in {"content-type": "application/json", **(extra_headers or {})}.items()
         ]
     )
     return pb.ProcessingResponse(

@@ -27,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
 from extproc.config import RouterConfig
+from extproc.flow_control import Admission, FlowController
 from extproc.index import BlockIndex, rank_key
 from extproc.key_cache import KeyCache
 from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
@@ -59,6 +61,9 @@ class NoWorkerError(Exception):
     """No healthy worker can take the request (answered with 503)."""
 
 
+_ADMIT_ALL = Admission()
+
+
 @dataclass
 class RouteOutcome:
     """A decision in flight: what was chosen for which request."""
@@ -71,6 +76,8 @@ class RouteOutcome:
     upstream_headers: dict[str, str] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
     dp_rank: int | None = None  # the data-parallel rank pinned on the chosen worker (None: it has one rank)
+    recorded_keys: list[int] = field(default_factory=list)  # the router's record of what it sent there
+    queue_wait_s: float = 0.0  # time the request waited in flow control before being routed
 
     def endpoints(self, fallbacks: int) -> list[str]:
         """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention).
@@ -132,6 +139,7 @@ class Router:
             tokenizer.set_cache_bytes(self.memory.piece_cache_bytes // len(self._tokenizers))
         self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
+        self.flow = FlowController(config.flow_control, self.telemetry.metrics) if config.flow_control.enabled else None
 
     def memory_usage(self) -> dict[str, int]:
         """Estimated bytes each part of the memory budget holds now (``/metrics`` reads it at scrape time)."""
@@ -159,6 +167,8 @@ class Router:
         await self.events.stop()
         if self._owns_http:
             await self.http.close()
+        if self.flow is not None:
+            self.flow.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.telemetry.shutdown()
 
@@ -186,8 +196,19 @@ class Router:
         assert prompt is not None  # no budget, so never refused
         return self._decide(parsed, workers, prompt, start_ns, wall_ns)
 
-    async def aroute(self, parsed: ParsedRequest) -> RouteOutcome:
+    async def aroute(
+        self,
+        parsed: ParsedRequest,
+        subset: frozenset[str] | None = None,
+        admission: Admission | None = None,
+        on_queued: Callable[[float], Awaitable[None]] | None = None,
+    ) -> RouteOutcome:
         """``route`` for the event loop: a prompt that is mostly new is tokenized in the thread pool.
+
+        ``subset`` (the gateway's subset hint): only workers at these ``ip:port``s may be chosen; an
+        empty or ineligible subset raises NoWorkerError (503). With flow control on, the request
+        waits here while every eligible worker is saturated (``admission``: its band and fairness
+        id), or raises ``ShedError`` (429); ``on_queued`` is awaited when it starts waiting.
 
         A warm prompt (at most ``server.inline_tokenize_chars`` characters missing the piece cache)
         costs less than a thread hop and is done in place. Everything that reads or changes shared
@@ -196,21 +217,80 @@ class Router:
         works, no slot has been taken yet: nothing leaks.
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
-        workers = self._workers(parsed)
+        workers = self._workers(parsed, subset)
         chains = self._chains(workers)
         prompt = self.prompts.prepare(parsed, chains, self.config.server.inline_tokenize_chars)
         if prompt is None:
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(self._pool, self.prompts.prepare, parsed, chains)
             assert prompt is not None  # no budget, so never refused
-            workers = self._workers(parsed)  # health may have changed meanwhile
-        return self._decide(parsed, workers, prompt, start_ns, wall_ns)
+            workers = self._workers(parsed, subset)  # health may have changed meanwhile
+        waited = 0.0
+        if self.flow is not None:
+            admission = admission or _ADMIT_ALL
+            priority = admission.priority
+            has_room = lambda: self._has_room(parsed, subset, priority)  # noqa: E731 (read at every check)
+            waited = await self.flow.admit(admission, has_room, on_queued)
+            if waited:  # the fleet changed while it waited (a new page size is hashed in ``_match``)
+                workers = self._workers(parsed, subset)
+            # Admitted because some worker has room: the policy chooses among those only.
+            workers = [w for w in workers if self._room_at(w, priority)] or workers
+        outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited)
+        if waited and self.flow is not None:
+            self.flow.wake()  # this one took its slot: the next waiter may fit too
+        return outcome
 
-    def _workers(self, parsed: ParsedRequest) -> list[Worker]:
+    def pass_through_endpoints(self, subset: frozenset[str] | None, fallbacks: int) -> list[str]:
+        """Endpoints for a request the router does not route by prompt (``/v1/models``, health, ...).
+
+        Our own Envoy config never sends those here; a GIE gateway sends every request of the pool's
+        routes, and without a destination its ORIGINAL_DST cluster has no upstream. Fewest in
+        flight first; nothing is counted (such requests are cheap and not tracked).
+        """
+        workers = self.registry.candidates(None)
+        if subset is not None:
+            workers = [w for w in workers if w.endpoint in subset]
+        ranked = sorted(workers, key=lambda w: w.in_flight)
+        return [w.endpoint for w in ranked[: fallbacks + 1]]
+
+    def _has_room(self, parsed: ParsedRequest, subset: frozenset[str] | None, priority: int = 0) -> bool:
+        """Whether some worker this request may go to is below the saturation bounds of flow control."""
+        try:
+            workers = self._workers(parsed, subset)
+        except (NoWorkerError, RequestError):
+            return True  # routing will answer it (503 / 400) at once: no reason to hold it
+        return any(self._room_at(w, priority) for w in workers)
+
+    def _room_at(self, worker: Worker, priority: int = 0) -> bool:
+        """Below both saturation bounds: the router's in-flight count there, and its reported queue.
+
+        A sheddable request (negative priority) gets only ``sheddable_share`` of the in-flight bound.
+        """
+        bounds = self.config.flow_control
+        limit = bounds.max_in_flight_per_worker
+        if priority < 0:
+            limit = max(1, int(limit * bounds.sheddable_share))
+        if worker.in_flight >= limit:
+            return False
+        if bounds.max_waiting_per_worker is not None:
+            load = self.loads.get(worker)
+            if load is not None and load.num_waiting_reqs >= bounds.max_waiting_per_worker:
+                return False
+        return True
+
+    def _workers(self, parsed: ParsedRequest, subset: frozenset[str] | None = None) -> list[Worker]:
         self._check_vocabulary(parsed)
+        model = parsed.model or ""
         workers = self.registry.candidates(parsed.model)
+        if not workers and self.config.health.keep_last_healthy_s > 0:
+            workers = self.registry.recently_healthy(parsed.model, self.config.health.keep_last_healthy_s)
+        if subset is not None:
+            if not subset:
+                raise NoWorkerError("the gateway's endpoint subset for this request is empty")
+            workers = [w for w in workers if w.endpoint in subset]
+            if not workers:
+                raise NoWorkerError(f"no healthy worker in the gateway's endpoint subset {sorted(subset)}")
         if not workers:
-            model = parsed.model or ""
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
         return workers
 
@@ -232,7 +312,13 @@ class Router:
         return {(self.block_size_for(w), w.model or "") for w in workers}
 
     def _decide(
-        self, parsed: ParsedRequest, workers: list[Worker], prompt: PreparedPrompt, start_ns: int, wall_ns: int
+        self,
+        parsed: ParsedRequest,
+        workers: list[Worker],
+        prompt: PreparedPrompt,
+        start_ns: int,
+        wall_ns: int,
+        queue_wait_s: float = 0.0,
     ) -> RouteOutcome:
         model = parsed.model or ""
         policy = self.policy
@@ -295,6 +381,7 @@ class Router:
             end_ns=wall_ns + (end_ns - start_ns),
             blocks=len(keys_of.get(chosen.id, first_keys)),
             tokenized=tokens is not None,
+            queue_wait_s=queue_wait_s,
         )
         if rank is not None:
             headers = {**headers, **dict.fromkeys(DP_RANK_HEADERS, str(rank))}
@@ -305,6 +392,8 @@ class Router:
             upstream_headers=headers,
             candidates=candidates,
             dp_rank=rank,
+            recorded_keys=keys_of.get(chosen.id, []),
+            queue_wait_s=queue_wait_s,
         )
 
     def _pin_rank(self, worker: Worker, matches: list[int] | None) -> int | None:
@@ -379,11 +468,46 @@ class Router:
                     rank_matches[c.worker.id] = [gpu[s] for s in mine_slots]
         return first or []
 
+    def served(self, outcome: RouteOutcome, endpoint: str) -> bool:
+        """Envoy says ``endpoint`` served the request: move the accounting there if it fell back.
+
+        The in-flight slot, the policy's booking and the router's record of the prompt's blocks
+        follow the request to the worker that really has it. Returns whether anything moved (an
+        endpoint that is the chosen one, or no worker of ours, moves nothing).
+        """
+        old = outcome.worker
+        if outcome.finished or endpoint == old.endpoint:
+            return False
+        new = next((w for w in self.registry.workers if w.endpoint == endpoint), None)
+        if new is None:
+            log.warning("served endpoint %s is none of the router's workers", endpoint)
+            return False
+        self._release(outcome)
+        new.in_flight += 1
+        rank = outcome.dp_rank if outcome.dp_rank is not None and dp_size(new) > outcome.dp_rank else None
+        if rank is not None:
+            new.rank_in_flight[rank] = new.rank_in_flight.get(rank, 0) + 1
+        keys = outcome.recorded_keys
+        if keys:
+            self.index.unrecord_routed(old.id if outcome.dp_rank is None else rank_key(old.id, outcome.dp_rank), keys)
+            self.index.record_routed(new.id if rank is None else rank_key(new.id, rank), keys)
+        outcome.worker, outcome.dp_rank = new, rank
+        ranked = [new, *(w for w in outcome.decision.ranked if w is not new)]
+        outcome.decision = Decision(ranked=ranked, reason=outcome.decision.reason, scores=outcome.decision.scores)
+        self.policy.on_routed(outcome.request, outcome.decision)
+        self.telemetry.fell_back()
+        return True
+
     def finish(self, outcome: RouteOutcome) -> None:
         """The request's stream ended: release its in-flight slot (idempotent)."""
         if outcome.finished:
             return
+        self._release(outcome)
         outcome.finished = True
+        if self.flow is not None:
+            self.flow.wake()
+
+    def _release(self, outcome: RouteOutcome) -> None:
         outcome.worker.in_flight = max(0, outcome.worker.in_flight - 1)
         if outcome.dp_rank is not None:
             by_rank = outcome.worker.rank_in_flight

@@ -24,7 +24,7 @@ from extproc.config import ConfigError, RouterConfig, WorkerConfig, load_config
 from extproc.metrics_http import MetricsServer
 from extproc.policies import PolicyError
 from extproc.router import Router
-from extproc.servicer import ExtProcServicer, add_services, mark_serving
+from extproc.servicer import ExtProcServicer, add_services, mark_ready, mark_serving
 from extproc.sync.health import HealthChecker
 from extproc.sync.http import WorkerHttp
 from extproc.sync.sources import WorkerSources
@@ -136,8 +136,19 @@ async def run(
     http = WorkerHttp()  # one client for every request the router itself sends to the workers
     health = HealthChecker(registry, config.health, http)
     router = Router(config, registry, http=http)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # A buffered body arrives in one message, a streamed one in chunks as large as Envoy has buffered:
+    # gRPC's 4 MiB default would refuse bodies the router accepts (the headers and framing add a little).
+    message_limit = 2 * config.server.max_body_bytes + 1024 * 1024
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", message_limit),
+            ("grpc.max_send_message_length", message_limit),
+        ]
+    )
     health_servicer = add_services(server, ExtProcServicer(config, router))
+    await mark_serving(health_servicer, True)  # liveness: alive from the first answer on
+    await mark_ready(health_servicer, False)  # readiness: once workers, health checks and sync have started
     address = f"{config.server.host}:{config.server.port}"
     credentials = _credentials(config)
     try:
@@ -160,7 +171,7 @@ async def run(
     await health.start()
     await router.start()
     await server.start()
-    await mark_serving(health_servicer, True)
+    await mark_ready(health_servicer, True)
     healthy = sum(w.healthy for w in registry.workers)
     log.info(
         "ext_proc listening on %s (%s, policy %s, %d/%d workers healthy)",
@@ -178,6 +189,7 @@ async def run(
             forward.cancel()
         await sources.stop()
         log.info("shutting down: %.1fs grace for in-flight requests", config.server.grace_period_s)
+        await mark_ready(health_servicer, False)
         await mark_serving(health_servicer, False)
         await server.stop(config.server.grace_period_s)
         await router.stop()

@@ -1,35 +1,67 @@
 """The ext_proc gRPC servicer: Envoy messages in, routing decisions out. Thin on purpose.
 
-One bidirectional stream per HTTP request. With ``request_header_mode: SEND`` and
-``request_body_mode: BUFFERED`` Envoy sends the headers, then the whole body; we answer the headers
-with CONTINUE (or an early 413 / pass-through), parse the body, ask the router, and answer with the
-destination. The stream then stays open until Envoy has sent the complete response, so its end is
-the request's end: ``router.finish()`` runs there, whatever ended it (normal close, client cancel,
-Envoy reset). Messages are upb protobufs (``xds-protos``); the body is never re-serialized.
-The router's heavy CPU work (tokenizing) runs in its thread pool, so one huge prompt never holds up
-the other streams or the health service on this event loop.
+One bidirectional stream per HTTP request, in either body mode the Endpoint Picker protocol knows
+(Envoy names it in the first message's ``protocol_config``):
+
+- ``BUFFERED``: Envoy sends the headers (answered at once: CONTINUE, or an early 413 /
+  pass-through), then the whole body, answered with the destination.
+- ``FULL_DUPLEX_STREAMED`` (what GIE gateways configure): Envoy sends the headers and then body
+  chunks without waiting. The headers reply is held until the body is complete (the decision needs
+  all of it; ``max_body_bytes`` bounds what is gathered), then goes out with the destination, then
+  the body is streamed back in ``STREAMED_CHUNK_BYTES`` pieces. Response chunks are echoed one by
+  one as they come, so streamed tokens are never held up.
+
+Either way the stream stays open until Envoy has sent the complete response, so its end is the
+request's end: ``router.finish()`` runs there, whatever ended it (normal close, client cancel,
+Envoy reset). The response headers carry the endpoint that really served (``extproc.epp``); the
+router moves its accounting there when Envoy fell back to another one. Messages are upb protobufs
+(``xds-protos``). The router's heavy CPU work (tokenizing) runs in its thread pool, so one huge
+prompt never holds up the other streams or the health service on this event loop.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import duration_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.config import RouterConfig
+from extproc.epp import gie_headers, rewrite_model, served_endpoint, subset_hint
+from extproc.flow_control import Admission, ShedError
 from extproc.request import RequestError, RequestKind, generation_kind, parse_request
-from extproc.response import continue_body, continue_headers, error_response, route_response
+from extproc.response import (
+    STREAMED_CHUNK_BYTES,
+    continue_headers,
+    continue_phase,
+    error_response,
+    route_response,
+    streamed_body,
+)
 from extproc.router import NoWorkerError, RouteOutcome, Router
 
-__all__ = ["EXT_PROC_SERVICE", "ExtProcServicer", "add_services", "mark_serving"]
+__all__ = [
+    "EXT_PROC_SERVICE",
+    "LIVENESS_SERVICE",
+    "READINESS_SERVICE",
+    "ExtProcServicer",
+    "add_services",
+    "mark_ready",
+    "mark_serving",
+]
 
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS_SERVICE = "liveness"
+READINESS_SERVICE = "readiness"
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
@@ -40,6 +72,33 @@ def _headers(message: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
+@dataclass
+class _Exchange:
+    """One HTTP request's state across the messages of its stream."""
+
+    streamed_request: bool = False
+    streamed_response: bool = False
+    kind: RequestKind | None = None
+    path: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: frozenset[str] | None = None
+    body: bytearray = field(default_factory=bytearray)
+    decided: bool = False  # a decision (or an error) has answered the request part
+    ended: bool = False  # an ImmediateResponse went out: Envoy sends nothing we must answer
+    outcome: RouteOutcome | None = None
+    context: grpc.aio.ServicerContext | None = None
+
+    async def extend_timeout(self, seconds: float) -> None:
+        """Ask Envoy to wait ``seconds`` more for our reply (the request waits in flow control).
+
+        Envoy honours it up to the filter's ``max_message_timeout`` (``envoy-config --max-message-timeout-ms``).
+        """
+        if self.context is not None:
+            timeout = duration_pb2.Duration()
+            timeout.FromMilliseconds(int(seconds * 1000) + 1000)
+            await self.context.write(pb.ProcessingResponse(override_message_timeout=timeout))
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """Parses generation requests, asks the router, answers Envoy; knows nothing about policies."""
 
@@ -47,95 +106,179 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.router = router
         self.max_body_bytes = config.server.max_body_bytes
         self.fallbacks = config.server.fallback_endpoints
+        self.flow = config.flow_control
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        outcome: RouteOutcome | None = None
-        kind: RequestKind | None = None
-        path = ""
-        headers: dict[str, str] = {}
+        exchange = _Exchange(context=context)
+        first = True
         try:
             async for message in request_iterator:
-                phase = message.WhichOneof("request")
-                if phase == "request_headers":
-                    headers = _headers(message.request_headers)
-                    path = headers.get(":path", "")
-                    kind = generation_kind(headers.get(":method", ""), path)
-                    reply, outcome = await self._on_headers(kind, path, headers, message.request_headers.end_of_stream)
-                elif phase == "request_body":
-                    if kind is None or outcome is not None:
-                        reply = continue_body()
-                    else:
-                        reply, outcome = await self._decide(kind, path, headers, message.request_body.body)
-                else:
-                    # Only reachable if Envoy is configured to send more than we asked for: never block it.
-                    reply = _continue_for(phase)
-                    if reply is None:
-                        continue
-                await context.write(reply)
+                if first:
+                    first = False
+                    modes = message.protocol_config
+                    exchange.streamed_request = modes.request_body_mode == _FULL_DUPLEX
+                    exchange.streamed_response = modes.response_body_mode == _FULL_DUPLEX
+                for reply in await self._on_message(exchange, message):
+                    await context.write(reply)
         finally:
-            if outcome is not None:
-                self.router.finish(outcome)
+            if exchange.outcome is not None:
+                self.router.finish(exchange.outcome)
 
-    async def _on_headers(
-        self, kind: RequestKind | None, path: str, headers: dict[str, str], end_of_stream: bool
-    ) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
-        if kind is None:
-            return continue_headers(), None  # not a generation request: ordinary routing
-        if end_of_stream:  # no body will follow, so this reply is the only chance to answer
-            return await self._decide(kind, path, headers, b"", phase="request_headers")
-        length = headers.get("content-length")
+    async def _on_message(self, ex: _Exchange, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        phase = message.WhichOneof("request")
+        if ex.ended:
+            return []
+        if phase == "request_headers":
+            return await self._on_headers(ex, message)
+        if phase == "request_body":
+            return await self._on_body(ex, message.request_body)
+        if phase == "request_trailers":
+            replies = [] if ex.decided or ex.kind is None else await self._decide(ex, bytes(ex.body), "trailers")
+            return [*replies, *([] if ex.ended else [continue_phase(phase)])]
+        if phase == "response_headers":
+            served = served_endpoint(message)
+            if served is not None and ex.outcome is not None:
+                self.router.served(ex.outcome, served)
+            return [continue_phase(phase)]
+        if phase == "response_body":
+            if ex.streamed_response:  # every chunk goes back at once: tokens reach the client as they come
+                return [streamed_body(message.response_body.body, message.response_body.end_of_stream, phase)]
+            return [continue_phase(phase)]
+        reply = continue_phase(phase or "")
+        return [reply] if reply is not None else []
+
+    async def _on_headers(self, ex: _Exchange, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        ex.headers = _headers(message.request_headers)
+        ex.path = ex.headers.get(":path", "")
+        ex.kind = generation_kind(ex.headers.get(":method", ""), ex.path)
+        ex.subset = subset_hint(message)
+        if ex.kind is None:  # not a generation request: any worker (our Envoy routes these itself)
+            ex.decided = True
+            endpoints = self.router.pass_through_endpoints(ex.subset, self.fallbacks)
+            if not endpoints:
+                return [continue_headers()]
+            return [route_response(endpoints, phase="request_headers")]
+        if message.request_headers.end_of_stream:  # no body will follow: this reply is the only chance
+            return await self._decide(ex, b"", "headers")
+        length = ex.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             # Refuse as soon as the size is known: no worker and no parser need to see this body.
-            return error_response(
-                413,
-                f"request body is {length} bytes; the limit is {self.max_body_bytes} bytes",
-                type_="request_too_large",
-            ), None
-        return continue_headers(), None
+            return self._error(ex, 413, f"request body is {length} bytes; the limit is {self.max_body_bytes} bytes")
+        if ex.streamed_request:
+            return []  # the headers reply carries the destination: it waits for the whole body
+        return [continue_headers()]
 
-    async def _decide(
-        self, kind: RequestKind, path: str, headers: dict[str, str], body: bytes, phase: str = "request_body"
-    ) -> tuple[pb.ProcessingResponse, RouteOutcome | None]:
+    async def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if ex.decided:  # pass-through path or bodiless decision: the body goes on untouched
+            if ex.streamed_request:
+                return [streamed_body(body.body, body.end_of_stream)]
+            return [continue_phase("request_body")]
+        if not ex.streamed_request:
+            return await self._decide(ex, body.body, "body")
+        ex.body += body.body
+        if len(ex.body) > self.max_body_bytes:
+            return self._error(
+                ex, 413, f"request body is over {len(ex.body)} bytes; the limit is {self.max_body_bytes} bytes"
+            )
+        if not body.end_of_stream:
+            return []
+        return await self._decide(ex, bytes(ex.body), "streamed-body")
+
+    def _error(self, ex: _Exchange, status: int, message: str) -> list[pb.ProcessingResponse]:
+        ex.decided = ex.ended = True
+        types = {413: "request_too_large"}
+        return [error_response(status, message, type_=types.get(status))]
+
+    async def _decide(self, ex: _Exchange, body: bytes, at: str) -> list[pb.ProcessingResponse]:
+        """Route the request; ``at`` is where its body ended: headers (none), body, streamed-body, trailers."""
+        assert ex.kind is not None
+        ex.decided = True
+        gie = gie_headers(ex.headers)
         try:
-            parsed = parse_request(kind, path, body, headers, self.max_body_bytes)
+            parsed = parse_request(ex.kind, ex.path, body, ex.headers, self.max_body_bytes)
+            if gie.model_rewrite is not None and body:
+                body = rewrite_model(body, gie.model_rewrite)
+                parsed.model = gie.model_rewrite
+            admission = Admission(
+                priority=self.flow.priority_of(gie.objective),
+                fairness_id=gie.fairness_id or "",
+                objective=gie.objective or "",
+            )
             # Tokenizing runs in the router's pool; a cancel here (client gone) leaves no slot taken.
-            outcome = await self.router.aroute(parsed)
+            outcome = await self.router.aroute(
+                parsed, subset=ex.subset, admission=admission, on_queued=ex.extend_timeout
+            )
         except RequestError as exc:
-            return error_response(exc.status, exc.message, exc.type, exc.param), None
+            ex.ended = True
+            return [error_response(exc.status, exc.message, exc.type, exc.param)]
         except NoWorkerError as exc:
-            return error_response(503, str(exc), type_="service_unavailable"), None
+            ex.ended = True
+            return [error_response(503, str(exc), type_="service_unavailable")]
+        except ShedError as exc:
+            ex.ended = True
+            return [
+                error_response(
+                    429,
+                    str(exc),
+                    type_="rate_limit_exceeded",
+                    extra_headers={"retry-after": str(exc.retry_after_s), "x-llm-d-request-dropped-reason": exc.reason},
+                )
+            ]
         except Exception:  # a routing bug must cost one request a 500, never the stream or the process
-            log.exception("routing failed for %s", path)
-            return error_response(500, "the router failed to route this request", type_="api_error"), None
-        reply = route_response(outcome.endpoints(self.fallbacks), outcome.upstream_headers, phase=phase)
-        return reply, outcome
-
-
-def _continue_for(phase: str | None) -> pb.ProcessingResponse | None:
-    if phase == "response_headers":
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-    if phase == "response_body":
-        return pb.ProcessingResponse(response_body=pb.BodyResponse())
-    if phase == "request_trailers":
-        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-    if phase == "response_trailers":
-        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-    return None
+            log.exception("routing failed for %s", ex.path)
+            ex.ended = True
+            return [error_response(500, "the router failed to route this request", type_="api_error")]
+        ex.outcome = outcome
+        endpoints = outcome.endpoints(self.fallbacks)
+        mutated = gie.model_rewrite is not None and bool(body)
+        if at == "headers":
+            return [route_response(endpoints, outcome.upstream_headers, phase="request_headers")]
+        if at == "body":
+            return [route_response(endpoints, outcome.upstream_headers, body=body if mutated else None)]
+        replies = [
+            route_response(
+                endpoints,
+                outcome.upstream_headers,
+                phase="request_headers",
+                content_length=len(body) if mutated else None,
+            )
+        ]
+        last = at == "streamed-body"  # before trailers, the body's end is the trailers' message
+        for start in range(0, len(body), STREAMED_CHUNK_BYTES):
+            end = start + STREAMED_CHUNK_BYTES
+            replies.append(streamed_body(body[start:end], last and end >= len(body)))
+        if not body:
+            replies.append(streamed_body(b"", last))
+        return replies
 
 
 def add_services(server: grpc.aio.Server, servicer: ExtProcServicer) -> health.aio.HealthServicer:
-    """Register ext_proc plus the standard gRPC health service (overall and per service: SERVING)."""
+    """Register ext_proc plus the gRPC health service (overall, ``liveness``, ``readiness``, ext_proc)."""
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return health_servicer
 
 
+def _status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 async def mark_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", EXT_PROC_SERVICE):
-        await health_servicer.set(name, status)
+    """Liveness: the process runs and its event loop answers (NOT_SERVING only while shutting down)."""
+    await health_servicer.set(LIVENESS_SERVICE, _status(serving))
+
+
+async def mark_ready(health_servicer: health.aio.HealthServicer, ready: bool) -> None:
+    """Readiness (the overall service, ``readiness`` and ext_proc): the router can take requests now.
+
+    Ready means the worker set has been resolved once and the health checks, KV-event subscriptions
+    and load polling have started. Replicas are active-active (no leader to elect), so every
+    started replica is ready; it turns NOT_SERVING when it shuts down.
+    """
+    for name in ("", READINESS_SERVICE, EXT_PROC_SERVICE):
+        await health_servicer.set(name, _status(ready))

@@ -169,6 +169,11 @@ class Telemetry:
             ["policy", "reason"],
             registry=metrics,
         )
+        self._fell_back = Counter(
+            "prefix_router_served_elsewhere_total",
+            "Requests Envoy served on another endpoint than the router's primary (its fallbacks); accounting moved.",
+            registry=metrics,
+        )
         self._decision_seconds = Histogram(
             "prefix_router_decision_seconds",
             "Time to make one routing decision (tokenize, hash, look up, choose).",
@@ -235,6 +240,7 @@ class Telemetry:
         end_ns: int,
         blocks: int,
         tokenized: bool,
+        queue_wait_s: float = 0.0,
     ) -> dict[str, str]:
         """Record one decision; returns the headers that carry its trace context upstream (none untraced)."""
         elapsed = (end_ns - start_ns) / 1e9
@@ -269,6 +275,7 @@ class Telemetry:
                 "router.chosen": chosen.id,
                 "router.chosen_endpoint": chosen.endpoint,
                 "router.decision_ms": elapsed * 1000,
+                "router.queue_wait_ms": queue_wait_s * 1000,
                 "router.candidates": ids,
                 "router.candidates.matched_blocks": [c.matched_blocks for c in candidates],
                 "router.candidates.host_blocks": [c.tier_blocks["host"] for c in candidates],
@@ -287,6 +294,10 @@ class Telemetry:
         carrier: dict[str, str] = {}
         _propagator.inject(carrier, context=trace.set_span_in_context(span))
         return carrier
+
+    def fell_back(self) -> None:
+        """Envoy served a request on a fallback endpoint (read from the response's served-endpoint metadata)."""
+        self._fell_back.inc()
 
     def tokenize_failed(self, model: str) -> None:
         self._tokenize_failures.labels(model or "default").inc()

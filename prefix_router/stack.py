@@ -186,6 +186,8 @@ class GatewayStack:
         log_dir: Path | str | None = None,
         startup_timeout_s: float = 60.0,
         own_sessions: bool = False,
+        body_mode: str = "buffered",
+        max_message_timeout_ms: int | None = envoy_config.DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
     ) -> None:
         if not worker_urls and sim_workers <= 0 and sglang_cpu_workers <= 0:
             raise ValueError("give worker_urls, sim_workers > 0 or sglang_cpu_workers > 0")
@@ -219,6 +221,8 @@ class GatewayStack:
         self.tls_cert, self.tls_key, self.tls_ca, self.tls_sni = tls_cert, tls_key, tls_ca, tls_sni
         self.startup_timeout_s = startup_timeout_s
         self.own_sessions = own_sessions
+        self.body_mode = body_mode  # "buffered" or "streamed" (FULL_DUPLEX_STREAMED, as GIE gateways run it)
+        self.max_message_timeout_ms = max_message_timeout_ms
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="prefix-router-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -513,6 +517,8 @@ class GatewayStack:
             access_log=self.access_log,
             tls_ca=self.tls_ca,
             tls_sni=self.tls_sni,
+            body_mode=self.body_mode,
+            max_message_timeout_ms=self.max_message_timeout_ms,
         )
 
     async def _start_envoy(self, repick: bool = True) -> None:

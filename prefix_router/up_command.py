@@ -66,6 +66,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Envoy's ext_proc message timeout: a slower router is bypassed (fail-open).",
     )
     parser.add_argument(
+        "--body-mode",
+        choices=["buffered", "streamed"],
+        default="buffered",
+        help="Envoy's ext_proc body mode: buffered, or streamed (FULL_DUPLEX_STREAMED, as GIE gateways run it).",
+    )
+    parser.add_argument(
         "--sim-speedup",
         type=float,
         default=1.0,
@@ -181,6 +187,7 @@ async def _serve(args: argparse.Namespace, options: dict[str, Any], count: int, 
         access_log=not args.quiet,
         log_dir=args.log_dir,
         own_sessions=True,
+        body_mode=args.body_mode,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -95,7 +95,7 @@ class HealthChecker:
             self._oks[worker] = 0
             self._fails[worker] = self._fails.get(worker, 0) + 1
             if worker.healthy and self._fails[worker] >= self.config.unhealthy_after:
-                self.registry.set_healthy(worker, False)
+                self.registry.set_healthy(worker, False, "failed liveness probes", may_still_serve=True)
 
     async def _discover(self, worker: Worker) -> None:
         await discover(self.http, worker, self.config.timeout_s)

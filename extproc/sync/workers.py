@@ -10,6 +10,7 @@ consistent candidate set.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,10 @@ class Worker:
     kv_events_endpoint: str | None = None
     replay_endpoint: str | None = None
     healthy: bool = True
+    # When it last left the candidates after failed health probes (None: healthy, or never was), and
+    # whether a refused connection proved it dead: a worker that only missed probes may still serve.
+    unhealthy_since: float | None = None
+    unreachable: bool = False
     in_flight: int = 0
     rank_in_flight: dict[int, int] = field(default_factory=dict)  # the router's in-flight per DP rank it pinned
     # Last /server_info (page_size, kv_events, ...) plus "model_info": the last /model_info.
@@ -83,11 +88,32 @@ class WorkerRegistry:
         A model name no worker reports falls back to every healthy worker: SGLang serves its one
         model whatever name the client sends, so an unknown name is not a reason to refuse.
         """
-        healthy = [w for w in self.workers if w.healthy]
+        return self._for_model([w for w in self.workers if w.healthy], model)
+
+    def recently_healthy(self, model: str | None, within_s: float) -> list[Worker]:
+        """The last healthy set, for when no worker is healthy: those that left less than ``within_s`` ago.
+
+        Like Envoy's panic threshold: when every worker misses a probe at once (a busy fleet answers
+        ``/health`` late) they most likely still serve, and refusing every request would turn a blip
+        into an outage. Workers that refused a connection are left out.
+        """
+        now = time.monotonic()
+        recent = [
+            w
+            for w in self.workers
+            if not w.healthy
+            and not w.unreachable
+            and w.unhealthy_since is not None
+            and now - w.unhealthy_since < within_s
+        ]
+        return self._for_model(recent, model)
+
+    @staticmethod
+    def _for_model(workers: list[Worker], model: str | None) -> list[Worker]:
         if model is None:
-            return healthy
-        matching = [w for w in healthy if w.model is None or w.model == model]
-        return matching or healthy
+            return workers
+        matching = [w for w in workers if w.model is None or w.model == model]
+        return matching or workers
 
     def reconcile(self, desired: list[Worker]) -> tuple[list[Worker], list[Worker]]:
         """Make the set equal to ``desired``; returns (added, removed).
@@ -118,9 +144,13 @@ class WorkerRegistry:
                 listener()
         return added, removed
 
-    def set_healthy(self, worker: Worker, healthy: bool, why: str = "") -> None:
+    def set_healthy(self, worker: Worker, healthy: bool, why: str = "", may_still_serve: bool = False) -> None:
+        """Change a worker's health; ``may_still_serve``: it only missed liveness probes (see ``recently_healthy``)."""
         if worker.healthy != healthy:
             worker.healthy = healthy
+            worker.unhealthy_since = time.monotonic() if may_still_serve and not healthy else None
+            if healthy:
+                worker.unreachable = False
             suffix = f" ({why})" if why else ""
             log.warning("worker %s is now %s%s", worker.id, "healthy" if healthy else "UNHEALTHY", suffix)
 
@@ -129,4 +159,5 @@ class WorkerRegistry:
 
         The health checker keeps polling it and brings it back after ``health.healthy_after`` successes.
         """
+        worker.unreachable = True
         self.set_healthy(worker, False, why)

@@ -244,6 +244,9 @@ def test_inference_pool_picks_with_the_router_and_selects_the_workers() -> None:
     ports = {p["name"]: p["containerPort"] for p in router["template"]["spec"]["containers"][0]["ports"]}
     assert ports[svc_port["targetPort"]] == 9002
     assert svc_port["appProtocol"] == "kubernetes.io/h2c"  # gRPC: HTTP/2 cleartext or TLS
+    # The gateway's ORIGINAL_DST cluster takes one ip:port: the router names the primary only.
+    env = {e["name"]: e.get("value") for e in router["template"]["spec"]["containers"][0].get("env", [])}
+    assert env["PREFIX_ROUTER_SERVER__FALLBACK_ENDPOINTS"] == "0"
     route = objects[("HTTPRoute", "sglang")]["spec"]
     assert route["parentRefs"][0]["name"] in {name for kind, name in objects if kind == "Gateway"}
     (backend,) = route["rules"][0]["backendRefs"]

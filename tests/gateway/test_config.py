@@ -56,11 +56,28 @@ def test_envoy_directory_validates(envoy_bin: str, tmp_path: Path) -> None:
     validate(envoy_bin, assemble(pieces), tmp_path)
 
 
+def test_streamed_body_mode(envoy_bin: str, tmp_path: Path) -> None:
+    spec = envoy_config.GatewaySpec(workers=[("127.0.0.1", 30001)], body_mode="streamed", max_message_timeout_ms=31_000)
+    ext_proc = envoy_config.http_filters(spec)[1]["typed_config"]
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_trailer_mode": "SEND",
+    }
+    assert "allow_mode_override" not in ext_proc  # false: the router cannot switch modes mid-request
+    assert ext_proc["max_message_timeout"] == "31.000s"
+    validate(envoy_bin, envoy_config.dump(envoy_config.bootstrap(spec)), tmp_path)
+
+
 def test_filter_order_and_modes() -> None:
     filters = envoy_config.http_filters(EXAMPLE_SPEC)
     assert [f["name"] for f in filters] == [
         "envoy.filters.http.header_mutation",
         "envoy.filters.http.ext_proc",
+        "envoy.filters.http.header_to_metadata",
         "envoy.filters.http.router",
     ]
     assert filters[0]["typed_config"]["mutations"]["request_mutations"] == [
@@ -72,8 +89,14 @@ def test_filter_order_and_modes() -> None:
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
-    assert ext_proc["processing_mode"]["response_header_mode"] == "SKIP"
+    # The response headers go to the router: they carry the endpoint that served.
+    assert ext_proc["processing_mode"]["response_header_mode"] == "SEND"
+    assert ext_proc["processing_mode"]["response_body_mode"] == "NONE"
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb", "envoy.lb.subset_hint"]
+    served = filters[2]["typed_config"]["response_rules"][0]
+    assert served["header"] == "x-gateway-destination-endpoint-served" and served["remove"] is True
+    assert served["on_header_present"]["metadata_namespace"] == "envoy.lb"
     routes = envoy_config.routes(EXAMPLE_SPEC)
     assert [r["name"] for r in routes] == ["metrics", "router-picked", "fail-open", "pass-through"]
     assert routes[3]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"]
@@ -153,6 +176,26 @@ def test_cli_pieces_and_bootstrap_with_tls_validate(envoy_bin: str, tmp_path: Pa
     full = _cli("--worker", "127.0.0.1:30001", "--bootstrap", "--upstream-host-header", "--access-log")
     assert full.returncode == 0, full.stderr
     validate(envoy_bin, full.stdout, tmp_path)
+
+
+def test_cli_prints_the_streamed_configuration(envoy_bin: str, tmp_path: Path) -> None:
+    out = tmp_path / "streamed.yaml"
+    run = _cli(
+        "--worker",
+        "127.0.0.1:30001",
+        "--bootstrap",
+        "--body-mode",
+        "streamed",
+        "--max-message-timeout-ms",
+        "31000",
+        "-o",
+        str(out),
+    )
+    assert run.returncode == 0, run.stderr
+    text = out.read_text()
+    assert "request_body_mode: FULL_DUPLEX_STREAMED" in text and "response_body_mode: FULL_DUPLEX_STREAMED" in text
+    assert "max_message_timeout: 31.000s" in text
+    validate(envoy_bin, text, tmp_path)
 
 
 def test_cli_rejects_bad_input() -> None:

@@ -35,7 +35,9 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello ther
 def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
-        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1}\nevents: {enabled: false}\n"
+        # keep_last_healthy_s: hung workers (SIGSTOP) stay candidates that long after their last probe.
+        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1, keep_last_healthy_s: 0.5}\n"
+        "events: {enabled: false}\n"
     )
     gateway = GatewayStack(
         sim_workers=2,
@@ -113,10 +115,11 @@ def test_router_reply_sets_header_metadata_and_clears_route_cache(stack: Gateway
     assert common.clear_route_cache
     (option,) = [h for h in common.header_mutation.set_headers if h.header.key == "x-gateway-destination-endpoint"]
     assert option.append_action == base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-    assert option.header.raw_value.decode() in workers(stack)
+    assert set(option.header.raw_value.decode().split(",")) == workers(stack)
     lb = replies[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields
     listed = lb["x-gateway-destination-endpoint"].string_value.split(",")
-    assert listed[0] == option.header.raw_value.decode() and set(listed) == workers(stack)
+    # The protocol's MUST: header and metadata equal, primary plus fallbacks in ip:port,ip:port form.
+    assert ",".join(listed) == option.header.raw_value.decode() and set(listed) == workers(stack)
 
 
 STREAMS = "http.gateway.ext_proc.streams_started"

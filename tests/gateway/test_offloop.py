@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
 from extproc.router import Router
-from extproc.servicer import ExtProcServicer, add_services, mark_serving
+from extproc.servicer import ExtProcServicer, add_services, mark_ready, mark_serving
 from extproc.sync.workers import Worker, WorkerRegistry
 
 CHAT_PATH = "/v1/chat/completions"
@@ -102,6 +102,7 @@ async def service() -> AsyncIterator[tuple[Router, grpc.aio.Channel]]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await mark_serving(health, True)
+    await mark_ready(health, True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield router, channel
@@ -144,7 +145,7 @@ async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Rout
     small.cancel()
     replies = await asyncio.wait_for(big_replies, 30)
     destination = replies[1].request_body.response.header_mutation.set_headers[0].header.raw_value.decode()
-    assert destination in {w.endpoint for w in router.registry.workers}
+    assert set(destination.split(",")) == {w.endpoint for w in router.registry.workers}  # primary + fallback
     assert _in_flight(router) == 1  # the huge request's stream is still open: its slot is held
     big.cancel()
     await _until(lambda: _in_flight(router) == 0)

@@ -98,21 +98,12 @@ def _port_open(url: str) -> bool:
         return sock.connect_ex((host, int(port))) == 0
 
 
-def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str) -> None:
+@pytest.mark.parametrize("body_mode", ["buffered", "streamed"])
+def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str, body_mode: str, tmp_path: Path) -> None:
     port = free_port()
+    argv = ["up", "--sim-workers", "2", "--port", str(port), "--policy", "round-robin", "--body-mode", body_mode]
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefix_router",
-            "up",
-            "--sim-workers",
-            "2",
-            "--port",
-            str(port),
-            "--policy",
-            "round-robin",
-        ],
+        [sys.executable, "-m", "prefix_router", *argv, "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -136,6 +127,8 @@ def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str) -> None:
         assert reply.status == 200 and "http://" + reply.headers["x-upstream-host"] in workers
         access_log = [up.stdout.readline() for _ in range(2)]  # a blank line, then that request's line
         assert any("router-picked" in line and reply.headers["x-upstream-host"] in line for line in access_log)
+        mode = "FULL_DUPLEX_STREAMED" if body_mode == "streamed" else "BUFFERED"
+        assert f"request_body_mode: {mode}" in (tmp_path / "envoy.yaml").read_text()
         up.send_signal(signal.SIGTERM)
         assert up.wait(30) == 0, banner + up.stderr.read()
         assert not _port_open(url) and not any(_port_open(w) for w in workers)

@@ -1,0 +1,94 @@
+"""Flow control's queue on its own: bands by priority, turns across fairness ids, TTLs, cancels (pure asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.config import FlowControlConfig
+from extproc.flow_control import Admission, FlowController, ShedError
+
+
+class Room:
+    """Capacity the test hands out: ``has_room`` is true while slots are free."""
+
+    def __init__(self) -> None:
+        self.free = 0
+
+    def __call__(self) -> bool:
+        return self.free > 0
+
+
+async def _admitted_in_order(flow: FlowController, room: Room, admissions: list[Admission]) -> list[Admission]:
+    order: list[Admission] = []
+
+    async def one(admission: Admission) -> None:
+        await flow.admit(admission, room)
+        order.append(admission)
+        room.free -= 1  # the admitted request takes its slot, as routing does
+
+    tasks = [asyncio.create_task(one(a)) for a in admissions]
+    await asyncio.sleep(0.01)
+    assert flow.waiting == len(admissions)
+    for _ in admissions:  # one slot at a time frees up, as requests end
+        room.free += 1
+        flow.wake()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_higher_priority_first_then_fairness_ids_take_turns() -> None:
+    flow = FlowController(FlowControlConfig(enabled=True, poll_interval_s=10))
+    room = Room()
+    tenant_a = [Admission(priority=0, fairness_id="a", objective=f"a{i}") for i in range(3)]
+    tenant_b = [Admission(priority=0, fairness_id="b", objective=f"b{i}") for i in range(2)]
+    urgent = Admission(priority=5, fairness_id="c", objective="urgent")
+    order = await _admitted_in_order(flow, room, [*tenant_a, *tenant_b, urgent])
+    assert [a.objective for a in order] == ["urgent", "a0", "b0", "a1", "b1", "a2"]
+    flow.stop()
+
+
+async def test_nothing_waits_while_there_is_room() -> None:
+    flow = FlowController(FlowControlConfig(enabled=True))
+    assert await flow.admit(Admission(priority=-1), lambda: True) == 0.0  # even sheddable: not saturated
+
+
+async def test_sheddable_ttl_and_queue_bound() -> None:
+    flow = FlowController(FlowControlConfig(enabled=True, queue_ttl_s=0.05, max_queued=1, retry_after_s=7))
+    with pytest.raises(ShedError) as shed:
+        await flow.admit(Admission(priority=-3), lambda: False)
+    assert shed.value.reason == "sheddable" and shed.value.retry_after_s == 7
+    waiting = asyncio.create_task(flow.admit(Admission(), lambda: False))
+    await asyncio.sleep(0.01)
+    with pytest.raises(ShedError) as full:
+        await flow.admit(Admission(), lambda: False)
+    assert full.value.reason == "queue-full"
+    with pytest.raises(ShedError) as expired:
+        await waiting
+    assert expired.value.reason == "queue-ttl" and flow.waiting == 0
+    flow.stop()
+
+
+async def test_a_cancelled_waiter_leaves_its_band() -> None:
+    flow = FlowController(FlowControlConfig(enabled=True))
+    task = asyncio.create_task(flow.admit(Admission(fairness_id="x"), lambda: False))
+    await asyncio.sleep(0.01)
+    assert flow.waiting == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert flow.waiting == 0
+    flow.stop()
+
+
+async def test_room_appearing_without_a_request_ending_is_found_by_the_ticker() -> None:
+    flow = FlowController(FlowControlConfig(enabled=True, poll_interval_s=0.01))
+    room = Room()
+    task = asyncio.create_task(flow.admit(Admission(), room))
+    await asyncio.sleep(0.03)
+    assert not task.done()
+    room.free = 1  # e.g. a worker came back: nobody calls wake()
+    assert await asyncio.wait_for(task, 1.0) > 0
+    flow.stop()
