@@ -38,6 +38,7 @@ from extproc.key_cache import KeyCache
 from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
 from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
+from extproc.pruning import CandidatePruner
 from extproc.request import ParsedRequest, RequestError
 from extproc.response import DP_RANK_HEADERS
 from extproc.sync.discovery import dp_size, page_size, storage_group
@@ -103,6 +104,7 @@ class Router:
         self._owns_http = http is None
         self.http = http or WorkerHttp()
         self.policy = policy_from_config(config.policy)
+        self.pruner = CandidatePruner(config.policy.max_candidates)
         self.memory = MemoryPlan.from_budget(config.memory.budget_bytes)
         self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
         self.events = EventHub(config.events, registry, self.index, self.http, SharedBound(self.memory.engine_hashes))
@@ -182,9 +184,10 @@ class Router:
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers = self._workers(parsed)
-        prompt = self.prompts.prepare(parsed, self._chains(workers))
+        sizes = [self.block_size_for(w) for w in workers]
+        prompt = self.prompts.prepare(parsed, self._chains(workers, sizes))
         assert prompt is not None  # no budget, so never refused
-        return self._decide(parsed, workers, prompt, start_ns, wall_ns)
+        return self._decide(parsed, workers, sizes, prompt, start_ns, wall_ns)
 
     async def aroute(self, parsed: ParsedRequest) -> RouteOutcome:
         """``route`` for the event loop: a prompt that is mostly new is tokenized in the thread pool.
@@ -197,14 +200,16 @@ class Router:
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers = self._workers(parsed)
-        chains = self._chains(workers)
+        sizes = [self.block_size_for(w) for w in workers]
+        chains = self._chains(workers, sizes)
         prompt = self.prompts.prepare(parsed, chains, self.config.server.inline_tokenize_chars)
         if prompt is None:
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(self._pool, self.prompts.prepare, parsed, chains)
             assert prompt is not None  # no budget, so never refused
             workers = self._workers(parsed)  # health may have changed meanwhile
-        return self._decide(parsed, workers, prompt, start_ns, wall_ns)
+            sizes = [self.block_size_for(w) for w in workers]
+        return self._decide(parsed, workers, sizes, prompt, start_ns, wall_ns)
 
     def _workers(self, parsed: ParsedRequest) -> list[Worker]:
         self._check_vocabulary(parsed)
@@ -227,12 +232,21 @@ class Router:
                 param="input_ids" if parsed.kind == "generate" else "prompt",
             )
 
-    def _chains(self, workers: list[Worker]) -> set[Chain]:
-        """The (block size, model) key chains the candidates need (workers sharing both share one)."""
-        return {(self.block_size_for(w), w.model or "") for w in workers}
+    def _chains(self, workers: list[Worker], sizes: list[int]) -> set[Chain]:
+        """The (block size, model) key chains the candidates need (workers sharing both share one).
+
+        ``sizes``: each worker's ``block_size_for``, computed once per decision (it is read per worker).
+        """
+        return {(size, w.model or "") for w, size in zip(workers, sizes)}
 
     def _decide(
-        self, parsed: ParsedRequest, workers: list[Worker], prompt: PreparedPrompt, start_ns: int, wall_ns: int
+        self,
+        parsed: ParsedRequest,
+        workers: list[Worker],
+        sizes: list[int],
+        prompt: PreparedPrompt,
+        start_ns: int,
+        wall_ns: int,
     ) -> RouteOutcome:
         model = parsed.model or ""
         policy = self.policy
@@ -242,24 +256,27 @@ class Router:
         tokens = prompt.tokens
         loads, events, tiers = self.loads, self.events, self.tier_stats
         shared = self.config.index.shared_tier
+        # Everything the index lookup and the pruning need, for every worker; the rest for the shortlist only.
         candidates = [
             Candidate(
                 worker=w,
                 in_flight=w.in_flight,
-                load=loads.get(w),
-                index_state=events.state(w),
-                block_size=self.block_size_for(w),
+                block_size=size,
                 storage_group=storage_group(w) if shared else None,
-                tier_report=tiers.get(w),
-                cached_blocks=self.index.size(w.id),
             )
-            for w in workers
+            for w, size in zip(workers, sizes)
         ]
         keys_of: dict[str, list[int]] = {}
         rank_matches: dict[str, list[int]] = {}
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
             first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of, rank_matches)
+            candidates = self.pruner.prune(candidates, lambda c: loads.get(c.worker))
+        for c in candidates:
+            c.load = loads.get(c.worker)
+            c.index_state = events.state(c.worker)
+            c.tier_report = tiers.get(c.worker)
+            c.cached_blocks = self.index.size(c.worker.id)
         request = RoutingRequest(
             model=model,
             path=parsed.path,
