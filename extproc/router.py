@@ -88,6 +88,12 @@ class RouteOutcome:
         return next((c.matched_blocks for c in self.candidates if c.worker is self.worker), 0)
 
 
+def _rank_slots(worker: Worker) -> list[str]:
+    """The index slots of the worker's data-parallel ranks (just its id for a single-rank worker)."""
+    ranks = dp_size(worker)
+    return [worker.id] if ranks == 1 else [rank_key(worker.id, r) for r in range(ranks)]
+
+
 class Router:
     """Owns the policy, the block index and the per-worker in-flight counts; knows nothing of gRPC."""
 
@@ -374,7 +380,7 @@ class Router:
                 keys = self.prompts.chain(parsed, tokens, chain)
             if first is None:
                 first = keys
-            slots = {c.worker.id: [rank_key(c.worker.id, r) for r in range(dp_size(c.worker))] for c in members}
+            slots = {c.worker.id: _rank_slots(c.worker) for c in members}
             ids = [slot for member in slots.values() for slot in member]
             if lower:  # GPU, then host memory, then the storage tier each shares (every rank shares it)
                 depths = index.match_tiers(keys, ids, {s: c.storage_group for c in members for s in slots[c.worker.id]})
@@ -390,10 +396,13 @@ class Router:
             gpu = index.match(keys, ids, "gpu")
             for c in members:
                 mine_slots = slots[c.worker.id]
-                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = max(gpu[s] for s in mine_slots)
-                keys_of[c.worker.id] = keys
-                if len(mine_slots) > 1:
+                if len(mine_slots) == 1:  # the common case, once per worker of the fleet: no generator
+                    depth = gpu[mine_slots[0]]
+                else:
+                    depth = max(gpu[s] for s in mine_slots)
                     rank_matches[c.worker.id] = [gpu[s] for s in mine_slots]
+                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = depth
+                keys_of[c.worker.id] = keys
         return first or []
 
     def finish(self, outcome: RouteOutcome) -> None:
