@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from extproc.config import EventsConfig, IndexConfig, RouterConfig
+from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.request import ParsedRequest
 from extproc.router import Router
@@ -61,13 +61,17 @@ def _percentiles(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1000, p99 * 1000
 
 
-def decision_latency(samples: int, workers: int) -> list[tuple[int, int, tuple[float, float], tuple[float, float]]]:
+def decision_latency(
+    samples: int, workers: int, max_candidates: int | None = None
+) -> list[tuple[int, int, tuple[float, float], tuple[float, float]]]:
+    """Per prompt size: (size, tokens, cold p50/p99, warm p50/p99); ``max_candidates`` overrides the shortlist."""
     rng = random.Random(42)
     vocab = _vocabulary(rng)
     fleet = [
         Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(workers)
     ]
-    config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=PAGE))
+    policy = PolicyConfig() if max_candidates is None else PolicyConfig(max_candidates=max_candidates)
+    config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=PAGE), policy=policy)
     router = Router(config, WorkerRegistry(fleet))
     # One throw-away decision: the tokenizer's first call initialises lazily (~10 ms), once per process.
     router.finish(router.route(ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="warm up")))
@@ -144,7 +148,8 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
     ctx.destroy(linger=0)
 
 
-async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
+async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float, int]:
+    """(blocks the streams stored, seconds, confirmed entries the index then holds)."""
     from extproc.addresses import free_ports
 
     pages = 16
@@ -182,9 +187,10 @@ async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float]:
         await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - start
     done = stored()
+    held = index.blocks_total
     await hub.stop()
     proc.join(5)
-    return done, elapsed
+    return done, elapsed, held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'prompt':>8} {'tokens':>7} {'cold p50':>9} {'cold p99':>9} {'warm p50':>9} {'warm p99':>9}")
     for size, tokens, (c50, c99), (w50, w99) in decision_latency(args.samples, args.workers):
         print(f"{size // 1024:>7}k {tokens:>7} {c50:>9.2f} {c99:>9.2f} {w50:>9.2f} {w99:>9.2f}")
-    done, elapsed = asyncio.run(event_ingestion(args.workers, args.event_blocks))
+    done, elapsed, _held = asyncio.run(event_ingestion(args.workers, args.event_blocks))
     print(
         f"event ingestion: {done} blocks from {args.workers} workers in {elapsed:.2f} s "
         f"= {done / elapsed:,.0f} blocks/s (BlockStored batches of 16 pages x {PAGE} tokens, real ZMQ)"

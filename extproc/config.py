@@ -145,6 +145,14 @@ class PolicyConfig(Section):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Overrides merged over the chosen policy's section."
     )
+    max_candidates: int = Field(
+        16,
+        ge=2,
+        description=(
+            "Token-matching policies score at most this many workers per request: half that match the prompt "
+            "longest, the rest least loaded (extproc/pruning.py). A fleet this small or smaller is scored in full."
+        ),
+    )
 
     @model_validator(mode="after")
     def _sections_are_mappings(self) -> PolicyConfig:

@@ -84,6 +84,8 @@ class GatewaySpec:
 
     workers: list[tuple[str, int]]
     extproc: tuple[str, int] | None = ("127.0.0.1", 9002)  # None: no router (plain least-request Envoy)
+    # ``prefix-router serve --processes N``: the router's processes listen on port, port + 1, ... port + N - 1.
+    extproc_processes: int = 1
     listen: tuple[str, int] = ("127.0.0.1", 8080)
     admin: tuple[str, int] = ("127.0.0.1", 9901)
     timeout_ms: int = 500
@@ -312,7 +314,14 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "typed_extension_protocol_options": _http2(),
             "load_assignment": {
                 "cluster_name": EXTPROC_CLUSTER,
-                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+                # Each ext_proc stream goes to the next process, round robin (one HTTP/2 connection each).
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": _address(host, port + i)}} for i in range(spec.extproc_processes)
+                        ]
+                    }
+                ],
             },
         }
         if spec.tls_ca is not None or spec.tls_cert is not None:
@@ -358,7 +367,15 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
                 "connect_timeout": "0.25s",
                 "load_assignment": {
                     "cluster_name": METRICS_CLUSTER,
-                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+                    # Each ext_proc stream goes to the next process, round robin (one HTTP/2 connection each).
+                    "endpoints": [
+                        {
+                            "lb_endpoints": [
+                                {"endpoint": {"address": _address(host, port + i)}}
+                                for i in range(spec.extproc_processes)
+                            ]
+                        }
+                    ],
                 },
             }
         )

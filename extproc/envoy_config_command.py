@@ -32,6 +32,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--extproc", default="127.0.0.1:9002", metavar="HOST:PORT", help="Where `prefix-router serve` listens."
     )
     parser.add_argument(
+        "--router-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help=(
+            "The router runs `prefix-router serve --processes N`: list its N ports (the --extproc port and the "
+            "N - 1 after it) and balance ext_proc streams over them round robin."
+        ),
+    )
+    parser.add_argument(
         "--router-metrics",
         metavar="HOST:PORT",
         help=(
@@ -120,9 +130,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if args.router_processes < 1:
+        raise ValueError("--router-processes must be at least 1")
     return GatewaySpec(
         workers=[split_host_port(w) for w in args.worker],
         extproc=split_host_port(args.extproc),
+        extproc_processes=args.router_processes,
         router_metrics=split_host_port(args.router_metrics) if args.router_metrics else None,
         retries=args.retries,
         retry_on_reset=not args.no_retry_on_reset,

@@ -6,7 +6,7 @@ turns it into a count with a measured cost per entry (CPython 3.11, 64-bit; ``tr
 
 | part | holds | cost per entry | share |
 |---|---|---|---|
-| ``index`` | confirmed blocks, all workers, ranks and tiers together | 160 B per block | 35 % |
+| ``index`` | confirmed blocks, all workers, ranks and tiers together | 232 B per block | 35 % |
 | ``engine_hashes`` | engine hash -> own key, per event stream (for ``BlockRemoved``) | 150 B per block | 25 % |
 | ``speculative`` | the router's own record of what it sent where | 290 B per block | 10 % |
 | ``key_cache`` | token bytes and block keys of recent prompts | counted exactly | 10 % |
@@ -36,7 +36,9 @@ __all__ = [
     "SharedBound",
 ]
 
-BLOCK_BYTES = 160  # one confirmed (key, worker slot) entry: holders dict + per-slot LRU order
+# One confirmed (key, worker slot) entry: holders dict + per-slot LRU order. Measured with one holder per key on a
+# 256-worker fleet (benchmarks/scale.py: 203 B at 16 workers, 231 B at 256: a high slot's bitmask is a longer int).
+BLOCK_BYTES = 232
 HASH_BYTES = 150  # one engine hash -> (own key, tier bits) mapping of an event stream
 RECENT_BYTES = 290  # one key of the router's own record: per-key dict + the decision FIFO
 SHARED_KEY_BYTES = 48  # one block key waiting in the shared-state queue

@@ -40,6 +40,7 @@ from extproc.key_cache import KeyCache
 from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
 from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
+from extproc.pruning import CandidatePruner
 from extproc.request import ParsedRequest, RequestError
 from extproc.response import DP_RANK_HEADERS
 from extproc.sync.discovery import dp_size, page_size, storage_group
@@ -94,6 +95,12 @@ class RouteOutcome:
         return next((c.matched_blocks for c in self.candidates if c.worker is self.worker), 0)
 
 
+def _rank_slots(worker: Worker) -> list[str]:
+    """The index slots of the worker's data-parallel ranks (just its id for a single-rank worker)."""
+    ranks = dp_size(worker)
+    return [worker.id] if ranks == 1 else [rank_key(worker.id, r) for r in range(ranks)]
+
+
 class Router:
     """Owns the policy, the block index and the per-worker in-flight counts; knows nothing of gRPC."""
 
@@ -110,6 +117,7 @@ class Router:
         self._owns_http = http is None
         self.http = http or WorkerHttp()
         self.policy = policy_from_config(config.policy)
+        self.pruner = CandidatePruner(config.policy.max_candidates)
         self.memory = MemoryPlan.from_budget(config.memory.budget_bytes)
         self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
         self.events = EventHub(config.events, registry, self.index, self.http, SharedBound(self.memory.engine_hashes))
@@ -322,30 +330,34 @@ class Router:
     ) -> RouteOutcome:
         model = parsed.model or ""
         policy = self.policy
+        sizes = [self.block_size_for(w) for w in workers]  # read once per decision: the lookups below use them
         if prompt.error is not None:
             log.info("routing %s without tokens: %s", parsed.path, prompt.error)
             self.telemetry.tokenize_failed(model)
         tokens = prompt.tokens
         loads, events, tiers = self.loads, self.events, self.tier_stats
         shared = self.config.index.shared_tier
+        # Everything the index lookup and the pruning need, for every worker; the rest for the shortlist only.
         candidates = [
             Candidate(
                 worker=w,
                 in_flight=w.in_flight,
-                load=loads.get(w),
-                index_state=events.state(w),
-                block_size=self.block_size_for(w),
+                block_size=size,
                 storage_group=storage_group(w) if shared else None,
-                tier_report=tiers.get(w),
-                cached_blocks=self.index.size(w.id),
             )
-            for w in workers
+            for w, size in zip(workers, sizes)
         ]
         keys_of: dict[str, list[int]] = {}
         rank_matches: dict[str, list[int]] = {}
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
             first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of, rank_matches)
+            candidates = self.pruner.prune(candidates, lambda c: loads.get(c.worker))
+        for c in candidates:
+            c.load = loads.get(c.worker)
+            c.index_state = events.state(c.worker)
+            c.tier_report = tiers.get(c.worker)
+            c.cached_blocks = self.index.size(c.worker.id)
         request = RoutingRequest(
             model=model,
             path=parsed.path,
@@ -446,7 +458,7 @@ class Router:
                 keys = self.prompts.chain(parsed, tokens, chain)
             if first is None:
                 first = keys
-            slots = {c.worker.id: [rank_key(c.worker.id, r) for r in range(dp_size(c.worker))] for c in members}
+            slots = {c.worker.id: _rank_slots(c.worker) for c in members}
             ids = [slot for member in slots.values() for slot in member]
             if lower:  # GPU, then host memory, then the storage tier each shares (every rank shares it)
                 depths = index.match_tiers(keys, ids, {s: c.storage_group for c in members for s in slots[c.worker.id]})
@@ -462,10 +474,13 @@ class Router:
             gpu = index.match(keys, ids, "gpu")
             for c in members:
                 mine_slots = slots[c.worker.id]
-                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = max(gpu[s] for s in mine_slots)
-                keys_of[c.worker.id] = keys
-                if len(mine_slots) > 1:
+                if len(mine_slots) == 1:  # the common case, once per worker of the fleet: no generator
+                    depth = gpu[mine_slots[0]]
+                else:
+                    depth = max(gpu[s] for s in mine_slots)
                     rank_matches[c.worker.id] = [gpu[s] for s in mine_slots]
+                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = depth
+                keys_of[c.worker.id] = keys
         return first or []
 
     def served(self, outcome: RouteOutcome, endpoint: str) -> bool:

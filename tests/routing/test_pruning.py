@@ -1,0 +1,140 @@
+"""Candidate pruning: small fleets decide as before, large ones keep the best matches and the least loaded."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import pytest
+from pydantic import ValidationError
+
+from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
+from extproc.policies import Candidate, WorkerLoad
+from extproc.pruning import CandidatePruner, load_of
+from extproc.request import ParsedRequest
+from extproc.router import Router
+from extproc.sync.workers import Worker, WorkerRegistry
+
+
+def _workers(count: int) -> list[Worker]:
+    return [
+        Worker(id=f"w{i}", url=f"http://127.0.0.1:{42000 + i}", ip="127.0.0.1", port=42000 + i) for i in range(count)
+    ]
+
+
+def _router(count: int, max_candidates: int) -> Router:
+    config = RouterConfig(
+        events=EventsConfig(enabled=False),
+        index=IndexConfig(default_block_size=16),
+        policy=PolicyConfig(max_candidates=max_candidates),
+    )
+    return Router(config, WorkerRegistry(_workers(count)))
+
+
+def _prompt(rng: random.Random, prefix: int) -> ParsedRequest:
+    words = " ".join(f"word{rng.randrange(5000)}" for _ in range(rng.randint(50, 400)))
+    return ParsedRequest(
+        path="/generate", kind="generate", model="m", prompt_text=f"system prompt {prefix} " * 40 + words
+    )
+
+
+def test_a_fleet_no_larger_than_the_shortlist_decides_exactly_as_without_pruning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Scores read the clock: both routers see the same frozen one, moved on between steps.
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    pruned, unpruned = _router(8, 8), _router(8, 1_000_000)
+    rng_a, rng_b = random.Random(3), random.Random(3)
+    outstanding: list[tuple[object, object]] = []
+    for step in range(120):
+        a = pruned.route(_prompt(rng_a, step % 5))
+        b = unpruned.route(_prompt(rng_b, step % 5))
+        assert a.worker.id == b.worker.id
+        assert [w.id for w in a.decision.ranked] == [w.id for w in b.decision.ranked]
+        assert a.decision.scores == b.decision.scores
+        clock[0] += 0.05
+        outstanding.append((a, b))
+        if step % 3 == 0:  # some requests finish, some stay in flight: loads differ between workers
+            done_a, done_b = outstanding.pop(0)
+            pruned.finish(done_a)  # type: ignore[arg-type]
+            unpruned.finish(done_b)  # type: ignore[arg-type]
+    assert len({o[0].worker.id for o in outstanding}) > 1  # type: ignore[attr-defined]
+
+
+def test_the_pruner_passes_a_small_fleet_through_untouched() -> None:
+    candidates = [Candidate(worker=w, in_flight=i % 3) for i, w in enumerate(_workers(16))]
+    assert CandidatePruner(16).prune(candidates, lambda c: None) == candidates
+    assert len(CandidatePruner(15).prune(candidates, lambda c: None)) == 15
+
+
+def _candidate(worker: Worker, rng: random.Random) -> Candidate:
+    gpu = rng.choice([0, 0, 0, 0, rng.randrange(1, 64)])
+    host = gpu + rng.choice([0, 0, rng.randrange(0, 8)])
+    return Candidate(
+        worker=worker,
+        in_flight=rng.randrange(0, 12),
+        matched_blocks=gpu,
+        host_matched_blocks=host,
+        shared_matched_blocks=host + rng.choice([0, 0, rng.randrange(0, 8)]),
+    )
+
+
+def _reported_by(reports: dict[str, WorkerLoad]) -> Callable[[Candidate], WorkerLoad | None]:
+    return lambda c: reports[c.worker.id]
+
+
+@pytest.mark.parametrize("keep", [2, 3, 8, 16, 33])
+def test_on_a_large_fleet_the_best_matches_and_the_least_loaded_always_survive(keep: int) -> None:
+    rng = random.Random(keep)
+    workers = _workers(256)
+    pruner = CandidatePruner(keep)
+    for _ in range(200):
+        candidates = [_candidate(w, rng) for w in workers]
+        reports = {
+            w.id: WorkerLoad(num_running_reqs=rng.randrange(0, 16), num_waiting_reqs=rng.randrange(0, 4))
+            for w in workers
+        }
+        kept = pruner.prune(candidates, _reported_by(reports))
+        assert len(kept) == keep
+        positions = [candidates.index(c) for c in kept]
+        assert positions == sorted(positions)  # the fleet's order is kept
+        depth = [(c.shared_matched_blocks, c.host_matched_blocks, c.matched_blocks) for c in candidates]
+        ranked = sorted(depth, reverse=True)
+        # Every worker matching deeper than the ceil(K/2)-th best is kept, and the best one always.
+        cut = ranked[(keep + 1) // 2 - 1]
+        assert all(c in kept for c, d in zip(candidates, depth) if d > cut)
+        assert max(depth) in [(c.shared_matched_blocks, c.host_matched_blocks, c.matched_blocks) for c in kept]
+        loads = [load_of(c, reports[c.worker.id]) for c in candidates]
+        assert min(loads) in [load_of(c, reports[c.worker.id]) for c in kept]
+
+
+def test_equally_idle_workers_take_turns_on_the_shortlist() -> None:
+    workers = _workers(64)
+    pruner = CandidatePruner(4)
+    seen: set[str] = set()
+    for _ in range(64):
+        seen.update(c.worker.id for c in pruner.prune([Candidate(worker=w) for w in workers], lambda c: None))
+    assert seen == {w.id for w in workers}
+
+
+def test_the_holder_of_a_prompt_wins_on_a_pruned_large_fleet() -> None:
+    router = _router(128, 8)
+    rng = random.Random(11)
+    first = router.route(_prompt(rng, 1))
+    router.index.store(first.worker.id, first.request.block_keys)
+    router.finish(first)
+    for _ in range(20):
+        again = router.route(_prompt(rng, 1))
+        assert len(again.candidates) == 8
+        assert again.worker.id == first.worker.id
+        assert again.matched_blocks > 0
+        router.finish(again)
+
+
+def test_a_shortlist_below_two_is_refused() -> None:
+    with pytest.raises(ValidationError, match="max_candidates"):
+        PolicyConfig(max_candidates=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        CandidatePruner(1)
