@@ -231,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from extproc.serve_processes import supervise
 
-    return supervise(args, processes, config.server.port)
+    return supervise(serve_one, args, processes, config.server.port)
 
 
 def serve_one(args: argparse.Namespace, index: int) -> int:

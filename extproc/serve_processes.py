@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
@@ -39,15 +40,21 @@ CRASH_LOOP_WINDOW_S = 5.0  # a child that dies this soon after starting, ...
 CRASH_LOOP_LIMIT = 5  # ... this many times in a row, stops the whole service
 
 
-def _child(args: argparse.Namespace, index: int) -> None:
-    """One router process: the ordinary ``serve`` on its own ports."""
-    from extproc.serve_command import serve_one
+ServeOne = Callable[[argparse.Namespace, int], int]
 
+
+def _child(serve_one: ServeOne, args: argparse.Namespace, index: int) -> None:
+    """One router process: the ordinary ``serve`` on its own ports.
+
+    ``serve_one`` is ``extproc.serve_command.serve_one``, handed in by the caller (spawn pickles it by name),
+    so this module does not import the command that imports it.
+    """
     raise SystemExit(serve_one(args, index))
 
 
 class _Supervisor:
-    def __init__(self, args: argparse.Namespace, count: int, port: int) -> None:
+    def __init__(self, serve_one: ServeOne, args: argparse.Namespace, count: int, port: int) -> None:
+        self.serve_one = serve_one
         self.args = args
         self.count = count
         self.port = port
@@ -58,7 +65,7 @@ class _Supervisor:
         self.stopping = False
 
     def start(self, index: int) -> None:
-        child = self.context.Process(target=_child, args=(self.args, index), name=f"router-{index}")
+        child = self.context.Process(target=_child, args=(self.serve_one, self.args, index), name=f"router-{index}")
         child.start()
         self.children[index] = child
         self.started[index] = time.monotonic()
@@ -101,9 +108,10 @@ class _Supervisor:
                     child.join(5)
 
 
-def supervise(args: argparse.Namespace, count: int, port: int) -> int:
-    """Run ``count`` router processes on ``port`` .. ``port + count - 1`` until SIGTERM / SIGINT."""
-    supervisor = _Supervisor(args, count, port)
+def supervise(serve_one: ServeOne, args: argparse.Namespace, count: int, port: int) -> int:
+    """Run ``count`` router processes (each ``serve_one(args, index)``) on ``port`` .. ``port + count - 1``
+    until SIGTERM / SIGINT."""
+    supervisor = _Supervisor(serve_one, args, count, port)
 
     def on_stop(_signum: int, _frame: FrameType | None) -> None:
         supervisor.stopping = True
