@@ -24,6 +24,7 @@ from extproc.config import ConfigError, RouterConfig, WorkerConfig, load_config
 from extproc.metrics_http import MetricsServer
 from extproc.policies import PolicyError
 from extproc.router import Router
+from extproc.serve_processes import supervise
 from extproc.servicer import ExtProcServicer, add_services, mark_serving
 from extproc.sync.health import HealthChecker
 from extproc.sync.http import WorkerHttp
@@ -217,9 +218,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
-    from extproc.serve_processes import supervise
-
-    return supervise(args, processes, config.server.port)
+    return supervise(serve_one, args, processes, config.server.port)
 
 
 def serve_one(args: argparse.Namespace, index: int) -> int:

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
@@ -39,15 +40,17 @@ CRASH_LOOP_WINDOW_S = 5.0  # a child that dies this soon after starting, ...
 CRASH_LOOP_LIMIT = 5  # ... this many times in a row, stops the whole service
 
 
-def _child(args: argparse.Namespace, index: int) -> None:
-    """One router process: the ordinary ``serve`` on its own ports."""
-    from extproc.serve_command import serve_one
+ServeOne = Callable[[argparse.Namespace, int], int]  # ``serve_command.serve_one``: one process, ports moved up
 
-    raise SystemExit(serve_one(args, index))
+
+def _child(serve: ServeOne, args: argparse.Namespace, index: int) -> None:
+    """One router process: the ordinary ``serve`` on its own ports."""
+    raise SystemExit(serve(args, index))
 
 
 class _Supervisor:
-    def __init__(self, args: argparse.Namespace, count: int, port: int) -> None:
+    def __init__(self, serve: ServeOne, args: argparse.Namespace, count: int, port: int) -> None:
+        self.serve = serve
         self.args = args
         self.count = count
         self.port = port
@@ -58,7 +61,7 @@ class _Supervisor:
         self.stopping = False
 
     def start(self, index: int) -> None:
-        child = self.context.Process(target=_child, args=(self.args, index), name=f"router-{index}")
+        child = self.context.Process(target=_child, args=(self.serve, self.args, index), name=f"router-{index}")
         child.start()
         self.children[index] = child
         self.started[index] = time.monotonic()
@@ -101,9 +104,12 @@ class _Supervisor:
                     child.join(5)
 
 
-def supervise(args: argparse.Namespace, count: int, port: int) -> int:
-    """Run ``count`` router processes on ``port`` .. ``port + count - 1`` until SIGTERM / SIGINT."""
-    supervisor = _Supervisor(args, count, port)
+def supervise(serve: ServeOne, args: argparse.Namespace, count: int, port: int) -> int:
+    """Run ``serve(args, i)`` for i < ``count`` (ports ``port`` .. ``port + count - 1``) until SIGTERM / SIGINT.
+
+    ``serve`` must be a module-level function: each child process imports it afresh (spawn).
+    """
+    supervisor = _Supervisor(serve, args, count, port)
 
     def on_stop(_signum: int, _frame: FrameType | None) -> None:
         supervisor.stopping = True
