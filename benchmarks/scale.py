@@ -8,7 +8,9 @@ Prints, per fleet size (figures, not a test):
 - **decision latency**: ``Router.route()`` end to end (render, tokenize, hash, look up, prune,
   score, trace) for chat prompts of about 1k / 8k / 32k tokens, cold (never seen) and warm (a later
   turn whose history one worker holds), p50 / p99 in ms, with the shortlist of
-  ``policy.max_candidates`` (``extproc/pruning.py``) and, for comparison, with every worker scored;
+  ``policy.max_candidates`` (``extproc/pruning.py``) and, for comparison, with every worker scored
+  (the tokenizer's piece cache outlives each fleet's router, so only the first fleet's cold rows
+  are cold: compare fleets on the warm columns);
 - **event ingestion**: real msgpack ``BlockStored`` batches from one ZMQ publisher per worker (in
   another process) into the router's subscribers, blocks per second, and whether the index then
   holds exactly the blocks published (``exact``), with the process's resident-memory growth per

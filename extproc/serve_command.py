@@ -24,6 +24,7 @@ from extproc.config import ConfigError, RouterConfig, WorkerConfig, load_config
 from extproc.metrics_http import MetricsServer
 from extproc.policies import PolicyError
 from extproc.router import Router
+from extproc.serve_processes import supervise
 from extproc.servicer import ExtProcServicer, add_services, mark_ready, mark_serving
 from extproc.sync.health import HealthChecker
 from extproc.sync.http import WorkerHttp
@@ -229,8 +230,6 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
         return 2
-    from extproc.serve_processes import supervise
-
     return supervise(serve_one, args, processes, config.server.port)
 
 

@@ -40,21 +40,17 @@ CRASH_LOOP_WINDOW_S = 5.0  # a child that dies this soon after starting, ...
 CRASH_LOOP_LIMIT = 5  # ... this many times in a row, stops the whole service
 
 
-ServeOne = Callable[[argparse.Namespace, int], int]
+ServeOne = Callable[[argparse.Namespace, int], int]  # ``serve_command.serve_one``: one process, ports moved up
 
 
-def _child(serve_one: ServeOne, args: argparse.Namespace, index: int) -> None:
-    """One router process: the ordinary ``serve`` on its own ports.
-
-    ``serve_one`` is ``extproc.serve_command.serve_one``, handed in by the caller (spawn pickles it by name),
-    so this module does not import the command that imports it.
-    """
-    raise SystemExit(serve_one(args, index))
+def _child(serve: ServeOne, args: argparse.Namespace, index: int) -> None:
+    """One router process: the ordinary ``serve`` on its own ports."""
+    raise SystemExit(serve(args, index))
 
 
 class _Supervisor:
-    def __init__(self, serve_one: ServeOne, args: argparse.Namespace, count: int, port: int) -> None:
-        self.serve_one = serve_one
+    def __init__(self, serve: ServeOne, args: argparse.Namespace, count: int, port: int) -> None:
+        self.serve = serve
         self.args = args
         self.count = count
         self.port = port
@@ -65,7 +61,7 @@ class _Supervisor:
         self.stopping = False
 
     def start(self, index: int) -> None:
-        child = self.context.Process(target=_child, args=(self.serve_one, self.args, index), name=f"router-{index}")
+        child = self.context.Process(target=_child, args=(self.serve, self.args, index), name=f"router-{index}")
         child.start()
         self.children[index] = child
         self.started[index] = time.monotonic()
@@ -108,10 +104,12 @@ class _Supervisor:
                     child.join(5)
 
 
-def supervise(serve_one: ServeOne, args: argparse.Namespace, count: int, port: int) -> int:
-    """Run ``count`` router processes (each ``serve_one(args, index)``) on ``port`` .. ``port + count - 1``
-    until SIGTERM / SIGINT."""
-    supervisor = _Supervisor(serve_one, args, count, port)
+def supervise(serve: ServeOne, args: argparse.Namespace, count: int, port: int) -> int:
+    """Run ``serve(args, i)`` for i < ``count`` (ports ``port`` .. ``port + count - 1``) until SIGTERM / SIGINT.
+
+    ``serve`` must be a module-level function: each child process imports it afresh (spawn).
+    """
+    supervisor = _Supervisor(serve, args, count, port)
 
     def on_stop(_signum: int, _frame: FrameType | None) -> None:
         supervisor.stopping = True
