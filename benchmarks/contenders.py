@@ -11,6 +11,8 @@
 - ``smg-grpc``: smg 1.13 in front of the workers' gRPC scheduler API (``grpc://`` URLs): event-driven
   ``cache_aware`` on a block index fed by each worker's ``SubscribeKvEvents`` stream, ``--block-size``
   equal to the workers' page size, every other setting at its default, as smg's KV-events guide sets it up.
+- ``dynamo``: NVIDIA Dynamo 1.6.1's real KV router (its selection service with its own event-fed
+  indexer) behind a thin proxy (``benchmarks.dynamo_contender``); needs the ``dynamo`` extra.
 - ``ours:<policy>``: this project's ext_proc router behind Envoy, with any registered policy.
 
 All Envoys here run with ``--concurrency 1`` (one worker thread; the bench machine is small and a
@@ -465,11 +467,11 @@ class OursGateway(Contender):
             await stack.stop()
 
 
-CONTENDERS = ("envoy-rr", "envoy-lr", "envoy-ringhash", "sgl-router", "smg", "smg-grpc", "ours:<policy>")
+CONTENDERS = ("envoy-rr", "envoy-lr", "envoy-ringhash", "sgl-router", "smg", "smg-grpc", "dynamo", "ours:<policy>")
 
 
 def create_contender(name: str, page_size: int = 16) -> Contender:
-    """``envoy-rr`` | ``envoy-lr`` | ``envoy-ringhash`` | ``sgl-router`` | ``smg`` | ``smg-grpc`` | ``ours:<policy>``.
+    """A contender by name: one of ``CONTENDERS`` (``ours:<policy>`` with any registered policy).
 
     ``page_size`` is the workers' KV page size (contenders that must be told it match it).
     """
@@ -481,6 +483,10 @@ def create_contender(name: str, page_size: int = 16) -> Contender:
         return Smg("http", page_size)
     if name == "smg-grpc":
         return Smg("grpc", page_size)
+    if name == "dynamo":
+        from benchmarks.dynamo_contender import DynamoRouter
+
+        return DynamoRouter(page_size)
     if name.startswith("ours:") and len(name) > 5:
         return OursGateway(name[5:])
     if name == "ours":

@@ -170,12 +170,18 @@ class WorkerCostModel:
             tokens = load.num_waiting_uncached_tokens
             share = tokens * others / waiting if tokens is not None else others * self._mean_new
             level += model.c0 * others + model.a * share + model.b * share * share / others
-        self._queue_level, self._queue_clock = level, load.polled_at
         recent: list[_Sent] = []
         for sent in reversed(self._sent):  # newest first; only the few sent during the poll are newer
             if sent.at <= load.polled_at:
                 break
             recent.append(sent)
+        if load.num_running_reqs:
+            # A prefill batch under way counts as running, not waiting: the report cannot show it. The
+            # router's own account of what it sent (drained in real time) can, so it stands when larger.
+            # A worker that reports nothing running has no batch under way: the report alone is exact.
+            own_account = self.queued_seconds(load.polled_at) - sum(sent.seconds for sent in recent)
+            level = max(level, own_account)
+        self._queue_level, self._queue_clock = level, load.polled_at
         for sent in reversed(recent):
             self._enqueue(sent.seconds, sent.at)
 

@@ -46,6 +46,7 @@ from pydantic import Field
 from extproc.clock import MONOTONIC, Clock
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest, WorkerLoad
 from extproc.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.policies.prefix_aware.in_flight import InFlightBook
 from extproc.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
 from extproc.sync.workers import Worker
 
@@ -118,6 +119,7 @@ class PrefixAwarePolicy(Policy):
         self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
         self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
+        self.book = InFlightBook()  # what the router sent each worker and has not seen finish
         self._turn = 0
 
     def _new_model(self) -> WorkerCostModel:
@@ -169,6 +171,7 @@ class PrefixAwarePolicy(Policy):
     def remove_worker(self, worker_id: str) -> None:
         self.costs.pop(worker_id, None)
         self._traffic.pop(worker_id, None)
+        self.book.forget(worker_id)
 
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
@@ -214,7 +217,8 @@ class PrefixAwarePolicy(Policy):
             evicted = min(float(new), max(0.0, new - room))
         reuse = min(cost.reuse, 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
-        ttft = queue + prefill + step_wait + tiers.prefetch_s
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
+        ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
             "cached_tokens": total - new,
@@ -223,6 +227,7 @@ class PrefixAwarePolicy(Policy):
             "tier_s": tiers.seconds,
             "new_tokens": new,
             "queue_s": queue,
+            "memory_wait_s": memory_wait,
             "prefill_s": prefill,
             "in_flight": c.in_flight,
             "utilization": rho,
@@ -278,7 +283,9 @@ class PrefixAwarePolicy(Policy):
         if figures is None:
             return
         now = self.clock()
-        self.cost_model(worker).sent(int(figures["new_tokens"]), int(figures["cached_tokens"]), now)
+        new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
+        self.cost_model(worker).sent(new, cached, now)
+        self.book.booked(worker.id, id(request), new, cached, now)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
@@ -286,6 +293,7 @@ class PrefixAwarePolicy(Policy):
         return count * math.exp(-(now - stamp) / self.opts.balance_window_s)
 
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
+        self.book.released(worker.id, id(request), self.clock())
         model = self.costs.get(worker.id)
         if worker.in_flight == 0 and model is not None:
             model.idle()  # nothing outstanding from this router: no queue of its own either
