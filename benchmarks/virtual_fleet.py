@@ -262,8 +262,21 @@ def virtual_fleet_of(fleet: Fleet, workers: int | None = None) -> Fleet:
     return Fleet(name, fleet.profile, size, 1.0, fleet.capacity_tokens)
 
 
+_KNEES: dict[tuple[str, Fleet, int, int], float] = {}
+
+
 def virtual_knee(workload: str, fleet: Fleet, options: MatrixOptions) -> float:
-    """Round robin's capacity (req/s at which its prefill time fills the fleet), as the matrix measures it."""
+    """Round robin's capacity (req/s at which its prefill time fills the fleet), as the matrix measures it.
+
+    Measured once per workload, fleet and size in a process (the loads of one cell share it).
+    """
+    key = (workload, fleet, options.requests, options.seed)
+    if key not in _KNEES:
+        _KNEES[key] = _measure_knee(workload, fleet, options)
+    return _KNEES[key]
+
+
+def _measure_knee(workload: str, fleet: Fleet, options: MatrixOptions) -> float:
     rate = 2.0 * fleet.workers
     for _ in range(4):
         result = run_virtual("round-robin", WORKLOADS[workload](rate, options), fleet)

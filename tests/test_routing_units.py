@@ -199,8 +199,8 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
 
 
 def test_a_full_cache_costs_the_evictions_it_forces() -> None:
-    """A cold prompt goes where storing it evicts nothing, even against the traffic tie-break."""
-    policy = create_policy("prefix-aware")
+    """With evictions priced, a cold prompt goes where storing it evicts nothing, even against the tie-break."""
+    policy = create_policy("prefix-aware", {"eviction_weight": 1.0})
     full, empty = _workers(2)
     now = time.monotonic()
     loads = [

@@ -86,9 +86,11 @@ class PrefixAwareOptions(PolicyOptions):
     )
     max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
     eviction_weight: float = Field(
-        1.0,
+        0.0,
         ge=0,
-        description="Weight of the future recomputation a full cache's eviction causes (0: ignore evictions).",
+        description="Weight of the future recomputation a full cache's eviction causes (0, the default: ignore "
+        "evictions; 1 charged them at the cache's average reuse, which overprices the least recently used "
+        "tokens an eviction gives up and cost the tail below saturation on the virtual fleet).",
     )
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
