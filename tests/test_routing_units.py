@@ -671,3 +671,22 @@ def test_router_clock_reaches_index_loads_and_policy_and_departed_workers_are_fo
     assert set(policy.costs) >= {workers[0].id, first.worker.id}  # type: ignore[attr-defined]
     registry.reconcile([w for w in workers if w.id != workers[0].id])
     assert workers[0].id not in policy.costs  # type: ignore[attr-defined]
+
+
+def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> None:
+    """A worker whose pool its open requests fill makes a new one wait about the share that must finish first."""
+    from extproc.policies.prefix_aware.in_flight import InFlightBook
+
+    book = InFlightBook()
+    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # nothing open: nothing to wait for
+    for i in range(4):
+        book.booked("w0", i, 2000, 0, now=0.0)
+    book.released("w0", 0, now=2.0)  # residence 2 s
+    assert book.residence_s("w0") == pytest.approx(2.0)
+    assert book.held_tokens("w0") == 6000
+    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # 6k held + 2k new fits in 10k
+    assert book.memory_wait_s("w0", 6000, 0, 10_000) == pytest.approx(2000 / 6000 * 2.0)  # a third must finish
+    book.booked("w1", 9, 2000, 0, now=0.0)
+    assert book.memory_wait_s("w1", 9000, 0, 10_000) == pytest.approx(0.5 * 2.0)  # no residence of its own: the fleet's
+    book.forget("w0")
+    assert book.held_tokens("w0") == 0.0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 __all__ = ["InFlightBook"]
 
 _RESIDENCE_SMOOTHING = 0.1  # weight of each finished request in the residence average
+_FORGET_AFTER_S = 900.0  # a booking never released this long (its stream's end was lost) no longer counts
 
 
 @dataclass
@@ -49,6 +50,10 @@ class InFlightBook:
 
     def booked(self, worker_id: str, request_id: int, new_tokens: float, cached_tokens: float, now: float) -> None:
         book = self._workers.setdefault(worker_id, _WorkerBook())
+        if book.open:
+            oldest = next(iter(book.open))  # dicts keep insertion order: the oldest booking first
+            if now - book.open[oldest].at > _FORGET_AFTER_S:
+                del book.open[oldest]
         book.open[request_id] = _Open(new_tokens, cached_tokens, now)
 
     def released(self, worker_id: str, request_id: int, now: float) -> None:
