@@ -2,13 +2,16 @@
 
 For every healthy worker the policy predicts time-to-first-token as
 
-    queued prefill + prefill of the uncached tokens + the wait for the decode step under way
+    queued prefill + wait for KV room + prefill of the uncached tokens + the wait for the decode step under way
 
 with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones, the
 constants of that worker learned online from what it reports (``cost_model``; the configured constants
 are only priors). Reports reach the model through ``on_load``; ranking only reads it. The queued
 prefill is the worker's own report (``num_waiting_uncached_tokens``) plus what the router sent since,
-drained in real time.
+drained in real time (the router's own account stands while a reported batch runs: a prefill under way
+counts as running, never as waiting). The wait for KV room comes from the router's own open requests
+on the worker against its reported pool (``in_flight``): below saturation a full pool, not the prefill
+queue, is what makes a request wait.
 
 The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
 Recomputing a prefix that another worker holds delays every request that later queues behind it on
