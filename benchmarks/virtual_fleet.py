@@ -10,7 +10,13 @@ harness runs the same code paths deterministically and faster than real time, fo
   index through ``WorkerCacheView`` (encoded and decoded as on the wire, after ``event_delay_s``), and
   their load reports every ``poll_interval_s``;
 - the asyncio event loop's clock is virtual: when nothing is ready it jumps to the next timer, so a
-  10-minute trace runs in seconds and two runs with one seed give the same numbers.
+  10-minute trace runs in seconds and two runs with one seed give the same numbers. The router takes
+  that clock as its ``clock``; the simulator has no clock seam, so only its scheduler module's view of
+  ``time.monotonic`` is pointed at the loop for the run;
+- ``floor`` is no router at all: the perfect-information reference (``benchmarks.floor``), which reads
+  each simulated worker's true state and sends each request where its TTFT is lowest now. Every table
+  reports it beside the policies, and for ``prefix-aware`` the share of the gap between round robin and
+  the floor that it closes (mean and p99 TTFT).
 
 Only the router's own CPU time is missing (decisions take no virtual time): at GPU time scales it is
 a millisecond or two per request, which the real benchmark measures (``--suite overhead``). Peers run
@@ -23,14 +29,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import math
 import selectors
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from benchmarks.matrix import FLEETS, LOADS, WORKLOADS, Fleet, MatrixOptions
+import sglang_workers.sim.admission as sim_admission
+import sglang_workers.sim.scheduler as sim_scheduler
+from benchmarks.floor import ObservedScheduler, PerfectInformationFloor
+from benchmarks.matrix import FLEETS, WORKLOADS, Fleet, MatrixOptions
 from benchmarks.metrics import distribution, max_over_mean
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.workloads import Workload, iter_token_ids
@@ -43,7 +56,6 @@ from extproc.sync.workers import Worker, WorkerRegistry
 from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.kv_events import KVEvent, encode_payload
 from sglang_workers.sim.radix_cache import RadixCache
-from sglang_workers.sim.scheduler import Scheduler
 from sglang_workers.sim.timing import get_profile
 
 __all__ = ["VirtualClockLoop", "VirtualResult", "run_virtual"]
@@ -82,15 +94,26 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         return self.now
 
 
+FLOOR = "floor"  # the perfect-information reference (benchmarks.floor), not a router policy
+
+
 @contextlib.contextmanager
-def _virtual_monotonic(loop: VirtualClockLoop) -> Iterator[None]:
-    """``time.monotonic`` reads the virtual clock (the scheduler, the index and the policy call it)."""
-    real = time.monotonic
-    time.monotonic = loop.time
+def _simulator_clock(loop: VirtualClockLoop) -> Iterator[None]:
+    """The simulated scheduler reads ``time.monotonic``; for this run its modules read the loop's clock.
+
+    Only the name ``time`` of the scheduler's two modules (batching, admission) is replaced (by a namespace
+    whose ``monotonic`` is the loop's); the router gets the clock as a parameter, and nothing else in the
+    process sees a changed ``time``.
+    """
+    shim = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    shim.monotonic = loop.time
+    sim_scheduler.time = shim  # type: ignore[assignment]
+    sim_admission.time = shim  # type: ignore[assignment]
     try:
         yield
     finally:
-        time.monotonic = real
+        sim_scheduler.time = time
+        sim_admission.time = time
 
 
 class _DirectPublisher:
@@ -144,12 +167,13 @@ async def _run(
         Worker(id=f"w{i}", url=f"http://10.0.0.{i + 1}:30000", ip=f"10.0.0.{i + 1}", port=30000)
         for i in range(fleet.workers)
     ]
+    name = "round-robin" if policy == FLOOR else policy  # the floor decides without the router
     config = RouterConfig(
         events=EventsConfig(enabled=False),
-        policy={"name": policy, policy.replace("-", "_"): options} if options else {"name": policy},
+        policy={"name": name, name.replace("-", "_"): options} if options else {"name": name},
     )
-    router = Router(config, WorkerRegistry(workers))
-    schedulers: dict[str, Scheduler] = {}
+    router = Router(config, WorkerRegistry(workers), clock=loop.time)
+    schedulers: dict[str, ObservedScheduler] = {}
     for i, worker in enumerate(workers):
         profile = get_profile(names[i % len(names)].strip())
         cfg = SimWorkerConfig(
@@ -159,10 +183,11 @@ async def _run(
         router.events.views[worker.id] = [view]  # what the hub would hold: the router reads the view's state
         cache = RadixCache(cfg.page_size, enable_events=True)
         publisher: Any = _DirectPublisher(view, event_delay_s)  # duck-types KVEventPublisher.publish
-        scheduler = Scheduler(cfg, profile, cache, publisher, list(range(1000, 5000)))
+        scheduler = ObservedScheduler(cfg, profile, cache, publisher, list(range(1000, 5000)))
         scheduler.start()
         schedulers[worker.id] = scheduler
     result = VirtualResult(policy, workload.offered_rate)
+    floor = PerfectInformationFloor(schedulers) if policy == FLOOR else None
     stop = asyncio.Event()
     # What each worker computes from the request (whether or not the policy tokenizes).
     prompts = dict(zip((r.index for r in workload.requests), iter_token_ids(workload.requests)))
@@ -185,10 +210,11 @@ async def _run(
             headers={"x-session-id": request.session or ""},
         )
         sent = loop.time()
-        outcome = router.route(parsed)
+        tokens = prompts[request.index]
+        outcome = router.route(parsed) if floor is None else None
+        chosen = outcome.worker.id if outcome is not None else floor.choose(tokens)  # type: ignore[union-attr]
         try:
-            tokens = prompts[request.index]
-            req = schedulers[outcome.worker.id].submit(tokens, request.max_tokens)
+            req = schedulers[chosen].submit(tokens, request.max_tokens)
             first = await req.updates.get()
             if first is None or req.error:
                 result.errors += 1
@@ -198,9 +224,10 @@ async def _run(
                 pass
             result.prompt_tokens += len(tokens)
             result.cached_tokens += max(req.cached_tokens, 0)
-            result.per_worker[outcome.worker.id] = result.per_worker.get(outcome.worker.id, 0) + 1
+            result.per_worker[chosen] = result.per_worker.get(chosen, 0) + 1
         finally:
-            router.finish(outcome)
+            if outcome is not None:
+                router.finish(outcome)
 
     start = loop.time()
     poller = asyncio.create_task(poll())
@@ -222,21 +249,37 @@ def run_virtual(
     poll_interval_s: float = 0.5,
     event_delay_s: float = 0.005,
 ) -> VirtualResult:
-    """Run ``workload`` through ``policy`` on a virtual ``fleet`` (GPU time, no wall time)."""
+    """Run ``workload`` through ``policy`` (or the ``floor``) on a virtual ``fleet`` (GPU time, no wall time)."""
     loop = VirtualClockLoop()
     try:
-        with _virtual_monotonic(loop):
+        with _simulator_clock(loop):
             return loop.run_until_complete(_run(policy, workload, fleet, options or {}, poll_interval_s, event_delay_s))
     finally:
         loop.close()
 
 
-def _virtual_fleet(fleet: Fleet) -> Fleet:
-    return Fleet(fleet.name, fleet.profile, fleet.workers, 1.0, fleet.capacity_tokens)
+def virtual_fleet_of(fleet: Fleet, workers: int | None = None) -> Fleet:
+    """``fleet`` at the profiles' own GPU speed, resized to ``workers`` (its profiles cycled over them)."""
+    size = workers or fleet.workers
+    name = fleet.name if size == fleet.workers else f"{fleet.name} x{size // fleet.workers or 1} ({size} workers)"
+    return Fleet(name, fleet.profile, size, 1.0, fleet.capacity_tokens)
+
+
+_KNEES: dict[tuple[str, Fleet, int, int], float] = {}
 
 
 def virtual_knee(workload: str, fleet: Fleet, options: MatrixOptions) -> float:
-    """Round robin's capacity (req/s at which its prefill time fills the fleet), as the matrix measures it."""
+    """Round robin's capacity (req/s at which its prefill time fills the fleet), as the matrix measures it.
+
+    Measured once per workload, fleet and size in a process (the loads of one cell share it).
+    """
+    key = (workload, fleet, options.requests, options.seed)
+    if key not in _KNEES:
+        _KNEES[key] = _measure_knee(workload, fleet, options)
+    return _KNEES[key]
+
+
+def _measure_knee(workload: str, fleet: Fleet, options: MatrixOptions) -> float:
     rate = 2.0 * fleet.workers
     for _ in range(4):
         result = run_virtual("round-robin", WORKLOADS[workload](rate, options), fleet)
@@ -247,14 +290,120 @@ def virtual_knee(workload: str, fleet: Fleet, options: MatrixOptions) -> float:
     return rate / max(utilization, 1e-3)
 
 
-def _print_table(rows: list[dict[str, Any]], out: Callable[[str], None]) -> None:
-    out("| load | policy | TTFT p50 ms | TTFT p99 ms | hit / oracle | max/mean | prefill busy s |")
-    out("|---|---|---|---|---|---|---|")
-    for row in rows:
-        out(
-            f"| {row['load']:g} | {row['policy']} | {row['p50'] * 1000:.0f} | {row['p99'] * 1000:.0f} | "
-            f"{row['hit_vs_oracle']:.2f} | {row['max_mean']:.2f} | {row['prefill_busy_s']:.1f} |"
+def gap_closed(rr: float, ours: float, floor: float) -> float:
+    """Share of round robin's excess over the floor that ``ours`` removes (1: at the floor; above 1: below it)."""
+    gap = rr - floor
+    return (rr - ours) / gap if gap > 0 else math.nan
+
+
+def run_cell(
+    workload: str,
+    fleet: Fleet,
+    load: float,
+    policies: Sequence[str],
+    requests: int,
+    seeds: Sequence[int],
+    overrides: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """One virtual cell: every policy (and the floor) over every seed; figures per seed and their spread."""
+    knee = virtual_knee(workload, fleet, MatrixOptions(requests=requests, seed=seeds[0]))
+    runs: dict[str, list[dict[str, float]]] = {}
+    for seed in seeds:
+        workload_run = WORKLOADS[workload](load * knee, MatrixOptions(requests=requests, seed=seed))
+        oracle = oracle_hit_rate(
+            iter_token_ids(workload_run.requests),
+            fleet.workers * fleet.capacity_tokens,
+            16,
+            max_prompt_tokens=fleet.capacity_tokens,
         )
+        for policy in policies:
+            started = time.monotonic()
+            opts = overrides if policy == "prefix-aware" else None
+            s = run_virtual(policy, workload_run, fleet, opts).summary(fleet.workers)
+            ttft = s["ttft_s"]
+            runs.setdefault(policy, []).append(
+                {
+                    "mean": ttft["mean"],
+                    "p50": ttft["p50"],
+                    "p90": ttft["p90"],
+                    "p99": ttft["p99"],
+                    "hit_vs_oracle": s["hit_rate"] / oracle if oracle > 0 else math.nan,
+                    "max_mean": s["max_mean_requests"],
+                    "prefill_busy_s": s["prefill_busy_s"],
+                    "errors": s["errors"],
+                }
+            )
+            if log is not None:
+                log(
+                    f"  {fleet.name} {workload} {load:g}x seed {seed} {policy}: mean {ttft['mean'] * 1000:.0f} "
+                    f"p99 {ttft['p99'] * 1000:.0f} ms ({time.monotonic() - started:.0f} s wall)"
+                )
+    cell: dict[str, Any] = {
+        "fleet": fleet.name,
+        "workers": fleet.workers,
+        "workload": workload,
+        "load": load,
+        "knee": knee,
+        "rate": load * knee,
+        "requests": requests,
+        "seeds": list(seeds),
+        "runs": runs,
+    }
+    if {"round-robin", FLOOR, "prefix-aware"} <= set(runs):
+        for metric in ("mean", "p99"):
+            cell[f"gap_closed_{metric}"] = [
+                gap_closed(rr[metric], ours[metric], fl[metric])
+                for rr, ours, fl in zip(runs["round-robin"], runs["prefix-aware"], runs[FLOOR])
+            ]
+    return cell
+
+
+def _spread(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
+    """Mean over seeds, and the range across them."""
+    ok = [v * scale for v in values if not math.isnan(v)]
+    if not ok:
+        return "-"
+    mean = sum(ok) / len(ok)
+    return f"{mean:.{digits}f} ({min(ok):.{digits}f}-{max(ok):.{digits}f})" if len(ok) > 1 else f"{mean:.{digits}f}"
+
+
+def cell_markdown(cell: dict[str, Any]) -> list[str]:
+    """One cell's rows: each policy's TTFT mean / p50 / p99 (ms) and hit rate, mean (range) over seeds."""
+    lines = []
+    closed = ""
+    if "gap_closed_mean" in cell:
+        closed = (
+            f"; prefix-aware closes {_spread(cell['gap_closed_mean'], 100)} % of the round-robin-to-floor gap "
+            f"in mean TTFT, {_spread(cell['gap_closed_p99'], 100)} % in p99"
+        )
+    lines.append(
+        f"**{cell['fleet']}, {cell['workload']}, {cell['load']:g} x knee ({cell['rate']:.2f} req/s)**, "
+        f"{cell['requests']} requests x seeds {cell['seeds']}{closed}"
+    )
+    lines.append("")
+    lines.append("| policy | TTFT mean ms | p50 ms | p99 ms | hit / oracle | max/mean req |")
+    lines.append("|---|---|---|---|---|---|")
+    for policy, runs in cell["runs"].items():
+
+        def col(key: str, scale: float = 1000.0, digits: int = 0) -> str:
+            return _spread([r[key] for r in runs], scale, digits)  # noqa: B023 (used at once)
+
+        lines.append(
+            f"| {policy} | {col('mean')} | {col('p50')} | {col('p99')} | {col('hit_vs_oracle', 1, 2)} "
+            f"| {col('max_mean', 1, 2)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def meets_targets(cell: dict[str, Any]) -> bool:
+    """The issue's virtual-fleet target: >= 90 % of the gap closed in mean TTFT and >= 80 % in p99 (seed mean)."""
+    if "gap_closed_mean" not in cell:
+        return False
+    mean = [v for v in cell["gap_closed_mean"] if not math.isnan(v)]
+    p99 = [v for v in cell["gap_closed_p99"] if not math.isnan(v)]
+    return bool(mean and p99) and sum(mean) / len(mean) >= 0.9 and sum(p99) / len(p99) >= 0.8
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,14 +412,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--workload", choices=list(WORKLOADS), default="gsp")
-    parser.add_argument("--fleet", choices=list(FLEETS), default="4x8b-h100")
+    parser.add_argument("--workloads", default="gsp", help=f"Comma-separated subset of: {', '.join(WORKLOADS)}.")
+    parser.add_argument("--fleets", default="4x8b-h100", help=f"Comma-separated subset of: {', '.join(FLEETS)}.")
     parser.add_argument(
-        "--loads", default=",".join(f"{x:g}" for x in LOADS), help="Offered loads as multiples of round robin's knee."
+        "--sizes", default="", help="Fleet sizes to run each fleet at, e.g. 4,16,64 (empty: the fleet's own)."
     )
-    parser.add_argument("--policies", default="round-robin,sgl-cache-aware,dynamo-cost,prefix-aware")
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--seeds", default="0", help="Comma-separated seeds; figures are averaged over them.")
+    parser.add_argument("--loads", default="0.5,1.3", help="Offered loads as multiples of round robin's knee.")
+    parser.add_argument(
+        "--policies",
+        default=f"round-robin,sgl-cache-aware,dynamo-cost,prefix-aware,{FLOOR}",
+        help=f"Router policies, and '{FLOOR}' (the perfect-information reference).",
+    )
+    parser.add_argument("--requests", type=int, default=1000, help="Requests per run.")
+    parser.add_argument("--seeds", default="0,1,2", help="Comma-separated seeds; tables show mean (range).")
     parser.add_argument(
         "--option",
         action="append",
@@ -278,42 +432,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="An option of the prefix-aware policy (repeatable), e.g. max_work_price=10.",
     )
+    parser.add_argument("--out", type=Path, default=None, help="Write cells as JSON lines here (appended per cell).")
     args = parser.parse_args(argv)
-    fleet = _virtual_fleet(FLEETS[args.fleet])
     seeds = [int(x) for x in args.seeds.split(",")]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     overrides: dict[str, Any] = {}
     for item in args.option:
         key, _, value = item.partition("=")
         overrides[key] = float(value)
-    knee = virtual_knee(args.workload, fleet, MatrixOptions(requests=args.requests, seed=seeds[0]))
-    print(f"# {args.workload} on {fleet.name} (virtual, GPU time): round robin's knee {knee:.2f} req/s, seeds {seeds}")
-    rows = []
-    for load in (float(x) for x in args.loads.split(",")):
-        per_policy: dict[str, list[dict[str, float]]] = {}
-        for seed in seeds:
-            workload = WORKLOADS[args.workload](load * knee, MatrixOptions(requests=args.requests, seed=seed))
-            oracle = oracle_hit_rate(
-                iter_token_ids(workload.requests),
-                fleet.workers * fleet.capacity_tokens,
-                16,
-                max_prompt_tokens=fleet.capacity_tokens,
-            )
-            for policy in (p.strip() for p in args.policies.split(",")):
-                opts = overrides if policy == "prefix-aware" else {}
-                s = run_virtual(policy, workload, fleet, opts).summary(fleet.workers)
-                per_policy.setdefault(policy, []).append(
-                    {
-                        "p50": s["ttft_s"]["p50"],
-                        "p99": s["ttft_s"]["p99"],
-                        "hit_vs_oracle": s["hit_rate"] / oracle,
-                        "max_mean": s["max_mean_requests"],
-                        "prefill_busy_s": s["prefill_busy_s"],
-                    }
-                )
-        for policy, runs in per_policy.items():
-            rows.append({"load": load, "policy": policy, **{k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}})
-    _print_table(rows, print)
+    unknown = [f for f in args.fleets.split(",") if f not in FLEETS] + [
+        w for w in args.workloads.split(",") if w not in WORKLOADS
+    ]
+    if unknown:
+        parser.error(f"unknown fleet or workload: {', '.join(unknown)}")
+    sizes = [int(x) for x in args.sizes.split(",") if x.strip()] or [0]
+    met = total = 0
+    for fleet_name in args.fleets.split(","):
+        for size in sizes:
+            fleet = virtual_fleet_of(FLEETS[fleet_name], size or None)
+            for workload in args.workloads.split(","):
+                for load in (float(x) for x in args.loads.split(",")):
+                    cell = run_cell(workload, fleet, load, policies, args.requests, seeds, overrides, log=_stderr)
+                    print("\n".join(cell_markdown(cell)), flush=True)
+                    total += 1
+                    met += meets_targets(cell)
+                    if args.out is not None:
+                        with args.out.open("a") as out:
+                            out.write(json.dumps(cell) + "\n")
+    if FLOOR in policies and "prefix-aware" in policies and "round-robin" in policies:
+        print(f"Cells where prefix-aware closes >= 90 % (mean) and >= 80 % (p99) of the gap: {met} of {total}.")
     return 0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,6 @@ _MEDIUM_TIER = {
 }
 
 
-def _monotonic() -> float:
-    return time.monotonic()  # looked up at each call, so a harness can run the index on a virtual clock
-
-
 def rank_key(worker_id: str, rank: int) -> str:
     """The index slot of one data-parallel rank of a worker: its own id for rank 0, ``id#dpN`` after.
 
@@ -162,7 +158,7 @@ class BlockIndex:
         self.max_recent = max_recent if max_recent is not None else plan.recent_keys
         self.blocks_total = 0  # confirmed entries, all slots and tiers
         self.recent_total = 0  # keys in the router's own record, all slots
-        self._clock = clock or _monotonic
+        self._clock = clock or time.monotonic
         self._lock = threading.Lock()
         self._slots: dict[str, int] = {}
         self._free: list[int] = []

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.config import RouterConfig
 from extproc.flow_control import Admission, FlowController
 from extproc.index import BlockIndex, rank_key
@@ -110,18 +111,25 @@ class Router:
         registry: WorkerRegistry,
         metrics: CollectorRegistry | None = None,
         http: WorkerHttp | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         """``http``: the sync path's client, shared with the caller's health checks (one is made if not given)."""
         self.config = config
         self.registry = registry
         self._owns_http = http is None
         self.http = http or WorkerHttp()
-        self.policy = policy_from_config(config.policy)
+        self.clock = clock  # the index, the load reports and the policy read it (a harness passes a virtual one)
+        self.policy = policy_from_config(config.policy, clock)
         self.pruner = CandidatePruner(config.policy.max_candidates)
         self.memory = MemoryPlan.from_budget(config.memory.budget_bytes)
-        self.index = BlockIndex(config.index, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys)
+        self.index = BlockIndex(
+            config.index, clock=clock, max_blocks=self.memory.index_blocks, max_recent=self.memory.recent_keys
+        )
         self.events = EventHub(config.events, registry, self.index, self.http, SharedBound(self.memory.engine_hashes))
-        self.loads = LoadTracker(config.load, registry, self.http)
+        self.loads = LoadTracker(config.load, registry, self.http, clock)
+        self.loads.listeners.append(self.policy.on_load)
+        self._members = {w.id: w for w in registry.workers}
+        registry.listeners.append(self._forget_departed)
         self.tier_stats = TierStatsTracker(config.load, registry, self.http)
         self.telemetry = Telemetry(config.observability, config.policy.name, metrics)
         self.telemetry.watch_fleet(registry, self.index, self.events)
@@ -148,6 +156,14 @@ class Router:
         self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
         self.flow = FlowController(config.flow_control, self.telemetry.metrics) if config.flow_control.enabled else None
+
+    def _forget_departed(self) -> None:
+        """The worker set changed: the policy forgets workers that left or moved to another address."""
+        current = {w.id: w for w in self.registry.workers}
+        for worker_id, worker in self._members.items():
+            if current.get(worker_id) is not worker:
+                self.policy.remove_worker(worker_id)
+        self._members = current
 
     def memory_usage(self) -> dict[str, int]:
         """Estimated bytes each part of the memory budget holds now (``/metrics`` reads it at scrape time)."""

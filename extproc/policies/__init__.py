@@ -9,6 +9,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.config import PolicyConfig
 from extproc.policies.base import Candidate, Decision, Policy, PolicyError, PolicyOptions, RoutingRequest, WorkerLoad
 
@@ -38,7 +39,10 @@ POLICIES: dict[str, str] = {
 
 
 def create_policy(
-    name: str, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+    name: str,
+    options: Mapping[str, Any] | None = None,
+    sections: Mapping[str, Mapping[str, Any]] | None = None,
+    clock: Clock = MONOTONIC,
 ) -> Policy:
     """Instantiate the policy called ``name``; unknown names list the known ones."""
     target = POLICIES.get(name)
@@ -46,10 +50,10 @@ def create_policy(
         raise PolicyError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}")
     module_name, class_name = target.split(":")
     cls: type[Policy] = getattr(importlib.import_module(module_name), class_name)
-    return cls(options, sections)
+    return cls(options, sections, clock)
 
 
-def policy_from_config(config: PolicyConfig) -> Policy:
+def policy_from_config(config: PolicyConfig, clock: Clock = MONOTONIC) -> Policy:
     """The configured policy, with its section (and ``options``) validated by the policy itself."""
     sections = config.sections()
     unknown = sorted(name for name in sections if name not in POLICIES and name != config.name)
@@ -58,4 +62,4 @@ def policy_from_config(config: PolicyConfig) -> Policy:
             f"policy.{unknown[0].replace('-', '_')}: no policy of that name; "
             f"sections are named after one of: {', '.join(sorted(POLICIES))}"
         )
-    return create_policy(config.name, sections.get(config.name), sections)
+    return create_policy(config.name, sections.get(config.name), sections, clock)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.config import Section
 from extproc.sync.load import WorkerLoad
 from extproc.sync.tier_stats import TierReport
@@ -95,6 +96,7 @@ class Policy(ABC):
 
     ``sections`` holds every policy's configured section by policy name, for policies composed of
     others (``session`` places new sessions with its fallback policy, configured in its own section).
+    ``clock`` is the router's: a policy that ages or stamps state reads it, never ``time`` directly.
     """
 
     name: ClassVar[str]
@@ -103,8 +105,12 @@ class Policy(ABC):
     needs_text: bool = False  # True: the router renders the prompt text (character-based peers)
 
     def __init__(
-        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
+        self.clock = clock
         try:
             self.opts = self.Options.model_validate(dict(options or {}))
         except ValidationError as exc:
@@ -120,3 +126,9 @@ class Policy(ABC):
 
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:  # noqa: B027 (optional hook)
         """Called when the request's ext_proc stream ends (response fully sent)."""
+
+    def on_load(self, worker: Worker, load: WorkerLoad) -> None:  # noqa: B027 (optional hook)
+        """Called with each load report as it arrives (learn from it here; ``select`` only reads)."""
+
+    def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
+        """Called when a worker left the fleet (or moved to another address): forget what was kept on it."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import Field
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 from extproc.sync.workers import Worker
 
@@ -44,9 +45,12 @@ class DynamoCostPolicy(Policy):
     needs_tokens = True
 
     def __init__(
-        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
-        super().__init__(options, sections)
+        super().__init__(options, sections, clock)
         self._active: dict[str, int] = {}  # worker id -> blocks of its active requests
         self._prefill: dict[str, float] = {}  # worker id -> uncached (credited) blocks of its active requests
         # request -> (worker, blocks, uncached blocks) until it completes. The router never sees the

@@ -18,6 +18,7 @@ from typing import Any
 import xxhash
 from pydantic import Field
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 
 __all__ = ["GiePrefixOptions", "GiePrefixPolicy"]
@@ -41,9 +42,12 @@ class GiePrefixPolicy(Policy):
     needs_text = True
 
     def __init__(
-        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
-        super().__init__(options, sections)
+        super().__init__(options, sections, clock)
         self._servers: dict[str, OrderedDict[int, None]] = {}
         self._rng = random.Random()
 

@@ -17,7 +17,16 @@ from typing import Any
 
 from pydantic import Field
 
-from extproc.policies.base import Candidate, Decision, Policy, PolicyError, PolicyOptions, RoutingRequest
+from extproc.clock import MONOTONIC, Clock
+from extproc.policies.base import (
+    Candidate,
+    Decision,
+    Policy,
+    PolicyError,
+    PolicyOptions,
+    RoutingRequest,
+    WorkerLoad,
+)
 from extproc.sync.workers import Worker
 
 __all__ = ["SessionOptions", "SessionPolicy"]
@@ -45,15 +54,18 @@ class SessionPolicy(Policy):
     opts: SessionOptions
 
     def __init__(
-        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
-        super().__init__(options, sections)
+        super().__init__(options, sections, clock)
         if self.opts.fallback == self.name:
             raise PolicyError("the session policy cannot fall back to itself")
         from extproc.policies import create_policy  # the registry imports this module
 
         self.headers = [h.lower() for h in self.opts.headers]
-        self.fallback = create_policy(self.opts.fallback, self.sections.get(self.opts.fallback), self.sections)
+        self.fallback = create_policy(self.opts.fallback, self.sections.get(self.opts.fallback), self.sections, clock)
         self.needs_tokens = self.fallback.needs_tokens
         self.needs_text = self.fallback.needs_text
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker id
@@ -93,3 +105,9 @@ class SessionPolicy(Policy):
 
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
         self.fallback.on_complete(request, worker)
+
+    def on_load(self, worker: Worker, load: WorkerLoad) -> None:
+        self.fallback.on_load(worker, load)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.fallback.remove_worker(worker_id)

@@ -10,12 +10,12 @@ the worker with the smallest tree. Each worker's share of the tree is bounded
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 
 __all__ = ["CharRadixTree", "SglCacheAwareOptions", "SglCacheAwarePolicy"]
@@ -51,12 +51,13 @@ def _common(a: str, b: str) -> int:
 class CharRadixTree:
     """Compressed character trie shared by all tenants (workers), as in sgl-router."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = MONOTONIC) -> None:
         self.root = _Node("", None)
         self.chars: dict[str, int] = {}
+        self.clock = clock  # stamps tenants' last access (LRU eviction order)
 
     def insert(self, text: str, tenant: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         node = self.root
         node.tenants[tenant] = now
         rest = text
@@ -132,10 +133,13 @@ class SglCacheAwarePolicy(Policy):
     needs_text = True
 
     def __init__(
-        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
-        super().__init__(options, sections)
-        self.tree = CharRadixTree()
+        super().__init__(options, sections, clock)
+        self.tree = CharRadixTree(clock)
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         loads = {c.worker.id: c.in_flight for c in candidates}

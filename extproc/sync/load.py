@@ -7,7 +7,7 @@ count lives on ``Worker.in_flight``; this module only adds what the worker itsel
 from other routers, the real queue, KV pressure) and, from SGLang 0.5.23's ``/v1/loads``, the
 cumulative counters from which a worker's own prefill and decode speed can be learned
 (``total_prefill_uncached_tokens``, ``total_prefill_busy_us``, ``decode_moments``; see
-``extproc.policies.cost_model``). A poll whose connection is refused is also the router's fastest
+``extproc.policies.prefix_aware.cost_model``). A poll whose connection is refused is also the router's fastest
 sign that a worker died: it leaves the candidate set at once.
 """
 
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.config import LoadConfig
 from extproc.sync.http import Poller, WorkerHttp
 from extproc.sync.workers import Worker, WorkerRegistry
@@ -67,7 +68,7 @@ class WorkerLoad:
     queues: list[dict[str, Any]] | None = None  # per rank: waiting, grammar, paused, retracted, prealloc_ready
     reported_at: float | None = None  # the worker's own timestamp of its newest snapshot
     ranks: int = 1
-    polled_at: float = 0.0  # time.monotonic() when the report arrived
+    polled_at: float = 0.0  # the router's clock when the report arrived
     # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
     rank_requests: dict[int, int] = field(default_factory=dict)
 
@@ -195,10 +196,15 @@ def _refused(exc: BaseException) -> bool:
 class LoadTracker:
     """Latest reported load per worker, refreshed by one background task."""
 
-    def __init__(self, config: LoadConfig, registry: WorkerRegistry, http: WorkerHttp) -> None:
+    def __init__(
+        self, config: LoadConfig, registry: WorkerRegistry, http: WorkerHttp, clock: Clock = MONOTONIC
+    ) -> None:
         self.config = config
         self.registry = registry
         self.http = http
+        self.clock = clock
+        # Called with each new report as it arrives (the policy learns from reports here, not when it decides).
+        self.listeners: list[Callable[[Worker, WorkerLoad], None]] = []
         self._loads: dict[str, tuple[float, WorkerLoad]] = {}
         self._path: dict[str, str] = {}
         self._poller = Poller("load-poller", config.poll_interval_s, self.poll_once)
@@ -209,12 +215,14 @@ class LoadTracker:
         if entry is None:
             return None
         stamp, load = entry
-        load.age_s = time.monotonic() - stamp
+        load.age_s = self.clock() - stamp
         return load
 
     def set(self, worker: Worker, load: WorkerLoad) -> None:
-        load.polled_at = time.monotonic()
+        load.polled_at = self.clock()
         self._loads[worker.id] = (load.polled_at, load)
+        for listener in self.listeners:
+            listener(worker, load)
 
     async def start(self) -> None:
         self._poller.start()

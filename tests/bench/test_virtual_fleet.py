@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 from benchmarks.matrix import FLEETS, WORKLOADS, MatrixOptions
-from benchmarks.virtual_fleet import _virtual_fleet, run_virtual
+from benchmarks.virtual_fleet import run_virtual, virtual_fleet_of
 
 
 def test_runs_repeat_exactly_and_faster_than_real_time() -> None:
-    fleet = _virtual_fleet(FLEETS["4x8b-h100"])
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
     workload = WORKLOADS["gsp"](20.0, MatrixOptions(requests=64))
     started = time.monotonic()
     first = run_virtual("prefix-aware", workload, fleet)
@@ -23,7 +23,7 @@ def test_runs_repeat_exactly_and_faster_than_real_time() -> None:
 
 def test_the_index_is_fed_by_the_workers_events() -> None:
     """A prefix-aware router on the virtual fleet finds the shared system prompts that round robin scatters."""
-    fleet = _virtual_fleet(FLEETS["4x8b-h100"])
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
     workload = WORKLOADS["gsp"](10.0, MatrixOptions(requests=64))
     ours = run_virtual("prefix-aware", workload, fleet).summary(fleet.workers)
     rr = run_virtual("round-robin", workload, fleet).summary(fleet.workers)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extproc.policies.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
 from extproc.sync.load import WorkerLoad
 
 PRIOR = PrefillModel(0.02, 4e-5, 1e-9)

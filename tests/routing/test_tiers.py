@@ -12,11 +12,11 @@ from extproc.blocks import block_keys, chain_seed
 from extproc.config import RouterConfig
 from extproc.index import BlockIndex
 from extproc.policies import Candidate, RoutingRequest, create_policy
-from extproc.policies.tier_cost import (
-    PRIOR_LOAD_BACK_S_PER_TOKEN,
-    PRIOR_PREFETCH_S_PER_TOKEN,
+from extproc.policies.prefix_aware.tier_cost import (
+    PRIOR_STORAGE_OP_S,
     TierCosts,
     costs_from_report,
+    kv_bytes_per_token,
     tier_extra,
 )
 from extproc.request import ParsedRequest
@@ -24,6 +24,7 @@ from extproc.router import Router
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.discovery import storage_group
 from extproc.sync.event_wire import decode_payload
+from extproc.sync.load import WorkerLoad
 from extproc.sync.tier_stats import TierReport, parse_tier_metrics, prefetch_threshold
 from extproc.sync.workers import Worker, WorkerRegistry
 
@@ -113,17 +114,22 @@ def test_tier_extra_counts_only_what_sglang_would_use() -> None:
     assert tier_extra(0, 128, costs).shared_tokens == 0  # under the 256-token prefetch threshold
     extra = tier_extra(4096, 1024, costs, compute_s=0.0)
     assert (extra.host_tokens, extra.shared_tokens) == (4096, 1024)
-    assert extra.load_back_s == pytest.approx(5120 * PRIOR_LOAD_BACK_S_PER_TOKEN)
+    assert extra.load_back_s == pytest.approx(5120 * costs.load_back_s_per_token)
     ops = 2  # one existence check, one read of 64 pages
-    assert extra.prefetch_s == pytest.approx(1024 * PRIOR_PREFETCH_S_PER_TOKEN + ops * 100e-6)
+    assert extra.prefetch_s == pytest.approx(1024 * costs.prefetch_s_per_token + ops * PRIOR_STORAGE_OP_S)
     # The load-back overlaps the prefill: only the part longer than the computation is added.
     assert tier_extra(4096, 0, costs, compute_s=1.0).load_back_s == 0.0
 
 
 def test_costs_come_from_the_workers_report_with_documented_priors_until_then() -> None:
     assert costs_from_report(None) == TierCosts()
-    slow = costs_from_report(None, prior_scale=4.0)
-    assert slow.load_back_s_per_token == pytest.approx(4 * PRIOR_LOAD_BACK_S_PER_TOKEN)
+    # Before any transfer the KV size per token comes from the worker's /v1/loads memory section.
+    load = WorkerLoad(memory=[{"kv_cache_gb": 2.0, "token_capacity": 8192}])
+    size = kv_bytes_per_token(load)
+    assert size == pytest.approx(2 * 2**30 / 8192)
+    assert kv_bytes_per_token(WorkerLoad()) is None and kv_bytes_per_token(None) is None
+    sized = costs_from_report(None, size)
+    assert sized.load_back_s_per_token == pytest.approx(TierCosts().load_back_s_per_token * size / 100_000)
     report = TierReport(
         load_back_tokens=10_000,
         load_back_bytes=10_000 * 65_536,
@@ -133,9 +139,9 @@ def test_costs_come_from_the_workers_report_with_documented_priors_until_then() 
         prefetch_ops=2,  # 10 GB/s on average
         prefetch_threshold=128,
     )
-    costs = costs_from_report(report, prior_scale=4.0)
-    assert costs.load_back_reported and costs.load_back_s_per_token == pytest.approx(5e-6)  # measured, not scaled
-    assert costs.prefetch_reported and costs.prefetch_s_per_token == pytest.approx(65_536 / 10e9)
+    costs = costs_from_report(report, size)
+    assert costs.load_back_s_per_token == pytest.approx(5e-6)  # measured: the prior's size no longer matters
+    assert costs.prefetch_s_per_token == pytest.approx(65_536 / 10e9)
     assert costs.prefetch_threshold == 128
 
 

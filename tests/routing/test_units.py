@@ -12,9 +12,9 @@ from extproc.blocks import block_keys
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.memory import BLOCK_BYTES, RECENT_BYTES
-from extproc.policies import Candidate, Decision, PolicyError, RoutingRequest, WorkerLoad, create_policy
-from extproc.policies.cost_model import PrefillModel
+from extproc.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, WorkerLoad, create_policy
 from extproc.policies.prefix_aware import PrefixAwareOptions
+from extproc.policies.prefix_aware.cost_model import PrefillModel
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
@@ -155,10 +155,18 @@ def _candidates(
     ]
 
 
+def _select(policy: Policy, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+    """What the router does: each candidate's load report reaches the policy (``on_load``), then it ranks."""
+    for c in candidates:
+        if c.load is not None:
+            policy.on_load(c.worker, c.load)
+    return policy.select(request, candidates)
+
+
 def test_longest_cached_prefix_wins_when_idle() -> None:
     policy = create_policy("prefix-aware")
     workers = _workers(3)
-    decision = policy.select(_request(4096), _candidates(workers, [10, 200, 0]))
+    decision = _select(policy, _request(4096), _candidates(workers, [10, 200, 0]))
     assert decision.ranked[0] is workers[1] and decision.reason == "prefix-hit"
 
 
@@ -166,7 +174,7 @@ def test_busy_holder_spills_to_an_idle_worker() -> None:
     policy = create_policy("prefix-aware")
     workers = _workers(2)
     busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5, polled_at=time.monotonic())
-    decision = policy.select(_request(4096), _candidates(workers, [200, 0], [busy, None]))
+    decision = _select(policy, _request(4096), _candidates(workers, [200, 0], [busy, None]))
     assert decision.ranked[0] is workers[1] and decision.reason == "prefix-spill"
     # own decisions queue up too: a long cold prompt routed to w0 delays the next one there
     cold = create_policy("prefix-aware")
@@ -182,18 +190,18 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
     chosen = {}
     for prefix in range(200):
         keys = block_keys([prefix] * 64, 16)
-        chosen[prefix] = policy.select(_request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id
+        chosen[prefix] = _select(policy, _request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id
     counts = {w.id: list(chosen.values()).count(w.id) for w in workers}
     assert min(counts.values()) > 25, counts  # different prefixes spread
     keys = block_keys([7] * 64, 16)
     assert all(
-        policy.select(_request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id == chosen[7] for _ in range(5)
+        _select(policy, _request(64, keys), _candidates(workers, [0] * 4)).ranked[0].id == chosen[7] for _ in range(5)
     )  # one prefix keeps its worker
 
 
 def test_a_full_cache_costs_the_evictions_it_forces() -> None:
-    """A cold prompt goes where storing it evicts nothing, even against the traffic tie-break."""
-    policy = create_policy("prefix-aware")
+    """With evictions priced, a cold prompt goes where storing it evicts nothing, even against the tie-break."""
+    policy = create_policy("prefix-aware", {"eviction_weight": 1.0})
     full, empty = _workers(2)
     now = time.monotonic()
     loads = [
@@ -207,7 +215,7 @@ def test_a_full_cache_costs_the_evictions_it_forces() -> None:
         )
     candidates = _candidates([full, empty], [0, 0], loads)
     candidates[0].cached_blocks = 24576 * 8 // 10 // 16  # its cached prefixes fill the pool's cacheable share
-    decision = policy.select(_request(4096, keys=[3]), candidates)
+    decision = _select(policy, _request(4096, keys=[3]), candidates)
     assert decision.ranked[0] is empty
     assert decision.scores[full.id]["eviction_s"] > 0 == decision.scores[empty.id]["eviction_s"]
 
@@ -225,14 +233,14 @@ def test_sgl_cache_aware_follows_text_then_balances() -> None:
     workers = _workers(2)
     text = "system prompt " * 20
     req = RoutingRequest(model="m", path="/generate", prompt_text=text + "one")
-    first = policy.select(req, _candidates(workers, [0, 0]))
+    first = _select(policy, req, _candidates(workers, [0, 0]))
     policy.on_routed(req, first)
     again = RoutingRequest(model="m", path="/generate", prompt_text=text + "two")
-    assert policy.select(again, _candidates(workers, [0, 0])).ranked[0] is first.ranked[0]
+    assert _select(policy, again, _candidates(workers, [0, 0])).ranked[0] is first.ranked[0]
     cands = _candidates(workers, [0, 0])
     holder = next(c for c in cands if c.worker is first.ranked[0])
     holder.in_flight = 200  # imbalanced beyond 64 and 1.5x
-    decision = policy.select(again, cands)
+    decision = _select(policy, again, cands)
     assert decision.ranked[0] is not first.ranked[0] and decision.reason == "imbalanced-least-load"
 
 
@@ -241,7 +249,7 @@ def test_sgl_tree_evicts_to_its_bound() -> None:
     workers = _workers(1)
     for i in range(20):
         req = RoutingRequest(model="m", path="/generate", prompt_text=f"{i:03d}" + "x" * 40)
-        policy.on_routed(req, policy.select(req, _candidates(workers, [0])))
+        policy.on_routed(req, _select(policy, req, _candidates(workers, [0])))
     assert policy.tree.chars["w0"] <= 100
 
 
@@ -249,9 +257,9 @@ def test_gie_prefix_scores_cached_servers_higher() -> None:
     policy = create_policy("gie-prefix")
     workers = _workers(3)
     req = RoutingRequest(model="m", path="/generate", prompt_text="abc" * 400)
-    first = policy.select(req, _candidates(workers, [0, 0, 0]))
+    first = _select(policy, req, _candidates(workers, [0, 0, 0]))
     policy.on_routed(req, first)
-    decision = policy.select(req, _candidates(workers, [0, 0, 0]))
+    decision = _select(policy, req, _candidates(workers, [0, 0, 0]))
     assert decision.ranked[0] is first.ranked[0]
     assert decision.scores[first.ranked[0].id]["prefix"] == 1.0
 
@@ -260,28 +268,28 @@ def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
     policy = create_policy("dynamo-cost")
     workers = _workers(2)
     req = _request(1600)  # 100 blocks
-    decision = policy.select(req, _candidates(workers, [80, 0]))
+    decision = _select(policy, req, _candidates(workers, [80, 0]))
     assert decision.ranked[0] is workers[0]
     assert decision.scores["w0"]["cost"] == 20 + 100 and decision.scores["w1"]["cost"] == 100 + 100
     policy.on_routed(req, decision)
     policy.on_routed(req, decision)  # w0 now carries 200 active blocks and 40 owed prefill blocks
-    assert policy.select(req, _candidates(workers, [80, 0])).ranked[0] is workers[1]
+    assert _select(policy, req, _candidates(workers, [80, 0])).ranked[0] is workers[1]
 
 
 def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
     policy = create_policy("session", {"fallback": "least-load"})
     workers = _workers(3)
     req = RoutingRequest(model="m", path="/generate", headers={"x-session-id": "abc"})
-    first = policy.select(req, _candidates(workers, [0, 0, 0]))
+    first = _select(policy, req, _candidates(workers, [0, 0, 0]))
     policy.on_routed(req, first)
     for _ in range(3):
         cands = _candidates(workers, [0, 0, 0])
         for c in cands:
             c.in_flight = 0 if c.worker is not first.ranked[0] else 5
-        decision = policy.select(req, cands)
+        decision = _select(policy, req, cands)
         assert decision.ranked[0] is first.ranked[0] and decision.reason == "session-affinity"
     rest = [w for w in workers if w is not first.ranked[0]]
-    moved = policy.select(req, _candidates(rest, [0, 0]))
+    moved = _select(policy, req, _candidates(rest, [0, 0]))
     assert moved.ranked[0] in rest and moved.reason == "session-moved"
 
 
@@ -478,7 +486,7 @@ def test_decisions_ignore_the_simulator_block_of_server_info() -> None:
         for w in workers:
             w.info = dict(info)
         decisions = [
-            policy.select(_request(2048, keys=[k]), _candidates(workers, m, [load, None, None]))
+            _select(policy, _request(2048, keys=[k]), _candidates(workers, m, [load, None, None]))
             for k, m in ((1, [0, 0, 0]), (2, [100, 10, 0]), (3, [0, 40, 120]))
         ]
         ranked.append([([w.id for w in d.ranked], d.reason, d.scores) for d in decisions])
@@ -512,7 +520,7 @@ def test_each_worker_is_judged_by_its_own_learned_speed() -> None:
         assert policy.cost_model(worker).prefill.seconds(2048, 0) == pytest.approx(
             truth[worker.id].seconds(2048, 0), rel=0.1
         )
-    decision = policy.select(_request(4096, keys=[9]), _candidates([slow, fast], [0, 0]))
+    decision = _select(policy, _request(4096, keys=[9]), _candidates([slow, fast], [0, 0]))
     assert decision.ranked[0] is fast
     assert decision.scores["w0"]["prefill_s"] > 3 * decision.scores["w1"]["prefill_s"]
 
@@ -531,7 +539,7 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
             WorkerLoad(num_waiting_reqs=8, num_waiting_uncached_tokens=12000, polled_at=time.monotonic()),
             WorkerLoad(num_waiting_reqs=2, num_waiting_uncached_tokens=2000, polled_at=time.monotonic()),
         ]
-        decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
+        decision = _select(policy, _request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
         assert decision.reason == expected, (utilization, decision.scores)
 
 
@@ -546,7 +554,7 @@ def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
         holder.observe(WorkerLoad(num_running_reqs=1, polled_at=time.monotonic() - 0.1))
         holder.utilization = 0.97
         loads = [WorkerLoad(polled_at=time.monotonic()), WorkerLoad(polled_at=time.monotonic())]
-        decision = policy.select(_request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
+        decision = _select(policy, _request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
         chosen[work_price] = decision.ranked[0].id
     # Priced by utilisation alone it would leave (that is what the second turn of a chat did on real SGLang).
     assert chosen == {"utilization": "w1", "lesser": "w0"}
@@ -572,7 +580,7 @@ def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
         )
     assert holder.windows and holder.prefill.seconds(400, 0) == pytest.approx(truth.seconds(400, 0), rel=0.1)
     assert policy.cost_model(workers[1]).windows == 0
-    decision = policy.select(_request(433, keys=[5]), _candidates(workers, [25, 0]))
+    decision = _select(policy, _request(433, keys=[5]), _candidates(workers, [25, 0]))
     assert decision.ranked[0] is workers[0], decision.scores
     assert decision.scores["w1"]["prefill_s"] > decision.scores["w0"]["prefill_s"]
 
@@ -618,13 +626,13 @@ def test_session_affinity_headers_are_a_configurable_list() -> None:
     workers = _workers(3)
     # aiperf's header is among the defaults; the first header present names the session.
     aiperf = RoutingRequest(model="m", path="/generate", headers={"x-session-affinity": "conv-7"})
-    first = policy.select(aiperf, _candidates(workers, [0, 0, 0]))
+    first = _select(policy, aiperf, _candidates(workers, [0, 0, 0]))
     assert first.reason == "session-new"
     policy.on_routed(aiperf, first)
     cands = _candidates(workers, [0, 0, 0])
     for c in cands:
         c.in_flight = 9 if c.worker is first.ranked[0] else 0
-    again = policy.select(aiperf, cands)
+    again = _select(policy, aiperf, cands)
     assert again.ranked[0] is first.ranked[0] and again.reason == "session-affinity"
     custom = create_policy("session", {"headers": ["X-Conversation"], "fallback": "least-load"})
     assert custom.select(aiperf, _candidates(workers, [0, 0, 0])).reason.startswith("no-session")
@@ -632,3 +640,54 @@ def test_session_affinity_headers_are_a_configurable_list() -> None:
     assert custom.select(tagged, _candidates(workers, [0, 0, 0])).reason == "session-new"
     with pytest.raises(PolicyError):
         create_policy("session", {"headers": []})
+
+
+def test_ranking_reads_the_cost_models_and_reports_feed_them() -> None:
+    """``select`` changes no learned state; a load report reaches the model through ``on_load`` only."""
+    policy = create_policy("prefix-aware")
+    workers = _workers(2)
+    load = WorkerLoad(num_waiting_reqs=4, num_waiting_uncached_tokens=8000, polled_at=1.0)
+    policy.select(_request(2048), _candidates(workers, [0, 0], [load, None]))
+    assert policy.costs == {}  # type: ignore[attr-defined]
+    policy.on_load(workers[0], load)
+    model = policy.cost_model(workers[0])  # type: ignore[attr-defined]
+    assert model.queued_seconds(1.0) > 0  # the report's waiting work is now the worker's queue
+
+
+def test_router_clock_reaches_index_loads_and_policy_and_departed_workers_are_forgotten() -> None:
+    clock = Clock()
+    workers = _workers(3)
+    registry = WorkerRegistry(workers)
+    router = Router(RouterConfig(), registry, clock=clock)
+    assert router.policy.clock is clock and router.loads.clock is clock
+    router.loads.set(workers[0], WorkerLoad(num_running_reqs=1))
+    assert router.loads.get(workers[0]).polled_at == clock.now  # type: ignore[union-attr]
+    parsed = ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="a shared prompt " * 200)
+    first = router.route(parsed)
+    router.finish(first)
+    assert router.route(parsed).worker is first.worker  # the speculative entry holds ...
+    clock.now += 2 * router.config.index.fallback_ttl_s  # no events here: the own record's life
+    assert router.index.match(first.request.block_keys, [first.worker.id])[first.worker.id] == 0  # ... then ages
+    policy = router.policy
+    assert set(policy.costs) >= {workers[0].id, first.worker.id}  # type: ignore[attr-defined]
+    registry.reconcile([w for w in workers if w.id != workers[0].id])
+    assert workers[0].id not in policy.costs  # type: ignore[attr-defined]
+
+
+def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> None:
+    """A worker whose pool its open requests fill makes a new one wait about the share that must finish first."""
+    from extproc.policies.prefix_aware.in_flight import InFlightBook
+
+    book = InFlightBook()
+    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # nothing open: nothing to wait for
+    for i in range(4):
+        book.booked("w0", i, 2000, 0, now=0.0)
+    book.released("w0", 0, now=2.0)  # residence 2 s
+    assert book.residence_s("w0") == pytest.approx(2.0)
+    assert book.held_tokens("w0") == 6000
+    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # 6k held + 2k new fits in 10k
+    assert book.memory_wait_s("w0", 6000, 0, 10_000) == pytest.approx(2000 / 6000 * 2.0)  # a third must finish
+    book.booked("w1", 9, 2000, 0, now=0.0)
+    assert book.memory_wait_s("w1", 9000, 0, 10_000) == pytest.approx(0.5 * 2.0)  # no residence of its own: the fleet's
+    book.forget("w0")
+    assert book.held_tokens("w0") == 0.0

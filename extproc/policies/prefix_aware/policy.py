@@ -2,12 +2,16 @@
 
 For every healthy worker the policy predicts time-to-first-token as
 
-    queued prefill + prefill of the uncached tokens + the rest of one decode step (+ KV pressure)
+    queued prefill + wait for KV room + prefill of the uncached tokens + the wait for the decode step under way
 
 with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones, the
-constants of that worker learned online from what it reports (``extproc.policies.cost_model``; the
-configured constants are only priors). The queued prefill is the worker's own report
-(``num_waiting_uncached_tokens``) plus what the router sent since, drained in real time.
+constants of that worker learned online from what it reports (``cost_model``; the configured constants
+are only priors). Reports reach the model through ``on_load``; ranking only reads it. The queued
+prefill is the worker's own report (``num_waiting_uncached_tokens``) plus what the router sent since,
+drained in real time (the router's own account stands while a reported batch runs: a prefill under way
+counts as running, never as waiting). The wait for KV room comes from the router's own open requests
+on the worker against its reported pool (``in_flight``): below saturation a full pool, not the prefill
+queue, is what makes a request wait.
 
 The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
 Recomputing a prefix that another worker holds delays every request that later queues behind it on
@@ -36,16 +40,17 @@ worker holds, so placement is deterministic per prefix.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import xxhash
 from pydantic import Field
 
-from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
-from extproc.policies.cost_model import DecodeModel, PrefillModel, WorkerCostModel
-from extproc.policies.tier_cost import costs_from_report, tier_extra
+from extproc.clock import MONOTONIC, Clock
+from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest, WorkerLoad
+from extproc.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.policies.prefix_aware.in_flight import InFlightBook
+from extproc.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
 from extproc.sync.workers import Worker
 
 __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
@@ -84,9 +89,11 @@ class PrefixAwareOptions(PolicyOptions):
     )
     max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
     eviction_weight: float = Field(
-        1.0,
+        0.0,
         ge=0,
-        description="Weight of the future recomputation a full cache's eviction causes (0: ignore evictions).",
+        description="Weight of the future recomputation a full cache's eviction causes (0, the default: ignore "
+        "evictions; 1 charged them at the cache's average reuse, which overprices the least recently used "
+        "tokens an eviction gives up and cost the tail below saturation on the virtual fleet).",
     )
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
@@ -105,68 +112,97 @@ class PrefixAwarePolicy(Policy):
     needs_tokens = True
 
     def __init__(
-        self, options: Mapping[str, Any] | None = None, sections: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
-        super().__init__(options, sections)
+        super().__init__(options, sections, clock)
         o = self.opts
         self._prior = PrefillModel(o.prefill_floor_s, o.prefill_per_token_s, o.attention_per_token2_s)
         self._decode_prior = DecodeModel(o.decode_step_s, o.decode_per_request_s)
         self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
+        self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
+        self.book = InFlightBook()  # what the router sent each worker and has not seen finish
         self._turn = 0
 
-    def cost_model(self, worker: Worker) -> WorkerCostModel:
-        """The worker's learned cost model (started from the priors on first sight)."""
-        model = self.costs.get(worker.id)
-        if model is None:
-            o = self.opts
-            model = self.costs[worker.id] = WorkerCostModel(
-                self._prior,
-                self._decode_prior,
-                memory_s=o.memory_s,
-                prior_weight=o.prior_weight,
-                utilization_window_s=o.utilization_window_s,
-            )
+    def _new_model(self) -> WorkerCostModel:
+        o = self.opts
+        model = WorkerCostModel(
+            self._prior,
+            self._decode_prior,
+            memory_s=o.memory_s,
+            prior_weight=o.prior_weight,
+            utilization_window_s=o.utilization_window_s,
+        )
+        model.stand_in = self._fleet_mean()
         return model
 
-    def _borrowed_prefill(self, fresh: WorkerCostModel) -> PrefillModel:
-        """A worker that has not measured itself yet is judged like the ones that have (their mean).
+    def cost_model(self, worker: Worker) -> WorkerCostModel:
+        """The worker's learned cost model, created from the priors on first report or send."""
+        model = self.costs.get(worker.id)
+        if model is None:
+            model = self.costs[worker.id] = self._new_model()
+        return model
+
+    def _fleet_mean(self) -> PrefillModel | None:
+        """The measured workers' mean constants, which judge a worker that has not measured itself yet.
 
         Against the priors a fresh worker would look faster or slower than measured ones for no
         reason but ignorance: on real SGLang CPU workers the holder of a chat's history, the only
         worker measured so far, looked slower than the prior said the idle one was, and the second
         turn left it. Workers behind one router usually run one model on one kind of GPU; a fleet
-        that mixes them is told apart after each worker's first measured window.
+        that mixes them is told apart after each worker's first measured window. The stand-in prices
+        the unmeasured worker's queue as well as its prefill, so both sides of its TTFT agree.
         """
-        learned = [m.prefill for m in self.costs.values() if m is not fresh and m.windows]
+        learned = [m.learned for m in self.costs.values() if m.windows]
         if not learned:
-            return fresh.prefill
+            return None
         n = len(learned)
         return PrefillModel(*(sum(getattr(m, c) for m in learned) / n for c in ("c0", "a", "b")))
 
+    def on_load(self, worker: Worker, load: WorkerLoad) -> None:
+        """Learn from a report; when it refits a worker, unmeasured workers take the new fleet mean."""
+        model = self.cost_model(worker)
+        windows = model.windows
+        model.observe(load)
+        if model.windows != windows:
+            mean = self._fleet_mean()
+            for other in (*self.costs.values(), self._unseen):
+                if not other.windows:
+                    other.stand_in = mean
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.costs.pop(worker_id, None)
+        self._traffic.pop(worker_id, None)
+        self.book.forget(worker_id)
+
     def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
-        """The figures behind one candidate's predicted TTFT and score (also reported on the decision span)."""
+        """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
+
+        Reads the learned state and changes nothing.
+        """
         opts = self.opts
-        cost = self.cost_model(c.worker)
-        cost.observe(c.load)
-        model = cost.prefill if cost.windows else self._borrowed_prefill(cost)
+        cost = self.costs.get(c.worker.id) or self._unseen
+        model = cost.prefill
         total = request.prompt_tokens
         limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
         gpu = min(c.matched_blocks * c.block_size, limit)
         host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
         shared = max(min(c.shared_matched_blocks * c.block_size, limit) - gpu - host, 0)
-        # Host hits load back overlapping the prefill; shared-storage hits are read first (policies/tier_cost.py).
+        # Host hits load back overlapping the prefill; shared-storage hits are read first (tier_cost.py).
         # The transfer costs are the worker's own reports, documented priors until it has made one.
         compute = model.seconds(total - gpu - host - shared, gpu + host + shared)
-        tiers = tier_extra(host, shared, costs_from_report(c.tier_report), compute, c.block_size)
+        tier_costs = costs_from_report(c.tier_report, kv_bytes_per_token(c.load))
+        tiers = tier_extra(host, shared, tier_costs, compute, c.block_size)
         new = total - gpu - tiers.host_tokens - tiers.shared_tokens
         prefill = model.seconds(new, total - new) + tiers.load_back_s
         queue = cost.queued_seconds(now)
         load = c.load
         running = load.num_running_reqs if load else c.in_flight
         # A request that arrives during a decode step waits for its end: half a step on average.
-        step = cost.decode.step_seconds(running)
-        penalty = step / 2
+        step_wait = cost.decode.step_seconds(running) / 2
         rho = min(cost.utilization, 0.999)
         queued = rho / (1.0 - rho)
         if opts.work_price == "concurrency":
@@ -186,7 +222,8 @@ class PrefixAwarePolicy(Policy):
             evicted = min(float(new), max(0.0, new - room))
         reuse = min(cost.reuse, 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
-        ttft = queue + prefill + penalty + tiers.prefetch_s
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
+        ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
             "cached_tokens": total - new,
@@ -195,6 +232,7 @@ class PrefixAwarePolicy(Policy):
             "tier_s": tiers.seconds,
             "new_tokens": new,
             "queue_s": queue,
+            "memory_wait_s": memory_wait,
             "prefill_s": prefill,
             "in_flight": c.in_flight,
             "utilization": rho,
@@ -205,7 +243,7 @@ class PrefixAwarePolicy(Policy):
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        now = time.monotonic()
+        now = self.clock()
         figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
@@ -235,7 +273,7 @@ class PrefixAwarePolicy(Policy):
             return idle[self._turn % len(idle)]
         depth = min(*(c.matched_blocks for c in tied), len(keys) - 1)
         key = keys[depth].to_bytes(8, "little")
-        now = time.monotonic()
+        now = self.clock()
         return min(
             tied,
             key=lambda c: (
@@ -249,8 +287,10 @@ class PrefixAwarePolicy(Policy):
         figures = decision.scores.get(worker.id)
         if figures is None:
             return
-        now = time.monotonic()
-        self.cost_model(worker).sent(int(figures["new_tokens"]), int(figures["cached_tokens"]), now)
+        now = self.clock()
+        new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
+        self.cost_model(worker).sent(new, cached, now)
+        self.book.booked(worker.id, id(request), new, cached, now)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
@@ -258,5 +298,7 @@ class PrefixAwarePolicy(Policy):
         return count * math.exp(-(now - stamp) / self.opts.balance_window_s)
 
     def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
-        if worker.in_flight == 0:
-            self.cost_model(worker).idle()  # nothing outstanding from this router: no queue of its own either
+        self.book.released(worker.id, id(request), self.clock())
+        model = self.costs.get(worker.id)
+        if worker.in_flight == 0 and model is not None:
+            model.idle()  # nothing outstanding from this router: no queue of its own either

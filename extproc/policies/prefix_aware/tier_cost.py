@@ -10,41 +10,41 @@ A worker with SGLang's HiCache serves a cached prefix from three tiers (SGLang 0
   request waits in the queue while the pages are read (existence checks and reads of up to 128 pages
   per operation), then they are loaded back like a host hit.
 
-Shorter spans are recomputed, so they count as uncached. The costs come from what the worker reports
-(``extproc.sync.tier_stats``); until it has reported a load-back or a storage read, documented priors
-stand in: Llama-3.1-8B in BF16 moves 131,072 KV bytes per token (32 layers x 8 KV heads x 256 x 2 B);
-host-to-device copies reach ~45 GB/s on PCIe Gen5 x16 (NVIDIA nvbandwidth issue #24 measured ~35 GB/s
-with SM copies on H100, copy engines reach 50-55 of the 64 GB/s raw), and storage reads are taken at
-5 GB/s with 100 us per operation (SGLang's own ``sim`` storage backend defaults, NVMe-class).
+Shorter spans are recomputed, so they count as uncached. The per-token costs come from what the worker
+reports (``extproc.sync.tier_stats``: its measured load-back seconds per token and storage bandwidth).
+Until it has reported them they are priors: the KV bytes per token come from the worker's own
+``/v1/loads`` memory section (``kv_cache_gb`` over ``token_capacity``) when it has one, and the
+bandwidths are round figures of a modest setup, chosen to be pessimistic rather than to match any
+profile: a host link of 20 GB/s (PCIe Gen4 x16 reaches about 25), shared storage at 1 GB/s with 1 ms
+per operation (a network file system). Reported figures replace them after the first load-back or read.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from extproc.sync.load import WorkerLoad
 from extproc.sync.tier_stats import DEFAULT_PREFETCH_THRESHOLD, TierReport
 
-__all__ = ["LOAD_BACK_THRESHOLD", "TierCosts", "TierExtra", "costs_from_report", "tier_extra"]
+__all__ = ["LOAD_BACK_THRESHOLD", "TierCosts", "TierExtra", "costs_from_report", "kv_bytes_per_token", "tier_extra"]
 
 LOAD_BACK_THRESHOLD = 10  # SGLang's load_back_threshold: shorter host spans are recomputed
 STORAGE_BATCH_PAGES = 128  # pages per storage operation
-PRIOR_KV_BYTES_PER_TOKEN = 131_072  # Llama-3.1-8B, BF16
-PRIOR_LOAD_BACK_S_PER_TOKEN = PRIOR_KV_BYTES_PER_TOKEN / 45e9  # ~2.9 us
-PRIOR_PREFETCH_S_PER_TOKEN = PRIOR_KV_BYTES_PER_TOKEN / 5e9  # ~26 us
-PRIOR_STORAGE_OP_S = 100e-6
+PRIOR_KV_BYTES_PER_TOKEN = 100_000  # when the worker reports no memory section: 7-14B GQA models in BF16 hold 64-200 KB
+PRIOR_HOST_LINK_BYTES_PER_S = 20e9
+PRIOR_STORAGE_BYTES_PER_S = 1e9
+PRIOR_STORAGE_OP_S = 1e-3
 
 
 @dataclass(frozen=True)
 class TierCosts:
-    """Per-token transfer costs of one worker (seconds), and which of them it reported itself."""
+    """Per-token transfer costs of one worker (seconds)."""
 
-    load_back_s_per_token: float = PRIOR_LOAD_BACK_S_PER_TOKEN
-    prefetch_s_per_token: float = PRIOR_PREFETCH_S_PER_TOKEN
+    load_back_s_per_token: float = PRIOR_KV_BYTES_PER_TOKEN / PRIOR_HOST_LINK_BYTES_PER_S
+    prefetch_s_per_token: float = PRIOR_KV_BYTES_PER_TOKEN / PRIOR_STORAGE_BYTES_PER_S
     storage_op_s: float = PRIOR_STORAGE_OP_S
     prefetch_threshold: int = DEFAULT_PREFETCH_THRESHOLD
-    load_back_reported: bool = False
-    prefetch_reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,27 +61,30 @@ class TierExtra:
         return self.load_back_s + self.prefetch_s
 
 
-def costs_from_report(report: TierReport | None, prior_scale: float = 1.0) -> TierCosts:
-    """The worker's reported costs, priors (times ``prior_scale``) where it has reported nothing yet.
+def kv_bytes_per_token(load: WorkerLoad | None) -> float | None:
+    """KV bytes per token per GPU from the worker's ``/v1/loads`` memory section (None: not reported)."""
+    if load is None or not load.memory:
+        return None
+    rank = load.memory[0]
+    gb, capacity = rank.get("kv_cache_gb"), rank.get("token_capacity")
+    if not isinstance(gb, (int, float)) or not isinstance(capacity, (int, float)) or gb <= 0 or capacity <= 0:
+        return None
+    return float(gb) * 2**30 / float(capacity)
 
-    Reported figures are measured seconds already; ``prior_scale`` adapts the priors to a fleet faster
-    or slower than the hardware they describe (the policy's own time scale).
-    """
-    prior = TierCosts(
-        load_back_s_per_token=PRIOR_LOAD_BACK_S_PER_TOKEN * prior_scale,
-        prefetch_s_per_token=PRIOR_PREFETCH_S_PER_TOKEN * prior_scale,
-        storage_op_s=PRIOR_STORAGE_OP_S * prior_scale,
-    )
-    if report is None:
-        return prior
-    costs = replace(prior, prefetch_threshold=report.prefetch_threshold)
-    load_back = report.load_back_s_per_token
-    if load_back is not None:
-        costs = replace(costs, load_back_s_per_token=load_back, load_back_reported=True)
-    prefetch = report.prefetch_s_per_token
-    if prefetch is not None:
-        costs = replace(costs, prefetch_s_per_token=prefetch, prefetch_reported=True)
-    return costs
+
+def costs_from_report(report: TierReport | None, bytes_per_token: float | None = None) -> TierCosts:
+    """The worker's reported costs; priors (over its reported KV bytes per token, if any) until it has any."""
+    size = bytes_per_token or PRIOR_KV_BYTES_PER_TOKEN
+    load_back = size / PRIOR_HOST_LINK_BYTES_PER_S
+    prefetch = size / PRIOR_STORAGE_BYTES_PER_S
+    threshold = DEFAULT_PREFETCH_THRESHOLD
+    if report is not None:
+        threshold = report.prefetch_threshold
+        if report.load_back_s_per_token is not None:
+            load_back = report.load_back_s_per_token
+        if report.prefetch_s_per_token is not None:
+            prefetch = report.prefetch_s_per_token
+    return TierCosts(load_back, prefetch, PRIOR_STORAGE_OP_S, threshold)
 
 
 def tier_extra(

@@ -72,7 +72,7 @@ class DecodeModel:
 class _Sent:
     new: float  # uncached tokens predicted, not yet attributed to a report
     cached: float
-    at: float  # when it was routed (time.monotonic())
+    at: float  # when it was routed (the router's clock)
     seconds: float  # its predicted prefill under the model of that time
 
 
@@ -120,12 +120,23 @@ class WorkerCostModel:
         self.reuse = 0.5  # fraction of prompt tokens found cached on this worker, recent requests (a prior)
         self._queue_level = 0.0  # seconds of prefill queued as of _queue_clock
         self._queue_clock = 0.0
+        # Until this worker has measured a window: the constants it is judged by (its fleet's measured
+        # mean, set by the policy when another worker learns), for its prefill and its queue alike.
+        self.stand_in: PrefillModel | None = None
 
     # -- the learned figures ----------------------------------------------------------------------
     @property
-    def prefill(self) -> PrefillModel:
+    def learned(self) -> PrefillModel:
+        """Its own fitted constants (the priors before its first window)."""
         s = self._scale
         return PrefillModel(self.prior.c0 * s[0], self.prior.a * s[1], self.prior.b * s[2])
+
+    @property
+    def prefill(self) -> PrefillModel:
+        """The constants that price its prefills and its queue: its own once measured, else the stand-in."""
+        if self.windows or self.stand_in is None:
+            return self.learned
+        return self.stand_in
 
     @property
     def decode(self) -> DecodeModel:
@@ -159,12 +170,18 @@ class WorkerCostModel:
             tokens = load.num_waiting_uncached_tokens
             share = tokens * others / waiting if tokens is not None else others * self._mean_new
             level += model.c0 * others + model.a * share + model.b * share * share / others
-        self._queue_level, self._queue_clock = level, load.polled_at
         recent: list[_Sent] = []
         for sent in reversed(self._sent):  # newest first; only the few sent during the poll are newer
             if sent.at <= load.polled_at:
                 break
             recent.append(sent)
+        if load.num_running_reqs:
+            # A prefill batch under way counts as running, not waiting: the report cannot show it. The
+            # router's own account of what it sent (drained in real time) can, so it stands when larger.
+            # A worker that reports nothing running has no batch under way: the report alone is exact.
+            own_account = self.queued_seconds(load.polled_at) - sum(sent.seconds for sent in recent)
+            level = max(level, own_account)
+        self._queue_level, self._queue_clock = level, load.polled_at
         for sent in reversed(recent):
             self._enqueue(sent.seconds, sent.at)
 

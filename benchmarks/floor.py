@@ -1,0 +1,146 @@
+"""The perfect-information floor of the virtual fleet: routing that sees every worker's true state.
+
+Peers only tell us who routes better than whom; this reference says how much is left. For each request
+it reads each simulated worker's actual state, which no router can see:
+
+- its radix cache's exact match for the prompt (a read-only walk of the tree, no LRU touch), and the
+  prompts ahead of it in that worker (waiting, being prefilled, running): they are in the tree by the
+  time the request is admitted, so the longest prefix shared with any of them counts as cached too;
+- the step under way (how long until it ends) and the prefill work queued before the request, each
+  waiting request priced with its true uncached tokens by the worker's own timing profile;
+
+and sends the request where its time to first token would be lowest now (ties: the fewest requests in
+the worker, then the worker's position). It is greedy: it does not plan for later requests, so a policy
+that places prefixes with the future in mind can beat it; it is the best any router can do one request
+at a time with nothing hidden, which is what "closing the gap" is measured against. It lives here, in
+the benchmarks, and reads simulator objects: nothing in ``extproc/`` can do this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from sglang_workers.sim.radix_cache import RadixCache
+from sglang_workers.sim.request import Request
+from sglang_workers.sim.scheduler import Scheduler
+from sglang_workers.sim.timing import TimingProfile
+
+__all__ = ["ObservedScheduler", "PerfectInformationFloor", "cached_prefix"]
+
+
+class ObservedScheduler(Scheduler):
+    """The simulator's scheduler, also noting when the step under way ends (what the floor reads)."""
+
+    busy_until: float = 0.0  # loop time at which the current step ends
+
+    async def _sleep(self, simulated: float) -> None:
+        self.busy_until = asyncio.get_running_loop().time() + simulated / self.config.speedup
+        await super()._sleep(simulated)
+
+
+def cached_prefix(cache: RadixCache, tokens: Sequence[int], salt: str | None = None) -> int:
+    """Tokens of ``tokens`` the radix cache holds as a whole-page prefix, without changing the tree."""
+    page = cache.page_size
+    key = list(tokens[: len(tokens) // page * page])
+    node, matched = cache.root, 0
+    while key:
+        plain = key[0] if page == 1 else tuple(key[:page])
+        child = node.children.get(plain if salt is None else (salt, plain))
+        if child is None:
+            break
+        n = min(len(child.key), len(key))
+        same = 0
+        while same < n and child.key[same : same + page] == key[same : same + page]:
+            same += page
+        same = min(same, n)
+        matched += same
+        if same < len(child.key):
+            break
+        node, key = child, key[same:]
+    return matched
+
+
+def _shared(a: Sequence[int], b: Sequence[int], page: int) -> int:
+    """Whole pages two prompts share from the start."""
+    n = min(len(a), len(b)) // page * page
+    i = 0
+    while i < n and a[i : i + page] == b[i : i + page]:
+        i += page
+    return i
+
+
+class PerfectInformationFloor:
+    """Greedy lowest-TTFT-now placement over the simulated workers' true state."""
+
+    name = "floor"
+
+    def __init__(self, schedulers: dict[str, ObservedScheduler]) -> None:
+        self.schedulers = schedulers
+
+    def choose(self, tokens: Sequence[int]) -> str:
+        """The worker where ``tokens`` would see its first token soonest."""
+        now = asyncio.get_running_loop().time()
+        best: tuple[float, int, int] | None = None
+        chosen = ""
+        for position, (worker_id, scheduler) in enumerate(self.schedulers.items()):
+            ttft = self.ttft(scheduler, tokens, now)
+            crowd = len(scheduler.waiting) + scheduler.num_running_reqs()
+            key = (round(ttft, 6), crowd, position)
+            if best is None or key < best:
+                best, chosen = key, worker_id
+        return chosen
+
+    def ttft(self, scheduler: ObservedScheduler, tokens: Sequence[int], now: float) -> float:
+        """Seconds until ``tokens`` would get its first token on ``scheduler`` if sent there now."""
+        profile, speedup = scheduler.profile, scheduler.config.speedup
+        page = scheduler.cache.page_size
+        budget = scheduler.config.chunked_prefill_size
+        ahead: list[Request] = [*scheduler.prefilling, *scheduler.running, *scheduler.waiting]
+        if scheduler.chunked is not None and scheduler.chunked not in ahead:
+            ahead.append(scheduler.chunked)
+        wait = max(0.0, scheduler.busy_until - now) * speedup if scheduler.prefilling or scheduler.running else 0.0
+        # Prefill queued before it: the chunked request's rest, then every waiting request (first come,
+        # first served), each with its true uncached tokens, packed into batches of the chunk budget.
+        chunks: list[tuple[int, int]] = []
+        if scheduler.chunked is not None:
+            rest = len(scheduler.chunked.fill_ids) - scheduler.chunked.kv_len
+            if rest > 0:
+                chunks.append((rest, scheduler.chunked.kv_len))
+        seen: list[Sequence[int]] = [r.input_ids for r in (*scheduler.prefilling, *scheduler.running)]
+        for req in scheduler.waiting:
+            prompt = req.fill_ids
+            cached = max(
+                cached_prefix(scheduler.cache, prompt[:-1], req.cache_salt),
+                *(_shared(prompt[:-1], other, page) for other in seen),
+                0,
+            )
+            chunks.append((len(prompt) - cached, cached))
+            seen.append(prompt)
+        wait += _batched_prefill(profile, chunks, budget)
+        prompt = list(tokens)
+        cached = max(
+            cached_prefix(scheduler.cache, prompt[:-1]), *(_shared(prompt[:-1], other, page) for other in seen), 0
+        )
+        new = len(prompt) - cached
+        own = _batched_prefill(profile, [(new, cached)], budget)
+        return (wait + own) / speedup
+
+
+def _batched_prefill(profile: TimingProfile, chunks: list[tuple[int, int]], budget: int) -> float:
+    """GPU seconds of prefill batches of at most ``budget`` new tokens each (a request may span batches)."""
+    total, room = 0.0, budget
+    batch: list[tuple[int, int]] = []
+    prefill_time = profile.prefill_time
+    for uncached, context in chunks:
+        new, cached = uncached, context
+        while new > 0:
+            take = min(new, room)
+            batch.append((take, cached))
+            new, cached, room = new - take, cached + take, room - take
+            if room <= 0:
+                total += prefill_time(batch)
+                batch, room = [], budget
+    if batch:
+        total += prefill_time(batch)
+    return float(total)
