@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.dynamo_proxy import sequence_hashes
-from extproc.cli import main as cli_main
+from prefix_router.cli import main as cli_main
 
 
 def test_sequence_hashes_chain_and_fit_in_i64() -> None:

@@ -90,7 +90,7 @@ class Gateway:
 
     def _next(self) -> asyncio.Future[pb.ProcessingResponse]:
         if self._pending is None:
-            self._pending = asyncio.ensure_future(self.call.read())  # type: ignore[arg-type]
+            self._pending = asyncio.ensure_future(self.call.read())
         return self._pending
 
     async def read(self, count: int, timeout: float = 5.0) -> list[pb.ProcessingResponse]:
@@ -431,7 +431,7 @@ FLOW = FlowControlConfig(
 
 async def _route(
     stub: pb_grpc.ExternalProcessorStub, objective: str
-) -> tuple[Gateway, asyncio.Task[list[pb.ProcessingResponse]]]:
+) -> tuple[Gateway, asyncio.Task[pb.ProcessingResponse]]:
     gw = Gateway(stub)
     body = _chat()
     await gw.send(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -121,7 +122,7 @@ async def test_the_decision_span_records_the_wait() -> None:
     router.finish(first)
     outcome = await asyncio.wait_for(second, 2)
     assert outcome.queue_wait_s >= 0.09
-    waits = [span.attributes["router.queue_wait_ms"] for span in exporter.get_finished_spans()]
+    waits: list[Any] = [dict(span.attributes or {})["router.queue_wait_ms"] for span in exporter.get_finished_spans()]
     assert waits[0] == 0 and waits[1] >= 90
     router.finish(outcome)
     await router.stop()

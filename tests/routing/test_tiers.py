@@ -3,7 +3,9 @@ it, and what the router reports (span attributes, metrics). Fast and determinist
 
 from __future__ import annotations
 
+import functools
 import json
+from typing import TypeVar
 
 import pytest
 from prometheus_client import generate_latest
@@ -11,7 +13,8 @@ from prometheus_client import generate_latest
 from extproc.blocks import block_keys, chain_seed
 from extproc.config import RouterConfig
 from extproc.index import BlockIndex
-from extproc.policies import Candidate, RoutingRequest, create_policy
+from extproc.policies import Candidate, Policy, RoutingRequest, create_policy
+from extproc.policies.prefix_aware import PrefixAwarePolicy
 from extproc.policies.prefix_aware.tier_cost import (
     PRIOR_STORAGE_OP_S,
     TierCosts,
@@ -29,6 +32,15 @@ from extproc.sync.tier_stats import TierReport, parse_tier_metrics, prefetch_thr
 from extproc.sync.workers import Worker, WorkerRegistry
 
 PAGE = 16
+
+
+T = TypeVar("T", bound=Policy)
+
+
+def _as(cls: type[T], policy: Policy) -> T:
+    """The policy as its concrete class, for the tests that read its internals."""
+    assert isinstance(policy, cls)
+    return policy
 
 
 def _workers(n: int) -> list[Worker]:
@@ -77,7 +89,7 @@ def test_host_stores_of_a_storage_group_member_feed_the_shared_tier() -> None:
 
     index = BlockIndex()
     groups = {"w0": "file:/shared:m:tp1", "w1": None}
-    views = {w: WorkerCacheView(w, index, model="m", storage_group=lambda w=w: groups[w]) for w in groups}
+    views = {w: WorkerCacheView(w, index, model="m", storage_group=functools.partial(groups.get, w)) for w in groups}
     tokens = list(range(64))
     digests: list[bytes] = []
     prior = None
@@ -126,7 +138,7 @@ def test_costs_come_from_the_workers_report_with_documented_priors_until_then() 
     # Before any transfer the KV size per token comes from the worker's /v1/loads memory section.
     load = WorkerLoad(memory=[{"kv_cache_gb": 2.0, "token_capacity": 8192}])
     size = kv_bytes_per_token(load)
-    assert size == pytest.approx(2 * 2**30 / 8192)
+    assert size is not None and size == pytest.approx(2 * 2**30 / 8192)
     assert kv_bytes_per_token(WorkerLoad()) is None and kv_bytes_per_token(None) is None
     sized = costs_from_report(None, size)
     assert sized.load_back_s_per_token == pytest.approx(TierCosts().load_back_s_per_token * size / 100_000)
@@ -168,7 +180,7 @@ def test_tier_metrics_parse_from_sglang_names() -> None:
 
 # -- policies -----------------------------------------------------------------------------------------
 def test_prefix_aware_prices_host_and_shared_hits_between_gpu_and_recompute() -> None:
-    policy = create_policy("prefix-aware")
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
     request = _request(8192)
     gpu, host, shared, cold = _workers(4)
     cands = {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import pytest
 from prometheus_client import generate_latest
@@ -13,8 +15,9 @@ from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.memory import BLOCK_BYTES, RECENT_BYTES
 from extproc.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, WorkerLoad, create_policy
-from extproc.policies.prefix_aware import PrefixAwareOptions
+from extproc.policies.prefix_aware import PrefixAwareOptions, PrefixAwarePolicy
 from extproc.policies.prefix_aware.cost_model import PrefillModel
+from extproc.policies.sgl_cache_aware import SglCacheAwarePolicy
 from extproc.request import ParsedRequest
 from extproc.router import Router
 from extproc.sync.workers import Worker, WorkerRegistry
@@ -28,11 +31,20 @@ class Clock:
         return self.now
 
 
+T = TypeVar("T", bound=Policy)
+
+
+def _as(cls: type[T], policy: Policy) -> T:
+    """The policy as its concrete class, for the tests that read its internals."""
+    assert isinstance(policy, cls)
+    return policy
+
+
 def _workers(n: int) -> list[Worker]:
     return [Worker(id=f"w{i}", url=f"http://127.0.0.1:{40000 + i}", ip="127.0.0.1", port=40000 + i) for i in range(n)]
 
 
-def _request(tokens: int, keys: list[int] | None = None, **extra: object) -> RoutingRequest:
+def _request(tokens: int, keys: list[int] | None = None, **extra: Any) -> RoutingRequest:
     return RoutingRequest(
         model="m",
         path="/generate",
@@ -146,7 +158,7 @@ def test_prefill_cost_model_shape() -> None:
 
 
 def _candidates(
-    workers: list[Worker], matched: list[int], loads: list[WorkerLoad | None] | None = None
+    workers: list[Worker], matched: list[int], loads: Sequence[WorkerLoad | None] | None = None
 ) -> list[Candidate]:
     loads = loads or [None] * len(workers)
     return [
@@ -245,7 +257,7 @@ def test_sgl_cache_aware_follows_text_then_balances() -> None:
 
 
 def test_sgl_tree_evicts_to_its_bound() -> None:
-    policy = create_policy("sgl-cache-aware", {"max_tree_size": 100})
+    policy = _as(SglCacheAwarePolicy, create_policy("sgl-cache-aware", {"max_tree_size": 100}))
     workers = _workers(1)
     for i in range(20):
         req = RoutingRequest(model="m", path="/generate", prompt_text=f"{i:03d}" + "x" * 40)
@@ -466,7 +478,7 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     )
     router.finish(outcome)
     (span,) = exporter.get_finished_spans()
-    attrs = dict(span.attributes or {})
+    attrs: dict[str, Any] = dict(span.attributes or {})
     assert attrs["router.chosen"] == outcome.worker.id and attrs["router.reason"] == outcome.decision.reason
     assert attrs["router.prompt_tokens"] == len(outcome.request.token_ids or [])
     assert attrs["router.blocks"] == len(outcome.request.block_keys) > 0
@@ -495,7 +507,7 @@ def test_decisions_ignore_the_simulator_block_of_server_info() -> None:
 
 def test_each_worker_is_judged_by_its_own_learned_speed() -> None:
     """Two idle workers, neither holding the prompt: the one measured faster wins (no prior decides)."""
-    policy = create_policy("prefix-aware")
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
     slow, fast = _workers(2)
     truth = {"w0": PrefillModel(0.06, 92e-6, 2.1e-9), "w1": PrefillModel(0.015, 23e-6, 0.52e-9)}
     busy = dict.fromkeys(truth, 0.0)
@@ -529,7 +541,7 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
     """The same queue imbalance spills a hot prefix on an idle fleet but not on a saturated one."""
     workers = _workers(2)
     for utilization, expected in ((0.1, "prefix-spill"), (0.97, "prefix-hit")):
-        policy = create_policy("prefix-aware")
+        policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
         for w in workers:
             # 40 requests in the worker at the last report: the queue is real
             policy.cost_model(w).observe(WorkerLoad(num_running_reqs=40, polled_at=time.monotonic() - 0.1))
@@ -548,7 +560,7 @@ def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
     workers = _workers(2)
     chosen = {}
     for work_price in ("utilization", "lesser"):
-        policy = create_policy("prefix-aware", {"work_price": work_price})
+        policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": work_price}))
         holder = policy.cost_model(workers[0])
         # The client's previous turn kept it busy (the only request in it), and has just finished.
         holder.observe(WorkerLoad(num_running_reqs=1, polled_at=time.monotonic() - 0.1))
@@ -563,7 +575,7 @@ def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
 def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
     """The holder measured itself slower than the priors; an unmeasured idle worker must not look faster."""
     workers = _workers(2)
-    policy = create_policy("prefix-aware")
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
     holder = policy.cost_model(workers[0])
     truth = PrefillModel(0.05, 4e-5, 1e-9)  # a per-request floor 2.5x the prior's (a CPU, a small model)
     busy = tokens = 0.0
