@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
 
+from extproc.clock import MONOTONIC, Clock
 from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
 from extproc.policies import Candidate, WorkerLoad
 from extproc.pruning import CandidatePruner, load_of
@@ -23,13 +23,13 @@ def _workers(count: int) -> list[Worker]:
     ]
 
 
-def _router(count: int, max_candidates: int) -> Router:
+def _router(count: int, max_candidates: int, clock: Clock = MONOTONIC) -> Router:
     config = RouterConfig(
         events=EventsConfig(enabled=False),
         index=IndexConfig(default_block_size=16),
         policy=PolicyConfig(max_candidates=max_candidates),
     )
-    return Router(config, WorkerRegistry(_workers(count)))
+    return Router(config, WorkerRegistry(_workers(count)), clock=clock)
 
 
 def _prompt(rng: random.Random, prefix: int) -> ParsedRequest:
@@ -39,13 +39,10 @@ def _prompt(rng: random.Random, prefix: int) -> ParsedRequest:
     )
 
 
-def test_a_fleet_no_larger_than_the_shortlist_decides_exactly_as_without_pruning(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_fleet_no_larger_than_the_shortlist_decides_exactly_as_without_pruning() -> None:
     # Scores read the clock: both routers see the same frozen one, moved on between steps.
     clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    pruned, unpruned = _router(8, 8), _router(8, 1_000_000)
+    pruned, unpruned = _router(8, 8, lambda: clock[0]), _router(8, 1_000_000, lambda: clock[0])
     rng_a, rng_b = random.Random(3), random.Random(3)
     outstanding: list[tuple[object, object]] = []
     for step in range(120):
