@@ -29,3 +29,30 @@ def test_the_index_is_fed_by_the_workers_events() -> None:
     rr = run_virtual("round-robin", workload, fleet).summary(fleet.workers)
     assert ours["hit_rate"] > rr["hit_rate"] + 0.2
     assert ours["prefill_busy_s"] < rr["prefill_busy_s"]
+
+
+def test_the_floor_reads_true_state_and_gap_closed_is_measured_against_it() -> None:
+    """The perfect-information floor finds shared prefixes from the workers' real caches, with no router."""
+    from benchmarks.virtual_fleet import FLOOR, gap_closed
+
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"], 8)
+    assert fleet.workers == 8
+    workload = WORKLOADS["gsp"](20.0, MatrixOptions(requests=64))
+    floor = run_virtual(FLOOR, workload, fleet).summary(fleet.workers)
+    rr = run_virtual("round-robin", workload, fleet).summary(fleet.workers)
+    assert floor["errors"] == 0 and floor["hit_rate"] > rr["hit_rate"] + 0.2
+    assert floor["ttft_s"]["mean"] < rr["ttft_s"]["mean"]
+    assert gap_closed(100.0, 55.0, 50.0) == 0.9 and gap_closed(100.0, 40.0, 50.0) > 1.0
+    assert gap_closed(50.0, 40.0, 60.0) != gap_closed(50.0, 40.0, 60.0)  # no gap: NaN, never a fake 100 %
+
+
+def test_cached_prefix_reads_the_tree_without_touching_it() -> None:
+    from benchmarks.floor import cached_prefix
+    from sglang_workers.radix_cache import RadixCache
+
+    cache = RadixCache(4, enable_events=False)
+    cache.insert(list(range(12)))
+    before = [(n.last_access, len(n.key)) for n in cache.root.children.values()]
+    assert cached_prefix(cache, [*range(8), 99, 99, 99, 99]) == 8
+    assert cached_prefix(cache, [5, 6, 7, 8]) == 0
+    assert [(n.last_access, len(n.key)) for n in cache.root.children.values()] == before  # no split, no LRU touch
