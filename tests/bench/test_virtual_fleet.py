@@ -48,7 +48,7 @@ def test_the_floor_reads_true_state_and_gap_closed_is_measured_against_it() -> N
 
 def test_cached_prefix_reads_the_tree_without_touching_it() -> None:
     from benchmarks.floor import cached_prefix
-    from sglang_workers.radix_cache import RadixCache
+    from sglang_workers.sim.radix_cache import RadixCache
 
     cache = RadixCache(4, enable_events=False)
     cache.insert(list(range(12)))
