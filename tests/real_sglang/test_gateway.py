@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import post, request, stream_lines
+from tests.support.gateway_http import envoy_host_healthy, post, request, stream_lines
 from tests.support.real_sglang import restart_cpu_worker
 from tests.support.sglang_session import fit_chat
 
@@ -356,6 +356,8 @@ def test_a_restarted_worker_is_reset_and_relearned(stack: GatewayStack, sglang_c
         what="a routing candidate again",
     )
     assert index_blocks(stack, target) < 10  # the old entries are gone
+    # Envoy's own view too: until it counts the new process healthy it serves the router's choice elsewhere.
+    wait_until(lambda: envoy_host_healthy(stack.admin_url, worker_id(target)), timeout=60, what="healthy in Envoy")
     # Re-learned: a new prompt sent there is in the index again, and the gateway routes to it.
     post(target.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
     wait_until(lambda: index_blocks(stack, target) >= 10, what="re-learned entries")

@@ -113,3 +113,18 @@ class SpoofTarget:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def envoy_host_healthy(admin_url: str, host: str) -> bool:
+    """True when every cluster of Envoy that has ``host`` (``ip:port``) as a member counts it healthy.
+
+    Envoy keeps its own view (active health checks, outlier ejection): after a worker restarts, the router may
+    trust it again before Envoy does, and Envoy then serves the router's choice on the next endpoint of its list.
+    """
+    with urllib.request.urlopen(admin_url + "/clusters", timeout=5) as response:
+        flags = [
+            line.rsplit("::", 1)[1]
+            for line in response.read().decode().splitlines()
+            if f"::{host}::health_flags::" in line
+        ]
+    return bool(flags) and all(flag == "healthy" for flag in flags)
