@@ -287,8 +287,9 @@ class EnvoyBaseline(_ProcessContender):
         try:
             await wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
         except ContenderError as exc:
+            failure = self._failure(exc)  # its log tail, read before stop() removes the log
             await self.stop()
-            raise self._failure(exc) from None
+            raise failure from None
         return f"http://127.0.0.1:{port}"
 
 
@@ -337,8 +338,9 @@ class SglRouter(_ProcessContender):
         try:
             await wait_http(base + "/readiness", 60, proc)
         except ContenderError as exc:
+            failure = self._failure(exc)  # its log tail, read before stop() removes the log
             await self.stop()
-            raise self._failure(exc) from None
+            raise failure from None
         return base
 
 
@@ -432,8 +434,9 @@ class Smg(_ProcessContender):
         try:
             await self._ready(base, len(worker_urls), proc, 60)
         except ContenderError as exc:
+            failure = self._failure(exc)  # its log tail, read before stop() removes the log
             await self.stop()
-            raise self._failure(exc) from None
+            raise failure from None
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         return base
 
