@@ -71,7 +71,7 @@ def test_worker_role_is_validated_in_configuration() -> None:
     assert (config.workers[0].role, config.workers[0].bootstrap_port) == ("prefill", 9000)
     with pytest.raises(ConfigError, match="role"):
         load_config(overrides={"workers": [{"url": "127.0.0.1:1", "role": "prefil"}]})
-    with pytest.raises(ConfigError, match="pd.pair_retries"):
+    with pytest.raises(ConfigError, match=r"pd\.pair_retries"):
         load_config(overrides={"pd": {"pair_retries": 2}})
 
 
@@ -176,7 +176,9 @@ async def servers() -> AsyncIterator[dict[str, tuple[_Recorder, int]]]:
 async def _launch(router: Router) -> Any:
     launcher = PairLauncher(router)
     body = orjson.dumps({"input_ids": TOKENS, "sampling_params": {"max_new_tokens": 4}})
-    return await launcher.launch(lambda: router.aroute(_parsed()), "generate", "/generate", body, {"authorization": "x"})
+    return await launcher.launch(
+        lambda: router.aroute(_parsed()), "generate", "/generate", body, {"authorization": "x"}
+    )
 
 
 async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_end(
