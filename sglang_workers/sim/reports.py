@@ -100,9 +100,11 @@ def server_info_report(worker: SimWorker) -> dict[str, Any]:
         "dp_size": cfg.dp_size,
         "load_balance_method": "round_robin",
         "enable_dp_attention": False,
-        "disable_radix_cache": False,
+        "disable_radix_cache": cfg.disaggregation_mode == "decode",
         "speculative_algorithm": None,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": cfg.disaggregation_mode,
+        "disaggregation_bootstrap_port": cfg.disaggregation_bootstrap_port,
+        "disaggregation_transfer_backend": "mooncake",
         "enable_metrics": True,
         "enable_cache_report": True,
         "kv_events_config": kv_cfg,
@@ -173,7 +175,9 @@ def hicache_info(cfg: SimWorkerConfig) -> dict[str, Any]:
 
 def model_info_report(worker: SimWorker) -> dict[str, Any]:
     """The body of ``/model_info`` (the gRPC ``GetModelInfo`` carries the same fields)."""
-    return model_info(worker.config.model, worker.tokenizer_path)
+    return model_info(worker.config.model, worker.tokenizer_path) | {
+        "disaggregation_mode": worker.config.disaggregation_mode
+    }
 
 
 def loads_report(worker: SimWorker, sections: set[str] | None = None, dp_rank: int | None = None) -> dict[str, Any]:
