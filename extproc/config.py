@@ -492,6 +492,15 @@ class PdConfig(Section):
         ),
     )
     abort_repeats: int = Field(40, ge=1, description="At most this many aborts per failed pair.")
+    aggregate_below_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "On a fleet with aggregated workers beside the prefill/decode ones: a request whose uncached part "
+            "(prompt tokens minus the best prefill worker's cached prefix) is shorter than this is served whole by "
+            "an aggregated worker, without the KV transfer (llm-d's prefix-based decider). 0: always paired."
+        ),
+    )
     default_bootstrap_port: int = Field(
         8998,
         ge=1,

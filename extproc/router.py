@@ -229,10 +229,10 @@ class Router:
         For tests and benchmarks; the server uses ``aroute`` so that tokenizing never blocks its loop.
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
-        workers, decode = self._split_roles(self._workers(parsed))
+        workers, decode, aggregated = self._split_roles(self._workers(parsed))
         prompt = self.prompts.prepare(parsed, self._chains(workers))
         assert prompt is not None  # no budget, so never refused
-        return self._decide(parsed, workers, prompt, start_ns, wall_ns, decode=decode)
+        return self._decide(parsed, workers, prompt, start_ns, wall_ns, decode=decode, aggregated=aggregated)
 
     async def aroute(
         self,
@@ -255,14 +255,15 @@ class Router:
         works, no slot has been taken yet: nothing leaks.
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
-        workers, decode = self._split_roles(self._workers(parsed, subset))
+        workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
         chains = self._chains(workers)
         prompt = self.prompts.prepare(parsed, chains, self.config.server.inline_tokenize_chars)
         if prompt is None:
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(self._pool, self.prompts.prepare, parsed, chains)
             assert prompt is not None  # no budget, so never refused
-            workers, decode = self._split_roles(self._workers(parsed, subset))  # health may have changed meanwhile
+            # Health may have changed meanwhile.
+            workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
         waited = 0.0
         if self.flow is not None:
             admission = admission or _ADMIT_ALL
@@ -270,10 +271,10 @@ class Router:
             has_room = lambda: self._has_room(parsed, subset, priority)  # noqa: E731 (read at every check)
             waited = await self.flow.admit(admission, has_room, on_queued)
             if waited:  # the fleet changed while it waited (a new page size is hashed in ``_match``)
-                workers, decode = self._split_roles(self._workers(parsed, subset))
+                workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
             # Admitted because some worker has room: the policy chooses among those only.
             workers = [w for w in workers if self._room_at(w, priority)] or workers
-        outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited, decode)
+        outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited, decode, aggregated)
         if waited and self.flow is not None:
             self.flow.wake()  # this one took its slot: the next waiter may fit too
         return outcome
@@ -332,21 +333,22 @@ class Router:
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
         return workers
 
-    @staticmethod
-    def _split_roles(workers: list[Worker]) -> tuple[list[Worker], list[Worker] | None]:
-        """The workers the main policy ranks, and the decode workers of a disaggregated fleet (None: aggregated).
+    def _split_roles(self, workers: list[Worker]) -> tuple[list[Worker], list[Worker] | None, list[Worker]]:
+        """The workers the main policy ranks, the decode workers of a disaggregated fleet (None: aggregated),
+        and the aggregated workers a short-uncached request may go to instead (``pd.aggregate_below_tokens``).
 
         A fleet with prefill and decode workers pairs them (the policy ranks the prefill workers: they
-        hold the radix cache); aggregated workers beside them then take no generation requests. A
-        fleet of aggregated workers only is routed exactly as before.
+        hold the radix cache); aggregated workers beside them take only the requests the decider sends
+        them. A fleet of aggregated workers only is routed exactly as before.
         """
         roles = split_roles(workers)
         if not roles.prefill and not roles.decode:
-            return workers, None
+            return workers, None, []
         if roles.disaggregated:
-            return roles.prefill, roles.decode
+            aggregated = roles.aggregated if self.config.pd.aggregate_below_tokens > 0 else []
+            return roles.prefill, roles.decode, aggregated
         if roles.aggregated:
-            return roles.aggregated, None
+            return roles.aggregated, None, []
         missing = "decode" if roles.prefill else "prefill"
         raise NoWorkerError(f"no healthy {missing} worker to pair with the {len(workers)} healthy ones")
 
@@ -376,6 +378,7 @@ class Router:
         wall_ns: int,
         queue_wait_s: float = 0.0,
         decode: list[Worker] | None = None,
+        aggregated: list[Worker] | None = None,
     ) -> RouteOutcome:
         """Rank ``workers`` with the policy; given ``decode`` (a disaggregated fleet), pair the winner with one."""
         model = parsed.model or ""
@@ -402,6 +405,12 @@ class Router:
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
             first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of, rank_matches)
+            if decode is not None and aggregated:
+                # llm-d's prefix-based PD decider: little left to prefill is cheaper without the KV transfer.
+                cached = max(c.matched_blocks * c.block_size for c in candidates)
+                if len(tokens) - cached < self.config.pd.aggregate_below_tokens:
+                    self.telemetry.pd_skipped()
+                    return self._decide(parsed, aggregated, prompt, start_ns, wall_ns, queue_wait_s)
             candidates = self.pruner.prune(candidates, lambda c: loads.get(c.worker))
         for c in candidates:
             c.load = loads.get(c.worker)

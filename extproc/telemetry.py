@@ -218,6 +218,12 @@ class Telemetry:
             ["accepted"],
             registry=metrics,
         )
+        self._pd_skipped = Counter(
+            "prefix_router_pd_skipped_total",
+            "Requests on a PD fleet served by an aggregated worker because little of the prompt was uncached "
+            "(pd.aggregate_below_tokens).",
+            registry=metrics,
+        )
         self._tokenize_failures = Counter(
             "prefix_router_tokenize_failures_total",
             "Requests routed without tokens because tokenization failed.",
@@ -350,6 +356,10 @@ class Telemetry:
     def decode_aborted(self, accepted: bool) -> None:
         """The router aborted a decode side whose prefill leg failed."""
         self._pd_decode_aborts.labels("true" if accepted else "false").inc()
+
+    def pd_skipped(self) -> None:
+        """A request of a PD fleet went to an aggregated worker: its uncached part was short."""
+        self._pd_skipped.inc()
 
     def tokenize_failed(self, model: str) -> None:
         self._tokenize_failures.labels(model or "default").inc()

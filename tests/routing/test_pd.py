@@ -277,3 +277,20 @@ async def test_a_leg_cancelled_because_decode_ended_aborts_nothing(servers: dict
         router.finish(outcome)
     finally:
         await router.stop()
+
+
+def test_a_mostly_cached_prompt_skips_disaggregation_when_aggregated_workers_are_there() -> None:
+    workers = [_worker("p", 1, "prefill"), _worker("d", 2, "decode"), _worker("a", 3, "null")]
+    router = _router(workers, aggregate_below_tokens=20)
+    outcome = router.route(_parsed())  # nothing cached: 64 tokens to prefill, a pair
+    assert outcome.prefill is not None and outcome.prefill.worker.id == "p" and outcome.worker.id == "d"
+    router.finish(outcome)
+    _hold(router, "p", 3)  # 48 of 64 tokens cached on the prefill worker: 16 left, under 20
+    outcome = router.route(_parsed())
+    assert outcome.prefill is None and outcome.worker.id == "a"
+    assert router.telemetry.metrics.get_sample_value("prefix_router_pd_skipped_total") == 1
+    router.finish(outcome)
+    assert [w.in_flight for w in workers] == [0, 0, 0]
+    always = _router([_worker("p", 1, "prefill"), _worker("d", 2, "decode"), _worker("a", 3, "null")])
+    _hold(always, "p", 4)
+    assert always.route(_parsed()).prefill is not None  # 0 (the default): always paired
