@@ -96,11 +96,12 @@ def bootstrap_fields(body: Mapping[str, Any], count: int) -> list[Bootstrap]:
 def missing_room_error(rid: str, kind: ErrorKind) -> ApiError:
     """SGLang's scheduler refusing a PD request without a room: a 400 its HTTP layer turns into a ValueError body."""
     message = f"Invalid request: Disaggregated request received without bootstrap room id. req.rid={rid!r}"
-    return ApiError(400, message, kind, err_type="BadRequest" if kind == "openai" else None)
+    return ApiError(400, message, kind)
 
 
 def _fail(req: Request, message: str) -> None:
-    """End a request with SGLang's PD failure (an HTTPException 500 at its HTTP layer)."""
+    """End a request with SGLang's PD failure (an HTTPException 500: ``{"object": "error", "type": "500"}`` on
+    every API, /generate included, as SGLang's exception handler shapes it)."""
     if req.finished:
         return
     req.error = message
@@ -109,12 +110,8 @@ def _fail(req: Request, message: str) -> None:
     req.updates.put_nowait(None)
 
 
-def _aborted(req: Request) -> None:
-    if req.finished:
-        return
-    req.abort_message = ABORTED_BY_REQUEST
-    req.finished_at = time.monotonic()
-    req.updates.put_nowait(None)
+def _kv_error(room: int, reason: str) -> str:
+    return f"KVTransferError(bootstrap_room={room}): {reason}"
 
 
 @dataclass(eq=False)
@@ -142,7 +139,11 @@ class _Side:
         task.add_done_callback(lambda _: self.pending.pop(req, None))
 
     def abort(self, rid: str, abort_all: bool) -> int:
-        """Abort the PD stages of requests whose rid starts with ``rid``; returns how many."""
+        """Abort the PD stages of requests whose rid starts with ``rid``; returns how many.
+
+        Aborted while waiting for the other half, a request fails as SGLang's does there: a 500 naming the
+        queue's stage and "Aborted by AbortReq." (a request already in the scheduler ends with finish_reason
+        abort instead)."""
         hits = [r for r in self.pending if abort_all or r.rid.startswith(rid)]
         for req in hits:
             self.pending[req].cancel()
@@ -253,6 +254,7 @@ class PrefillSide(_Side):
 
     async def _run(self, req: Request, room_id: int, room: _Room) -> None:
         start = time.monotonic()
+        where = f"rank=0 req.rid={req.rid!r} req.bootstrap_room={room_id}"
         computed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def on_computed(_: Request) -> None:
@@ -268,7 +270,7 @@ class PrefillSide(_Side):
             except asyncio.TimeoutError:
                 reason = f"Request {room_id} timed out after {time.monotonic() - start:.1f}s in KVPoll.Bootstrapping"
                 self._fail_room(room, reason)
-                _fail(req, f"KVTransferError(bootstrap_room={room_id}): {reason}")
+                _fail(req, f"Prefill bootstrap failed for request {where} with exception {_kv_error(room_id, reason)}")
                 return
             finally:
                 self.bootstrap_queue -= 1
@@ -304,7 +306,8 @@ class PrefillSide(_Side):
                 req.abort_message = ABORTED_BY_REQUEST
                 req.updates.put_nowait(None)
             elif not self.scheduler.abort_request(req) and req.abort_message is None:  # in the bootstrap queue
-                _aborted(req)
+                error = _kv_error(room_id, ABORTED_BY_REQUEST)
+                _fail(req, f"Prefill bootstrap failed for request {where} with exception {error}")
 
     @staticmethod
     def _fail_room(room: _Room, reason: str) -> None:
@@ -350,6 +353,7 @@ class DecodeSide(_Side):
         host = bootstrap.host or "127.0.0.1"
         base = f"http://{host}:{bootstrap.port or self.config.disaggregation_bootstrap_port}"
         where = f"rank=0 decode_req.req.rid={req.rid!r} decode_req.req.bootstrap_room={room}"
+        stage = "handshake"
         try:
             self.prealloc_queue += 1
             try:
@@ -358,10 +362,12 @@ class DecodeSide(_Side):
                     if r.status != 200:
                         raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                _fail(req, f"Decode handshake failed for request {where} with exception {exc!r}")
+                reason = f"bootstrap server {base} unreachable: {exc!r}"
+                _fail(req, f"Decode handshake failed for request {where} with exception {_kv_error(room, reason)}")
                 return
             finally:
                 self.prealloc_queue -= 1
+            stage = "transfer"
             start = time.monotonic()
             self.transfer_queue += 1
             try:
@@ -371,24 +377,17 @@ class DecodeSide(_Side):
                     status = r.status
             except asyncio.TimeoutError:
                 reason = f"Request {room} timed out after {time.monotonic() - start:.1f}s in KVPoll.WaitingForInput"
-                _fail(
-                    req,
-                    f"Decode transfer failed for request {where} with exception KVTransferError("
-                    f"bootstrap_room={room}): {reason}",
-                )
+                _fail(req, f"Decode transfer failed for request {where} with exception {_kv_error(room, reason)}")
                 return
             except aiohttp.ClientError as exc:
-                _fail(req, f"Decode transfer failed for request {where} with exception {exc!r}")
+                reason = f"bootstrap server {base} went away: {exc!r}"
+                _fail(req, f"Decode transfer failed for request {where} with exception {_kv_error(room, reason)}")
                 return
             finally:
                 self.transfer_queue -= 1
             if status != 200 or not isinstance(handoff, dict) or handoff.get("first_token") is None:
                 detail = handoff.get("error") if isinstance(handoff, dict) else status
-                _fail(
-                    req,
-                    f"Decode transfer failed for request {where} with exception KVTransferError("
-                    f"bootstrap_room={room}): {detail}",
-                )
+                _fail(req, f"Decode transfer failed for request {where} with exception {_kv_error(room, str(detail))}")
                 return
             req.first_token = int(handoff["first_token"])
             req.cached_tokens = int(handoff["cached_tokens"])
@@ -396,4 +395,5 @@ class DecodeSide(_Side):
             req.admitted_at = time.monotonic()
             self.scheduler.enqueue(req)
         except asyncio.CancelledError:  # /abort_request
-            _aborted(req)
+            error = _kv_error(room, ABORTED_BY_REQUEST)
+            _fail(req, f"Decode {stage} failed for request {where} with exception {error}")

@@ -33,7 +33,7 @@ from .http_validation import (
     validation_error,
 )
 from .request import Request
-from .responses import ApiError, ErrorKind, finish_reason_name, meta_info, usage, weight_versions
+from .responses import ApiError, finish_reason_name, meta_info, usage, weight_versions
 from .worker import SimWorker
 
 __all__ = ["GenerationApi"]
@@ -80,11 +80,11 @@ class GenerationApi:
                     self.worker.disaggregation.drop(req)
                 self.worker.schedulers[req.dp_rank].abort(req)
 
-    async def _wait(self, req: Request, kind: ErrorKind = "openai") -> None:
+    async def _wait(self, req: Request) -> None:
         async for _ in self._tokens(req):
             pass
-        if req.error is not None and req.pd_failure:  # SGLang raises an HTTPException(500) for these
-            raise ApiError(500, req.error, "detail" if kind == "generate" else "openai", err_type="500")
+        if req.error is not None and req.pd_failure:  # an HTTPException(500): SGLang's handler shapes it so
+            raise ApiError(500, req.error, "openai", err_type="500")
         if req.error is not None:
             raise ApiError(500, req.error)
 
@@ -201,7 +201,7 @@ class GenerationApi:
         ]
 
         if not stream:
-            await asyncio.gather(*(self._wait(r, "generate") for r in reqs))
+            await asyncio.gather(*(self._wait(r) for r in reqs))
             out = [
                 {
                     "text": self.tokenizer.decode(r.output_ids),

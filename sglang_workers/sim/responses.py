@@ -112,10 +112,14 @@ def meta_info(
         "prompt_tokens": len(req.input_ids),
         "weight_version": "default",
         "num_retractions": req.num_retractions,
-        "storage_prefetch_wait": 0.0,
-        "storage_staging_wait": 0.0,
-        "forward_entry_time": _wall(admitted),
-        "prefill_finished_time": _wall(req.first_token_at or now),
+    }
+    if not req.prebuilt:  # a decode worker's request had no prefill (and no storage prefetch) of its own
+        out["storage_prefetch_wait"] = 0.0
+        out["storage_staging_wait"] = 0.0
+    out["forward_entry_time"] = _wall(admitted)
+    if not req.prebuilt:
+        out["prefill_finished_time"] = _wall(req.first_token_at or now)
+    out |= {
         "queue_time": max(admitted - req.arrival, 0.0),
         "reasoning_tokens": 0,
         "completion_tokens": completion,
@@ -135,7 +139,7 @@ def meta_info(
         if req.sent_at is not None:
             out["response_sent_to_client_ts"] = _wall(req.sent_at)
         out["request_finished_ts"] = _wall(end)
-        if completion > 1 and req.first_token_at is not None and end > req.first_token_at:
+        if completion > 1 and req.first_token_at is not None and end > req.first_token_at and not req.prebuilt:
             out["decode_throughput"] = (completion - 1) / (end - req.first_token_at)
     if req.sent_at is None and (first_chunk or finished):
         req.sent_at = now

@@ -115,7 +115,7 @@ def test_requests_without_a_room_are_refused_as_sglang_refuses_them(pair: PdFlee
         }
         status, body = post_json(worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         assert status == 400
-        assert body["object"] == "error" and body["type"] == "BadRequest" and body["code"] == 400
+        assert body["object"] == "error" and body["type"] == "BadRequestError" and body["code"] == 400
         assert body["message"].startswith("Invalid request: Disaggregated request received without bootstrap room")
 
 
@@ -149,7 +149,8 @@ def _post_in_thread(url: str, body: dict[str, Any], out: list[tuple[int, bytes]]
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
-def test_abort_request_ends_a_request_waiting_for_its_other_half(pair: PdFleet, side: str) -> None:
+def test_abort_request_fails_a_request_waiting_for_its_other_half(pair: PdFleet, side: str) -> None:
+    """Real SGLang 0.5.23 answers these with a 500 naming the stage and "Aborted by AbortReq."."""
     prefill, decode = pair.prefill[0], pair.decode[0]
     worker = decode if side == "decode" else prefill
     queue = "decode_transfer_queue_reqs" if side == "decode" else "prefill_bootstrap_queue_reqs"
@@ -162,15 +163,36 @@ def test_abort_request_ends_a_request_waiting_for_its_other_half(pair: PdFleet, 
     assert (status, raw) == (200, b"")
     thread.join(10)
     status, raw = out[0]
-    assert status == 200
-    meta = json.loads(raw)["meta_info"]
-    assert meta["finish_reason"] == {
-        "type": "abort",
-        "message": "Aborted by AbortReq.",
-        "status_code": None,
-        "err_type": None,
-    }
+    error = json.loads(raw)
+    assert status == 500 and error["type"] == "500" and error["code"] == 500 and error["object"] == "error"
+    room = body["bootstrap_room"]
+    stage = "Decode transfer" if side == "decode" else "Prefill bootstrap"
+    prefix = "decode_req.req" if side == "decode" else "req"
+    assert error["message"] == (
+        f"{stage} failed for request rank=0 {prefix}.rid={rid!r} {prefix}.bootstrap_room={room} with exception "
+        f"KVTransferError(bootstrap_room={room}): Aborted by AbortReq."
+    )
     assert _decode_load(worker)[queue] == 0
+
+
+def test_abort_request_ends_a_running_request_with_finish_reason_abort() -> None:
+    with start_fleet("sim", 1, profile="llama-3.1-8b-h100", page_size=16)[0] as worker:
+        out: list[tuple[int, bytes]] = []
+        body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 5000}}
+        thread = _post_in_thread(worker.url + "/generate", body, out)
+        _wait_for(lambda: get_json(worker, "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1)
+        assert http("POST", worker.url + "/abort_request", {"rid": "long"}) == (200, b"")  # rid prefixes match
+        thread.join(10)
+        status, raw = out[0]
+        meta = json.loads(raw)["meta_info"]
+        assert status == 200
+        assert meta["finish_reason"] == {
+            "type": "abort",
+            "message": "Aborted by AbortReq.",
+            "status_code": None,
+            "err_type": None,
+        }
+        assert meta["completion_tokens"] < 5000
 
 
 def test_abort_request_with_an_unknown_rid_is_a_no_op(pair: PdFleet) -> None:
@@ -187,7 +209,9 @@ def test_decode_whose_prefill_never_comes_fails_after_the_waiting_timeout(pair: 
         status, raw = http("POST", decode.url + "/generate", body)
         took = time.monotonic() - start
         assert status == 500
-        message = json.loads(raw)["detail"]
+        error = json.loads(raw)
+        assert error["type"] == "500" and error["code"] == 500
+        message = error["message"]
         assert message.startswith("Decode transfer failed for request rank=0 decode_req.req.rid='lonely'")
         assert "Request 12345 timed out after 1.0s in KVPoll.WaitingForInput" in message
         assert 1.0 <= took < 5.0
@@ -203,7 +227,11 @@ def test_prefill_whose_decode_never_comes_fails_after_the_bootstrap_timeout() ->
     )[0] as prefill:
         status, raw = http("POST", prefill.url + "/generate", pd_body({"input_ids": PROMPT}, prefill, room=7))
         assert status == 500
-        assert "Request 7 timed out after 1.0s in KVPoll.Bootstrapping" in json.loads(raw)["detail"]
+        message = json.loads(raw)["message"]
+        assert message.startswith("Prefill bootstrap failed for request rank=0 req.rid=")
+        assert message.endswith(
+            "KVTransferError(bootstrap_room=7): Request 7 timed out after 1.0s in KVPoll.Bootstrapping"
+        )
 
 
 def test_a_failed_prefill_fails_its_decode_at_once(pair: PdFleet) -> None:
@@ -217,9 +245,9 @@ def test_a_failed_prefill_fails_its_decode_at_once(pair: PdFleet) -> None:
         _wait_for(lambda: _decode_load(prefill)["prefill_bootstrap_queue_reqs"] == 1)
         # the prefill waits in its bootstrap queue: abort it there, then the decode half arrives and fails fast
         assert http("POST", prefill.url + "/abort_request", {"rid": rid})[0] == 200
-        assert p.result()[0] == 200
+        assert p.result()[0] == 500
         status, raw = http("POST", decode.url + "/generate", body | {"rid": "doomed-decode"})
-    assert status == 500 and "Aborted by AbortReq." in json.loads(raw)["detail"]
+    assert status == 500 and json.loads(raw)["message"].endswith("Aborted by AbortReq.")
     assert time.monotonic() - started < 10
 
 
@@ -228,7 +256,7 @@ def test_an_unreachable_bootstrap_server_fails_the_handshake(pair: PdFleet) -> N
     body = {"input_ids": PROMPT, "bootstrap_host": "127.0.0.1", "bootstrap_port": closed, "bootstrap_room": 1}
     status, raw = http("POST", pair.decode[0].url + "/generate", body)
     assert status == 500
-    assert json.loads(raw)["detail"].startswith("Decode handshake failed for request rank=0")
+    assert json.loads(raw)["message"].startswith("Decode handshake failed for request rank=0")
 
 
 def test_kv_transfer_takes_bytes_per_token_over_the_bandwidth() -> None:
