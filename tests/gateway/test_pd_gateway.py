@@ -8,7 +8,6 @@ prefill worker comes last in each module run.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 from extproc.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, request, stream_lines
+from tests.support.up import running_up
 
 GENERATE = {"text": "The quick brown fox jumps over the lazy dog. " * 12, "sampling_params": {"max_new_tokens": 8}}
 
@@ -181,32 +181,13 @@ def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_o
 
 def test_up_pd_runs_a_prefill_decode_fleet_behind_the_gateway(envoy_bin: str) -> None:
     port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--pd", "1P1D", "--port", str(port), "--quiet"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    banner: list[str] = []
-    try:
-        deadline = time.monotonic() + 60
-        while "Ctrl-C" not in (banner[-1] if banner else ""):
-            assert time.monotonic() < deadline and up.poll() is None, up.stderr.read() if up.stderr else ""
-            banner.append(up.stdout.readline() if up.stdout else "")
+    with running_up("--pd", "1P1D", "--port", str(port), "--quiet") as (_, banner):
         text = "".join(banner)
         assert text.count("(prefill)") == 1 and text.count("(decode)") == 1, text
         decode_url = next(line.split()[0] for line in banner if "(decode)" in line)
         reply = post(f"http://127.0.0.1:{port}/generate", GENERATE, timeout=30)
         assert reply.status == 200, reply.body
         assert reply.headers.get("x-upstream-host") == decode_url.removeprefix("http://")
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
 
 
 def test_up_refuses_a_bad_pd_shape() -> None:
