@@ -7,9 +7,8 @@
   --pd-disaggregation --mini-lb``), SGLang's own reference PD proxy: a random prefill and a random decode per
   request.
 - ``ours-pd:<policy>``: this project's router + Envoy over all the fleet's workers; the router learns each
-  worker's side from its ``/server_info`` (``disaggregation_mode``) and pairs them itself. That needs the
-  router's PD support (issue 19's router side, branch ``pd-router``): on a router without it the PD workers
-  refuse every request without a ``bootstrap_room`` (400) and the row shows those errors.
+  worker's side from its ``/server_info`` (``disaggregation_mode``), picks the prefill worker with ``<policy>``
+  and the decode worker with ``pd.decode_policy``, and sends the prefill leg itself (``extproc/pd.py``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from benchmarks.workloads import gsp_workload
 
 __all__ = ["Layout", "PdRow", "configure", "layouts", "main", "pd_table", "run_pd"]
 
-DEFAULT_PD = "smg-pd,sgl-router-minilb"
+DEFAULT_PD = "smg-pd,sgl-router-minilb,ours-pd:prefix-aware"
 DEFAULT_AGGREGATED = "smg,ours:prefix-aware"
 DEFAULT_SPEEDUP = 0.25
 
@@ -108,7 +108,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(
         parser,
         DEFAULT_PD,
-        "The gateways in front of each PD fleet, in this order (ours-pd needs the router's PD support).",
+        "The gateways in front of each PD fleet, in this order.",
         ", ".join(PD_CONTENDERS),
     )
 

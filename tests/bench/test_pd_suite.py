@@ -44,7 +44,7 @@ def test_pd_suite_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
             "--layouts",
             "1P1D",
             "--contenders",
-            "smg-pd,sgl-router-minilb",
+            "smg-pd,sgl-router-minilb,ours-pd:prefix-aware",
             "--aggregated-contenders",
             "envoy-rr",
             "--gsp-groups",
@@ -75,6 +75,7 @@ def test_pd_suite_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert [(r["layout"], r["disaggregated"], r["name"]) for r in rows] == [
         ("1P1D", True, "smg-pd"),
         ("1P1D", True, "sgl-router-minilb"),
+        ("1P1D", True, "ours-pd:prefix-aware"),
         ("1P1D", False, "envoy-rr"),
     ]
     for row in rows:
