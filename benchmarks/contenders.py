@@ -366,6 +366,10 @@ class Smg(_ProcessContender):
         self.metrics_url: str | None = None  # its Prometheus endpoint, once started
 
     def argv(self, port: int, metrics_port: int, worker_urls: Sequence[str]) -> list[str]:
+        return self.launch_argv(port, metrics_port, ["--worker-urls", *worker_urls, "--policy", self.policy])
+
+    def launch_argv(self, port: int, metrics_port: int, routing: Sequence[str]) -> list[str]:
+        """``smg launch`` with ``routing`` (the workers and the policy) and this benchmark's common settings."""
         argv = [
             sys.executable,
             "-m",
@@ -375,10 +379,7 @@ class Smg(_ProcessContender):
             "127.0.0.1",
             "--port",
             str(port),
-            "--worker-urls",
-            *worker_urls,
-            "--policy",
-            self.policy,
+            *routing,
             "--prometheus-host",
             "127.0.0.1",
             "--prometheus-port",

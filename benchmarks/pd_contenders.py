@@ -54,34 +54,15 @@ class SmgPd(Smg, PdContender):
         return "round_robin" if self.decode_policy == "power_of_two" and decode_workers < 2 else self.decode_policy
 
     def pd_argv(self, port: int, metrics_port: int, targets: PdTargets) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "smg",
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+        routing = [
             "--pd-disaggregation",
             *targets.prefill_args(),
             "--prefill-policy",
             self.prefill_policy,
             "--decode-policy",
             self.decode_policy_for(len(targets.decode)),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(metrics_port),
-            "--log-level",
-            "warn",
-            "--worker-startup-check-interval",
-            "1",
-            "--worker-startup-timeout-secs",
-            "60",
-            "--shutdown-grace-period-secs",
-            "1",
         ]
+        return self.launch_argv(port, metrics_port, routing)
 
     async def start_pd(self, targets: PdTargets) -> str:
         if importlib.util.find_spec("smg") is None:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from prefix_router.fleet import PdFleet, start_pd_fleet
-from tests.support.pd import pd_body, send_pd
+from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd, wait_for
 from tests.support.sglang_session import shape, shape_differences
 from tests.support.sim_fixtures import EventSubscriber, get_json, http, sse_events
 
@@ -41,16 +41,6 @@ DISAGGREGATION_KEYS = (  # the /server_info server args of a PD worker a router 
     "disable_radix_cache",
     "disaggregation_decode_retraction_backup",
 )
-LOAD_KEYS = {
-    "mode",
-    "prefill_bootstrap_queue_reqs",
-    "prefill_inflight_queue_reqs",
-    "decode_prealloc_queue_reqs",
-    "decode_transfer_queue_reqs",
-    "decode_retracted_queue_reqs",
-    "kv_transfer_speed_gb_s",
-    "kv_transfer_latency_ms",
-}
 
 
 @dataclass
@@ -64,13 +54,6 @@ class PdSession:
 def _meta_values(body: dict[str, Any]) -> dict[str, Any]:
     meta = body["meta_info"]
     return {k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason")}
-
-
-def _wait_for_queue(worker: Any, queue: str) -> None:
-    deadline = time.monotonic() + 30
-    while get_json(worker, "/v1/loads")[1]["loads"][0]["disaggregation"][queue] != 1:
-        assert time.monotonic() < deadline, f"{queue} never held the request"
-        time.sleep(0.1)
 
 
 def run_pd_session(pd: PdFleet) -> PdSession:
@@ -130,7 +113,7 @@ def run_pd_session(pd: PdFleet) -> PdSession:
     answer: list[tuple[int, bytes]] = []
     thread = threading.Thread(target=lambda: answer.append(http("POST", decode.url + "/generate", lonely, None, 60)))
     thread.start()
-    _wait_for_queue(decode, "decode_transfer_queue_reqs")
+    wait_for(lambda: pd_load(decode)["decode_transfer_queue_reqs"] == 1, what="the decode half in its transfer queue")
     out.values["abort answer"] = http("POST", decode.url + "/abort_request", {"rid": "abandoned"})
     thread.join(30)
     status, raw = answer[0]
@@ -181,7 +164,7 @@ def test_refusals_aborts_and_reports_agree(sessions: tuple[PdSession, PdSession]
         for what in ("no room", "chat no room", "server_info", "bootstrap port", "loads", "model_info"):
             key = f"{side} {what}"
             assert real.values[key] == sim.values[key], key
-        assert real.values[f"{side} loads"] == (LOAD_KEYS, side)
+        assert real.values[f"{side} loads"] == (DISAGGREGATION_LOAD_KEYS, side)
     assert real.values["abort answer"] == sim.values["abort answer"] == (200, b"")
     assert real.values["aborted decode"] == sim.values["aborted decode"]
     assert real.values["aborted decode"]["code"] == 500
