@@ -29,6 +29,7 @@ __all__ = [
     "ModelConfig",
     "ObjectiveConfig",
     "ObservabilityConfig",
+    "PdConfig",
     "PolicyConfig",
     "RouterConfig",
     "Section",
@@ -39,6 +40,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "PREFIX_ROUTER_"
+
+# A worker's part in prefill/decode disaggregation (SGLang's ``--disaggregation-mode``; "null" = aggregated).
+WorkerRole = Literal["aggregated", "prefill", "decode"]
 
 
 class ConfigError(Exception):
@@ -99,6 +103,19 @@ class WorkerConfig(Section):
     replay_endpoint: str | None = Field(
         None, description="tcp://host:port of its replay socket; read from /server_info when omitted."
     )
+    role: WorkerRole | None = Field(
+        None,
+        description=(
+            "aggregated | prefill | decode (SGLang's --disaggregation-mode); read from /server_info's "
+            "disaggregation_mode when omitted."
+        ),
+    )
+    bootstrap_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="A prefill worker's KV bootstrap port; read from /server_info's disaggregation_bootstrap_port.",
+    )
 
     @field_validator("url")
     @classmethod
@@ -140,7 +157,10 @@ class PolicyConfig(Section):
 
     name: str = Field(
         "prefix-aware",
-        description="prefix-aware | session | least-load | round-robin | sgl-cache-aware | gie-prefix | dynamo-cost",
+        description=(
+            "prefix-aware | session | least-load | round-robin | sgl-cache-aware | gie-prefix | dynamo-cost | "
+            "decode-load"
+        ),
     )
     options: dict[str, Any] = Field(
         default_factory=dict, description="Overrides merged over the chosen policy's section."
@@ -291,6 +311,9 @@ class DnsWorkersConfig(Section):
     port: int = Field(30000, ge=1, le=65535, description="The workers' HTTP port.")
     scheme: Literal["http", "https"] = Field("http", description="URL scheme of the workers.")
     model: str | None = Field(None, description="Served model; read from /model_info when omitted.")
+    role: WorkerRole | None = Field(
+        None, description="The role of every worker of this name; read from each one's /server_info when omitted."
+    )
 
 
 class KubernetesDiscoveryConfig(Section):
@@ -429,6 +452,66 @@ class FlowControlConfig(Section):
         return found.priority if found is not None else self.default_priority
 
 
+class PdConfig(Section):
+    """Prefill/decode disaggregation: how the router pairs workers and sends the prefill leg (docs/routing.md)."""
+
+    decode_policy: str = Field(
+        "decode-load",
+        description=(
+            "The policy that picks the decode worker of a pair (any policy name; its section under `policy:`). "
+            "The prefill worker is chosen by `policy.name` over the prefill workers."
+        ),
+    )
+    pair_attempts: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Pairs tried per request while the prefill worker refuses the connection before Envoy was answered "
+            "(each try a new pair and bootstrap room); then 503."
+        ),
+    )
+    connect_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="How long the prefill leg may take to connect and send the request before the pair is retried.",
+    )
+    prefill_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "Longest prefill leg (queueing, prefill and KV transfer); past it the leg fails and decode is aborted."
+        ),
+    )
+    abort_timeout_s: float = Field(2.0, gt=0, description="HTTP timeout of the /abort_request sent to a decode worker.")
+    abort_repeat_s: float = Field(
+        0.5,
+        gt=0,
+        description=(
+            "After a failed prefill leg the decode side is aborted again this often until its response begins "
+            "(the decode request may reach the worker after the first abort, which SGLang then ignores)."
+        ),
+    )
+    abort_repeats: int = Field(40, ge=1, description="At most this many aborts per failed pair.")
+    aggregate_below_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "On a fleet with aggregated workers beside the prefill/decode ones: a request whose uncached part "
+            "(prompt tokens minus the best prefill worker's cached prefix) is shorter than this is served whole by "
+            "an aggregated worker, without the KV transfer (llm-d's prefix-based decider). 0: always paired."
+        ),
+    )
+    default_bootstrap_port: int = Field(
+        8998,
+        ge=1,
+        le=65535,
+        description=(
+            "SGLang's default --disaggregation-bootstrap-port, used for a prefill worker whose /server_info "
+            "does not report its own."
+        ),
+    )
+
+
 class RouterConfig(Section):
     """Everything `prefix-router serve` needs."""
 
@@ -445,6 +528,7 @@ class RouterConfig(Section):
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
     flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
+    pd: PdConfig = Field(default_factory=PdConfig)
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:

@@ -39,7 +39,9 @@ from extproc.flow_control import Admission, FlowController
 from extproc.index import BlockIndex, rank_key
 from extproc.key_cache import KeyCache
 from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
-from extproc.policies import Candidate, Decision, RoutingRequest, policy_from_config
+from extproc.pd import split_roles
+from extproc.policies import Candidate, Decision, Policy, RoutingRequest, create_policy, policy_from_config
+from extproc.prefill_leg import PrefillClient
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
 from extproc.pruning import CandidatePruner
 from extproc.request import ParsedRequest, RequestError
@@ -80,6 +82,11 @@ class RouteOutcome:
     dp_rank: int | None = None  # the data-parallel rank pinned on the chosen worker (None: it has one rank)
     recorded_keys: list[int] = field(default_factory=list)  # the router's record of what it sent there
     queue_wait_s: float = 0.0  # time the request waited in flow control before being routed
+    # The policy that chose ``worker`` and hears ``on_complete`` (None: the router's main policy).
+    policy: Policy | None = None
+    # On a disaggregated fleet this outcome is the decode side (Envoy's destination) and ``prefill``
+    # the prefill worker chosen with it; the router sends that leg itself (``extproc.pd_launch``).
+    prefill: RouteOutcome | None = None
 
     def endpoints(self, fallbacks: int) -> list[str]:
         """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention).
@@ -128,6 +135,11 @@ class Router:
         self.events = EventHub(config.events, registry, self.index, self.http, SharedBound(self.memory.engine_hashes))
         self.loads = LoadTracker(config.load, registry, self.http, clock)
         self.loads.listeners.append(self.policy.on_load)
+        # Prefill/decode fleets: the decode worker of a pair is chosen by a policy of its own.
+        sections, decode_name = config.policy.sections(), config.pd.decode_policy
+        self.decode_policy = create_policy(decode_name, sections.get(decode_name), sections, clock)
+        self.loads.listeners.append(self.decode_policy.on_load)
+        self.prefill_client = PrefillClient(config.pd)
         self._members = {w.id: w for w in registry.workers}
         registry.listeners.append(self._forget_departed)
         self.tier_stats = TierStatsTracker(config.load, registry, self.http)
@@ -163,6 +175,7 @@ class Router:
         for worker_id, worker in self._members.items():
             if current.get(worker_id) is not worker:
                 self.policy.remove_worker(worker_id)
+                self.decode_policy.remove_worker(worker_id)
         self._members = current
 
     def memory_usage(self) -> dict[str, int]:
@@ -189,6 +202,7 @@ class Router:
         await self.tier_stats.stop()
         await self.loads.stop()
         await self.events.stop()
+        await self.prefill_client.close()
         if self._owns_http:
             await self.http.close()
         if self.flow is not None:
@@ -215,10 +229,10 @@ class Router:
         For tests and benchmarks; the server uses ``aroute`` so that tokenizing never blocks its loop.
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
-        workers = self._workers(parsed)
+        workers, decode, aggregated = self._split_roles(self._workers(parsed))
         prompt = self.prompts.prepare(parsed, self._chains(workers))
         assert prompt is not None  # no budget, so never refused
-        return self._decide(parsed, workers, prompt, start_ns, wall_ns)
+        return self._decide(parsed, workers, prompt, start_ns, wall_ns, decode=decode, aggregated=aggregated)
 
     async def aroute(
         self,
@@ -241,14 +255,15 @@ class Router:
         works, no slot has been taken yet: nothing leaks.
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
-        workers = self._workers(parsed, subset)
+        workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
         chains = self._chains(workers)
         prompt = self.prompts.prepare(parsed, chains, self.config.server.inline_tokenize_chars)
         if prompt is None:
             loop = asyncio.get_running_loop()
             prompt = await loop.run_in_executor(self._pool, self.prompts.prepare, parsed, chains)
             assert prompt is not None  # no budget, so never refused
-            workers = self._workers(parsed, subset)  # health may have changed meanwhile
+            # Health may have changed meanwhile.
+            workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
         waited = 0.0
         if self.flow is not None:
             admission = admission or _ADMIT_ALL
@@ -256,10 +271,10 @@ class Router:
             has_room = lambda: self._has_room(parsed, subset, priority)  # noqa: E731 (read at every check)
             waited = await self.flow.admit(admission, has_room, on_queued)
             if waited:  # the fleet changed while it waited (a new page size is hashed in ``_match``)
-                workers = self._workers(parsed, subset)
+                workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
             # Admitted because some worker has room: the policy chooses among those only.
             workers = [w for w in workers if self._room_at(w, priority)] or workers
-        outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited)
+        outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited, decode, aggregated)
         if waited and self.flow is not None:
             self.flow.wake()  # this one took its slot: the next waiter may fit too
         return outcome
@@ -318,6 +333,25 @@ class Router:
             raise NoWorkerError(f"no healthy worker for model {model!r}" if model else "no healthy worker")
         return workers
 
+    def _split_roles(self, workers: list[Worker]) -> tuple[list[Worker], list[Worker] | None, list[Worker]]:
+        """The workers the main policy ranks, the decode workers of a disaggregated fleet (None: aggregated),
+        and the aggregated workers a short-uncached request may go to instead (``pd.aggregate_below_tokens``).
+
+        A fleet with prefill and decode workers pairs them (the policy ranks the prefill workers: they
+        hold the radix cache); aggregated workers beside them take only the requests the decider sends
+        them. A fleet of aggregated workers only is routed exactly as before.
+        """
+        roles = split_roles(workers)
+        if not roles.prefill and not roles.decode:
+            return workers, None, []
+        if roles.disaggregated:
+            aggregated = roles.aggregated if self.config.pd.aggregate_below_tokens > 0 else []
+            return roles.prefill, roles.decode, aggregated
+        if roles.aggregated:
+            return roles.aggregated, None, []
+        missing = "decode" if roles.prefill else "prefill"
+        raise NoWorkerError(f"no healthy {missing} worker to pair with the {len(workers)} healthy ones")
+
     def _check_vocabulary(self, parsed: ParsedRequest) -> None:
         """Refuse token ids outside the model's vocabulary (400): a worker must never see them."""
         cfg = self.prompts.model_config(parsed.model)
@@ -343,7 +377,10 @@ class Router:
         start_ns: int,
         wall_ns: int,
         queue_wait_s: float = 0.0,
+        decode: list[Worker] | None = None,
+        aggregated: list[Worker] | None = None,
     ) -> RouteOutcome:
+        """Rank ``workers`` with the policy; given ``decode`` (a disaggregated fleet), pair the winner with one."""
         model = parsed.model or ""
         policy = self.policy
         sizes = [self.block_size_for(w) for w in workers]  # read once per decision: the lookups below use them
@@ -368,6 +405,12 @@ class Router:
         first_keys: list[int] = []
         if tokens is not None and policy.needs_tokens:
             first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of, rank_matches)
+            if decode is not None and aggregated:
+                # llm-d's prefix-based PD decider: little left to prefill is cheaper without the KV transfer.
+                cached = max(c.matched_blocks * c.block_size for c in candidates)
+                if len(tokens) - cached < self.config.pd.aggregate_below_tokens:
+                    self.telemetry.pd_skipped()
+                    return self._decide(parsed, aggregated, prompt, start_ns, wall_ns, queue_wait_s)
             candidates = self.pruner.prune(candidates, lambda c: loads.get(c.worker))
         for c in candidates:
             c.load = loads.get(c.worker)
@@ -397,6 +440,9 @@ class Router:
         policy.on_routed(request, decision)
         if log.isEnabledFor(logging.DEBUG):  # why each candidate ranked where it did (--log-level debug)
             log.debug("routed %s to %s (%s): %s", parsed.path, chosen.id, decision.reason, decision.scores)
+        pair: tuple[Decision, list[Candidate]] | None = None
+        if decode is not None:
+            pair = self._pick_decode(request, decode)
         end_ns = time.perf_counter_ns()
         headers = self.telemetry.decision(
             model=model,
@@ -410,10 +456,12 @@ class Router:
             blocks=len(keys_of.get(chosen.id, first_keys)),
             tokenized=tokens is not None,
             queue_wait_s=queue_wait_s,
+            decode=pair[0] if pair is not None else None,
         )
+        trace_headers = headers
         if rank is not None:
             headers = {**headers, **dict.fromkeys(DP_RANK_HEADERS, str(rank))}
-        return RouteOutcome(
+        outcome = RouteOutcome(
             request=request,
             decision=decision,
             worker=chosen,
@@ -423,6 +471,28 @@ class Router:
             recorded_keys=keys_of.get(chosen.id, []),
             queue_wait_s=queue_wait_s,
         )
+        if pair is None:
+            return outcome
+        decode_decision, decode_candidates = pair
+        return RouteOutcome(
+            request=request,
+            decision=decode_decision,
+            worker=decode_decision.ranked[0],
+            upstream_headers=dict(trace_headers),  # the prefill rank's pin goes on the prefill leg only
+            candidates=decode_candidates,
+            queue_wait_s=queue_wait_s,
+            policy=self.decode_policy,
+            prefill=outcome,
+        )
+
+    def _pick_decode(self, request: RoutingRequest, workers: list[Worker]) -> tuple[Decision, list[Candidate]]:
+        """The decode side of a pair, by ``pd.decode_policy`` (load and KV room); its in-flight slot taken."""
+        loads = self.loads
+        candidates = [Candidate(worker=w, in_flight=w.in_flight, load=loads.get(w)) for w in workers]
+        decision = self.decode_policy.select(request, candidates)
+        decision.ranked[0].in_flight += 1
+        self.decode_policy.on_routed(request, decision)
+        return decision, candidates
 
     def _pin_rank(self, worker: Worker, matches: list[int] | None) -> int | None:
         """The DP rank to pin on ``worker`` (None for a single-rank worker), its in-flight count taken.
@@ -525,12 +595,14 @@ class Router:
         outcome.worker, outcome.dp_rank = new, rank
         ranked = [new, *(w for w in outcome.decision.ranked if w is not new)]
         outcome.decision = Decision(ranked=ranked, reason=outcome.decision.reason, scores=outcome.decision.scores)
-        self.policy.on_routed(outcome.request, outcome.decision)
+        (outcome.policy or self.policy).on_routed(outcome.request, outcome.decision)
         self.telemetry.fell_back()
         return True
 
     def finish(self, outcome: RouteOutcome) -> None:
-        """The request's stream ended: release its in-flight slot (idempotent)."""
+        """The request's stream ended: release its in-flight slot, and its prefill worker's (idempotent)."""
+        if outcome.prefill is not None:
+            self.finish(outcome.prefill)
         if outcome.finished:
             return
         self._release(outcome)
@@ -543,4 +615,4 @@ class Router:
         if outcome.dp_rank is not None:
             by_rank = outcome.worker.rank_in_flight
             by_rank[outcome.dp_rank] = max(0, by_rank.get(outcome.dp_rank, 0) - 1)
-        self.policy.on_complete(outcome.request, outcome.worker)
+        (outcome.policy or self.policy).on_complete(outcome.request, outcome.worker)

@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from extproc.config import RouterConfig
 from extproc.epp import gie_headers, rewrite_model, served_endpoint, subset_hint
 from extproc.flow_control import Admission, ShedError
+from extproc.pd_launch import LaunchedPair, PairLauncher
 from extproc.request import RequestError, RequestKind, generation_kind, parse_request
 from extproc.response import (
     STREAMED_CHUNK_BYTES,
@@ -86,6 +87,7 @@ class _Exchange:
     decided: bool = False  # a decision (or an error) has answered the request part
     ended: bool = False  # an ImmediateResponse went out: Envoy sends nothing we must answer
     outcome: RouteOutcome | None = None
+    pair: LaunchedPair | None = None  # a disaggregated request's prefill leg, sent by the router
     context: grpc.aio.ServicerContext | None = None
 
     async def extend_timeout(self, seconds: float) -> None:
@@ -107,6 +109,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.max_body_bytes = config.server.max_body_bytes
         self.fallbacks = config.server.fallback_endpoints
         self.flow = config.flow_control
+        self.pairs = PairLauncher(router)
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self,
@@ -125,6 +128,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 for reply in await self._on_message(exchange, message):
                     await context.write(reply)
         finally:
+            if exchange.pair is not None:  # the decode side is over: a prefill leg still running is useless
+                exchange.pair.leg.cancel()
             if exchange.outcome is not None:
                 self.router.finish(exchange.outcome)
 
@@ -143,6 +148,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             served = served_endpoint(message)
             if served is not None and ex.outcome is not None:
                 self.router.served(ex.outcome, served)
+            if ex.pair is not None:
+                return self._on_pair_response(ex, _headers(message.response_headers).get(":status", ""))
             return [continue_phase(phase)]
         if phase == "response_body":
             if ex.streamed_response:  # every chunk goes back at once: tokens reach the client as they come
@@ -188,6 +195,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return []
         return await self._decide(ex, bytes(ex.body), "streamed-body")
 
+    def _on_pair_response(self, ex: _Exchange, status: str) -> list[pb.ProcessingResponse]:
+        """Decode's response begins: a failed prefill leg turns it into a 502; a decode error stops the leg."""
+        assert ex.pair is not None
+        ex.pair.response_started = True
+        if ex.pair.failure is not None:
+            ex.ended = True
+            return [error_response(502, f"the prefill side of this request failed: {ex.pair.failure}", "api_error")]
+        if status != "200":
+            ex.pair.leg.cancel()
+        return [continue_phase("response_headers")]
+
     def _error(self, ex: _Exchange, status: int, message: str) -> list[pb.ProcessingResponse]:
         ex.decided = ex.ended = True
         types = {413: "request_too_large"}
@@ -209,8 +227,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 objective=gie.objective or "",
             )
             # Tokenizing runs in the router's pool; a cancel here (client gone) leaves no slot taken.
-            outcome = await self.router.aroute(
-                parsed, subset=ex.subset, admission=admission, on_queued=ex.extend_timeout
+            # On a disaggregated fleet the launcher adds the bootstrap fields and starts the prefill leg.
+            routed = body
+            outcome, body, ex.pair = await self.pairs.launch(
+                lambda: self.router.aroute(parsed, subset=ex.subset, admission=admission, on_queued=ex.extend_timeout),
+                ex.kind,
+                ex.path,
+                routed,
+                ex.headers,
             )
         except RequestError as exc:
             ex.ended = True
@@ -234,7 +258,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return [error_response(500, "the router failed to route this request", type_="api_error")]
         ex.outcome = outcome
         endpoints = outcome.endpoints(self.fallbacks)
-        mutated = gie.model_rewrite is not None and bool(body)
+        mutated = (gie.model_rewrite is not None and bool(body)) or ex.pair is not None
         if at == "headers":
             return [route_response(endpoints, outcome.upstream_headers, phase="request_headers")]
         if at == "body":

@@ -199,6 +199,31 @@ class Telemetry:
             buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
             registry=metrics,
         )
+        self._pd_routed = Counter(
+            "prefix_router_pd_routed_total",
+            "Disaggregated requests by the part each worker played in the pair (role: prefill | decode).",
+            ["role", "worker"],
+            registry=metrics,
+        )
+        self._pd_prefill_failures = Counter(
+            "prefix_router_pd_prefill_failures_total",
+            "Prefill legs that failed, by reason: refused | reset | status | timeout (retried: before the "
+            "client's request went anywhere, so the pair was tried again).",
+            ["reason", "retried"],
+            registry=metrics,
+        )
+        self._pd_decode_aborts = Counter(
+            "prefix_router_pd_decode_aborts_total",
+            "Decode sides aborted (/abort_request) after their prefill leg failed, by whether the worker accepted.",
+            ["accepted"],
+            registry=metrics,
+        )
+        self._pd_skipped = Counter(
+            "prefix_router_pd_skipped_total",
+            "Requests on a PD fleet served by an aggregated worker because little of the prompt was uncached "
+            "(pd.aggregate_below_tokens).",
+            registry=metrics,
+        )
         self._tokenize_failures = Counter(
             "prefix_router_tokenize_failures_total",
             "Requests routed without tokens because tokenization failed.",
@@ -241,8 +266,12 @@ class Telemetry:
         blocks: int,
         tokenized: bool,
         queue_wait_s: float = 0.0,
+        decode: Decision | None = None,
     ) -> dict[str, str]:
-        """Record one decision; returns the headers that carry its trace context upstream (none untraced)."""
+        """Record one decision; returns the headers that carry its trace context upstream (none untraced).
+
+        ``decode``: on a disaggregated fleet, the decode side's ranking (``decision`` ranked the prefill workers).
+        """
         elapsed = (end_ns - start_ns) / 1e9
         reason = decision.reason
         self._decisions.labels(self.policy_name, reason).inc()
@@ -256,6 +285,9 @@ class Telemetry:
                 self._tier_blocks.labels(self.policy_name, tier).inc(count)
         if request.token_ids is not None:
             self._prompt_tokens.observe(len(request.token_ids))
+        if decode is not None:
+            self._pd_routed.labels("prefill", chosen.id).inc()
+            self._pd_routed.labels("decode", decode.ranked[0].id).inc()
         if not self.tracing:
             return {}
         parent = _propagator.extract(headers) if "traceparent" in headers else None
@@ -290,6 +322,24 @@ class Telemetry:
                 "router.candidates.predicted_ttft_s": [float(scores.get(i, {}).get("ttft_s", -1.0)) for i in ids],
             }
         )
+        if decode is not None:
+            decode_ids = [w.id for w in decode.ranked]
+            span.set_attributes(
+                {
+                    "router.pd.prefill": chosen.id,
+                    "router.pd.prefill_reason": reason,
+                    "router.pd.decode": decode.ranked[0].id,
+                    "router.pd.decode_endpoint": decode.ranked[0].endpoint,
+                    "router.pd.decode_reason": decode.reason,
+                    "router.pd.decode_candidates": decode_ids,
+                    "router.pd.decode_candidates.in_flight": [
+                        float(decode.scores.get(i, {}).get("in_flight", -1.0)) for i in decode_ids
+                    ],
+                    "router.pd.decode_candidates.queue": [
+                        float(decode.scores.get(i, {}).get("decode_queue", -1.0)) for i in decode_ids
+                    ],
+                }
+            )
         span.end(end_time=end_ns)
         carrier: dict[str, str] = {}
         _propagator.inject(carrier, context=trace.set_span_in_context(span))
@@ -298,6 +348,18 @@ class Telemetry:
     def fell_back(self) -> None:
         """Envoy served a request on a fallback endpoint (read from the response's served-endpoint metadata)."""
         self._fell_back.inc()
+
+    def prefill_failed(self, reason: str, retried: bool) -> None:
+        """A prefill leg failed (``retried``: refused before anything was sent, so a new pair was tried)."""
+        self._pd_prefill_failures.labels(reason, "true" if retried else "false").inc()
+
+    def decode_aborted(self, accepted: bool) -> None:
+        """The router aborted a decode side whose prefill leg failed."""
+        self._pd_decode_aborts.labels("true" if accepted else "false").inc()
+
+    def pd_skipped(self) -> None:
+        """A request of a PD fleet went to an aggregated worker: its uncached part was short."""
+        self._pd_skipped.inc()
 
     def tokenize_failed(self, model: str) -> None:
         self._tokenize_failures.labels(model or "default").inc()

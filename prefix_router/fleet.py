@@ -4,6 +4,7 @@ The one way tests, benchmarks and ``prefix-router up`` start workers::
 
     workers = start_fleet("sim", 4, profile="instant", page_size=16)
     workers = start_fleet("sglang-cpu", 2, capacity_tokens=4096, log_dir=Path("logs"))
+    pd = start_pd_fleet("sim", prefill=2, decode=2, profile="instant")   # pd.prefill, pd.decode, pd.workers
 
 Every worker is a ``sglang_workers.process.WorkerProcess`` (stop each, or use one as a context manager); none
 outlives the process that started it. On any failure the workers already started are stopped and
@@ -13,12 +14,15 @@ outlives the process that started it. On any failure the workers already started
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from sglang_workers.process import Engine, WorkerProcess, WorkerStartError
+from sglang_workers.process import DisaggregationMode, Engine, WorkerProcess, WorkerStartError
 from sglang_workers.sim.launch import SimOption
 
-__all__ = ["ENGINES", "Engine", "WorkerProcess", "WorkerStartError", "start_fleet"]
+__all__ = ["ENGINES", "Engine", "PdFleet", "WorkerProcess", "WorkerStartError", "start_fleet", "start_pd_fleet"]
 
 ENGINES: tuple[Engine, ...] = ("sim", "sglang-cpu")
 PORT_RACE_ATTEMPTS = 3  # a sim worker that lost a port to another process is started again on new ports
@@ -40,6 +44,7 @@ def start_fleet(
     wait_ready: bool = True,
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
+    disaggregation_mode: DisaggregationMode = "null",
     **sim_options: SimOption,
 ) -> list[WorkerProcess]:
     """Start ``n`` workers of ``engine`` in parallel and wait until every one answers ``/ready`` with 200.
@@ -58,6 +63,9 @@ def start_fleet(
       only until the HTTP port answers at all (e.g. 503 during ``load_time``).
     - ``log_dir`` (sglang-cpu): keep each worker's log there (``sglang-<port>.log``), else temporary files.
     - ``extra_args`` (sglang-cpu): more ``sglang.launch_server`` flags.
+    - ``disaggregation_mode``: ``"prefill"`` or ``"decode"`` makes every worker a PD worker of that side (each
+      prefill worker gets a free bootstrap port: ``WorkerProcess.bootstrap_port``); ``start_pd_fleet`` starts
+      both sides at once.
     - ``**sim_options`` (sim): any other ``prefix-router sim-worker`` flag (``context_length=4096`` ->
       ``--context-length 4096``; ``True`` -> a bare flag such as ``no_kv_events=True``), e.g. the HiCache ones
       (``enable_hierarchical_cache=True, hicache_storage_backend="file", file_storage_path=...``).
@@ -76,6 +84,7 @@ def start_fleet(
                 "capacity_tokens": capacity_tokens,
                 "dp_size": dp_size,
                 "seed": seed,
+                "disaggregation_mode": None if disaggregation_mode == "null" else disaggregation_mode,
                 **sim_options,
             },
             grpc=grpc,
@@ -101,6 +110,7 @@ def start_fleet(
             startup_timeout=startup_timeout,
             log_dir=log_dir,
             extra_args=extra_args,
+            disaggregation_mode=disaggregation_mode,
         )
     raise ValueError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
 
@@ -158,6 +168,7 @@ def _start_cpu(
     startup_timeout: float | None,
     log_dir: Path | None,
     extra_args: Sequence[str],
+    disaggregation_mode: DisaggregationMode,
 ) -> list[WorkerProcess]:
     from sglang_workers.real.cpu_launch import STARTUP_TIMEOUT_S, spawn_cpu_worker
     from sglang_workers.real.installation import find_install, missing_install_reason
@@ -165,6 +176,8 @@ def _start_cpu(
     install = find_install()
     if install is None:
         raise WorkerStartError(missing_install_reason() or "real SGLang on CPU is not installed")
+    if disaggregation_mode != "null" and install.pd_problems():
+        raise WorkerStartError(f"a real PD worker cannot start: {'; '.join(install.pd_problems())}")
     extra = [*(["--random-seed", str(seed)] if seed is not None else []), *extra_args]
     workers: list[WorkerProcess] = []
     try:
@@ -179,6 +192,7 @@ def _start_cpu(
                     log_dir=log_dir,
                     env=dict(env or {}),
                     startup_timeout_s=STARTUP_TIMEOUT_S if startup_timeout is None else startup_timeout,
+                    disaggregation_mode=disaggregation_mode,
                 )
             )
         for worker in workers:
@@ -188,3 +202,51 @@ def _start_cpu(
             worker.stop()
         raise
     return workers
+
+
+@dataclass
+class PdFleet:
+    """A prefill/decode disaggregated fleet: its prefill and its decode workers (``stop`` stops both)."""
+
+    prefill: list[WorkerProcess]
+    decode: list[WorkerProcess]
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return [*self.prefill, *self.decode]
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+    def __enter__(self) -> PdFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_pd_fleet(engine: Engine, prefill: int, decode: int, **options: Any) -> PdFleet:
+    """Start ``prefill`` prefill workers and ``decode`` decode workers of ``engine`` (e.g. 2P2D, 3P1D), ready.
+
+    ``options`` are ``start_fleet``'s (profile, page size, sim-worker flags, ...), the same for both sides. A
+    PD request goes to one of each, with ``bootstrap_host`` = the prefill worker's host, ``bootstrap_port`` =
+    its ``bootstrap_port`` and a fresh ``bootstrap_room``; the client reads the decode worker's answer.
+    """
+    if prefill < 1 or decode < 1:
+        raise ValueError(f"a PD fleet needs at least one prefill and one decode worker (got {prefill}P{decode}D)")
+    if "disaggregation_mode" in options:
+        raise ValueError("start_pd_fleet sets disaggregation_mode itself")
+    # Both sides start at once (a real SGLang worker takes ~40 s to start: a real pair is ready in one wait).
+    with ThreadPoolExecutor(2) as pool:
+        modes: tuple[tuple[DisaggregationMode, int], ...] = (("prefill", prefill), ("decode", decode))
+        sides = [pool.submit(start_fleet, engine, count, disaggregation_mode=mode, **options) for mode, count in modes]
+        errors = [side.exception() for side in sides]
+    started = [side.result() for side, error in zip(sides, errors) if error is None]
+    failed = next((error for error in errors if error is not None), None)
+    if failed is not None:
+        for workers in started:
+            for worker in workers:
+                worker.stop()
+        raise failed
+    return PdFleet(started[0], started[1])

@@ -153,7 +153,9 @@ class GatewayStack:
     """Workers + router + Envoy on loopback. ``async with GatewayStack(sim_workers=2) as gw: gw.url``.
 
     Give ``worker_urls`` to front workers you started yourself, or ``sim_workers=N`` to have the
-    stack start simulated ones (``sim_worker_options`` go to each). ``router=False`` gives a plain
+    stack start simulated ones (``sim_worker_options`` go to each). ``pd=(P, D)`` makes the started
+    workers (simulated or real SGLang CPU) a prefill/decode fleet of P prefill and D decode workers
+    instead (the router discovers each one's role from its ``/server_info``). ``router=False`` gives a plain
     Envoy (least-request, no ext_proc) over the same workers: the baseline for overhead figures.
     """
 
@@ -165,6 +167,7 @@ class GatewayStack:
         sim_worker_options: dict[str, Any] | None = None,
         sglang_cpu_workers: int = 0,
         sglang_cpu_options: dict[str, Any] | None = None,
+        pd: tuple[int, int] | None = None,
         port: int = 0,
         host: str = LOOPBACK,
         policy: str | None = None,
@@ -189,8 +192,14 @@ class GatewayStack:
         body_mode: str = "buffered",
         max_message_timeout_ms: int | None = envoy_config.DEFAULT_MAX_MESSAGE_TIMEOUT_MS,
     ) -> None:
+        if pd is not None:
+            if min(pd) < 1:
+                raise ValueError(f"a PD fleet needs at least one prefill and one decode worker, not {pd}")
+            if sim_workers <= 0 and sglang_cpu_workers <= 0:
+                sim_workers = 1  # which engine: simulated unless sglang_cpu_workers says otherwise
         if not worker_urls and sim_workers <= 0 and sglang_cpu_workers <= 0:
             raise ValueError("give worker_urls, sim_workers > 0 or sglang_cpu_workers > 0")
+        self.pd = pd
         self.worker_urls = list(worker_urls)
         self.sim_workers = sim_workers
         self.sim_worker_options = dict(sim_worker_options or {})
@@ -423,19 +432,29 @@ class GatewayStack:
     # -- parts ---------------------------------------------------------------------------------
 
     def _start_sim_workers(self) -> None:
-        from prefix_router.fleet import start_fleet
+        from prefix_router.fleet import start_fleet, start_pd_fleet
 
-        self._sims = start_fleet(
-            "sim", self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
-        )
+        if self.pd is not None:
+            prefill, decode = self.pd
+            options = {"startup_timeout": self.startup_timeout_s, **self.sim_worker_options}
+            self._sims = start_pd_fleet("sim", prefill, decode, **options).workers
+        else:
+            self._sims = start_fleet(
+                "sim", self.sim_workers, startup_timeout=self.startup_timeout_s, **self.sim_worker_options
+            )
         self.worker_urls.extend(sim.url for sim in self._sims)
 
     def _start_cpu_workers(self) -> None:
-        from prefix_router.fleet import WorkerStartError, start_fleet
+        from prefix_router.fleet import WorkerStartError, start_fleet, start_pd_fleet
 
         options = {"startup_timeout": max(self.startup_timeout_s, 300.0), **self.sglang_cpu_options}
         try:
-            self._cpu_workers = start_fleet("sglang-cpu", self.sglang_cpu_workers, log_dir=self.log_dir, **options)
+            if self.pd is not None:
+                prefill, decode = self.pd
+                fleet = start_pd_fleet("sglang-cpu", prefill, decode, log_dir=self.log_dir, **options)
+                self._cpu_workers = fleet.workers
+            else:
+                self._cpu_workers = start_fleet("sglang-cpu", self.sglang_cpu_workers, log_dir=self.log_dir, **options)
         except WorkerStartError as exc:
             raise StackError(str(exc)) from None
         self.worker_urls.extend(w.url for w in self._cpu_workers)

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -45,6 +46,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--workers", type=int, default=None, help="How many workers to start (default: 4 simulated, 2 sglang-cpu)."
     )
     parser.add_argument("--sim-workers", type=int, default=None, help="Same as --workers (kept for existing scripts).")
+    parser.add_argument(
+        "--pd",
+        metavar="PxD",
+        type=pd_shape,
+        default=None,
+        help=(
+            "Start a prefill/decode disaggregated fleet instead: e.g. 1P1D (one prefill, one decode worker), 2P2D, "
+            "3P1D, of the chosen --engine (sglang-cpu: ~3.5 GB and ~40 s per worker). The router pairs them."
+        ),
+    )
     parser.add_argument(
         "--worker",
         action="append",
@@ -97,7 +108,8 @@ ENGINE_LABELS = {"sim": "simulated SGLang", "sglang-cpu": "real SGLang 0.5.23 on
 
 
 def _banner(stack: GatewayStack, engine: str) -> str:
-    workers = "\n".join(f"    {url}" for url in stack.worker_urls)
+    roles = _pd_roles(stack)
+    workers = "\n".join(f"    {url}{roles.get(url, '')}" for url in stack.worker_urls)
     label = ENGINE_LABELS[engine] if stack.sim_workers or stack.sglang_cpu_workers else "yours"
     model = '"tiny-llama"' if engine == "sglang-cpu" else '"default"'
     return (
@@ -123,6 +135,17 @@ request never reached a worker. A part that dies is restarted (said below). Ctrl
     )
 
 
+_PD_SHAPE = re.compile(r"(\d+)P(\d+)D", re.IGNORECASE)
+
+
+def pd_shape(text: str) -> tuple[int, int]:
+    """``2P1D`` -> (2, 1): prefill and decode workers; at least one of each."""
+    match = _PD_SHAPE.fullmatch(text.strip())
+    if match is None or min(int(match[1]), int(match[2])) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a PD fleet shape like 1P1D or 2P2D (at least 1 of each)")
+    return int(match[1]), int(match[2])
+
+
 def worker_count(args: argparse.Namespace) -> int:
     """--workers, else --sim-workers, else the engine's default."""
     for value in (args.workers, args.sim_workers):
@@ -139,6 +162,15 @@ def sglang_cpu_router_config(path: Path, model_dir: str) -> Path:
         f"models:\n  - name: {TINY_MODEL_NAME}\n    tokenizer: {model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
     )
     return path
+
+
+def _pd_roles(stack: GatewayStack) -> dict[str, str]:
+    """`` (prefill)`` / `` (decode)`` after each started worker's URL in a PD stack."""
+    if stack.pd is None:
+        return {}
+    started = [*stack.sim_processes, *stack.sglang_cpu_processes]
+    prefill = stack.pd[0]
+    return {w.url: " (prefill)" if i < prefill else " (decode)" for i, w in enumerate(started)}
 
 
 def _say(line: str) -> None:
@@ -176,6 +208,7 @@ async def _serve(args: argparse.Namespace, options: dict[str, Any], count: int, 
         sim_workers=0 if cpu else count,
         sim_worker_options=options,
         sglang_cpu_workers=count if cpu else 0,
+        pd=args.pd,
         port=args.port,
         host=args.host,
         policy=args.policy,
@@ -221,6 +254,9 @@ async def _serve(args: argparse.Namespace, options: dict[str, Any], count: int, 
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.pd is not None and (args.worker or args.workers is not None or args.sim_workers is not None):
+        print("prefix-router up: --pd sets the fleet itself; give it without --worker / --workers", file=sys.stderr)
+        return 2
     if args.worker:
         try:
             [split_host_port(w) for w in args.worker]

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["GUARD_DIR", "Engine", "Launch", "WorkerProcess", "WorkerStartError", "spawn"]
+__all__ = ["GUARD_DIR", "DisaggregationMode", "Engine", "Launch", "WorkerProcess", "WorkerStartError", "spawn"]
 
 Engine = Literal["sim", "sglang-cpu"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
 GUARD_DIR = Path(__file__).resolve().parent / "guard"  # its sitecustomize.py makes children die with us
 PARENT_ENV = "PREFIX_ROUTER_WORKER_PARENT"  # read (and removed) by guard/sitecustomize.py
 
@@ -126,6 +127,8 @@ class WorkerProcess:
     process: subprocess.Popen[bytes]
     log_path: Path
     grpc_port: int | None = None  # SGLang's gRPC scheduler API (sim workers started with grpc=True)
+    disaggregation_mode: DisaggregationMode = "null"  # a PD worker: "prefill" or "decode"
+    bootstrap_port: int | None = None  # a prefill worker's bootstrap port (what a PD request's bootstrap_port names)
 
     @property
     def engine(self) -> Engine:

@@ -35,6 +35,7 @@ POLICIES: dict[str, str] = {
     "sgl-cache-aware": "extproc.policies.sgl_cache_aware:SglCacheAwarePolicy",
     "gie-prefix": "extproc.policies.gie_prefix:GiePrefixPolicy",
     "dynamo-cost": "extproc.policies.dynamo_cost:DynamoCostPolicy",
+    "decode-load": "extproc.policies.decode_load:DecodeLoadPolicy",
 }
 
 

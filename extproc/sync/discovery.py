@@ -20,7 +20,15 @@ from extproc.addresses import substitute_wildcard
 from extproc.sync.http import WorkerHttp
 from extproc.sync.workers import Worker
 
-__all__ = ["discover", "dp_size", "event_endpoints", "page_size", "storage_group"]
+__all__ = [
+    "bootstrap_port",
+    "disaggregation_role",
+    "discover",
+    "dp_size",
+    "event_endpoints",
+    "page_size",
+    "storage_group",
+]
 
 DEFAULT_FILE_STORAGE_DIR = "/tmp/hicache"  # SGLang HiCacheFile's default directory
 
@@ -153,3 +161,27 @@ def storage_group(worker: Worker) -> str | None:
     model = info.get("served_model_name") or worker.model or ""
     tp = info.get("tp_size") if isinstance(info.get("tp_size"), int) else 1
     return f"{backend}:{location}:{model}:tp{tp}"
+
+
+def disaggregation_role(worker: Worker) -> str:
+    """``aggregated``, ``prefill`` or ``decode``: configured, else ``/server_info``'s ``disaggregation_mode``.
+
+    SGLang reports ``"null"`` for an aggregated server; a worker that has not answered yet (or an
+    older SGLang without the field) counts as aggregated until it says otherwise.
+    """
+    if worker.role is not None:
+        return worker.role
+    info = worker.info if isinstance(worker.info, dict) else {}
+    mode = info.get("disaggregation_mode")
+    return mode if mode in ("prefill", "decode") else "aggregated"
+
+
+def bootstrap_port(worker: Worker, default: int) -> int:
+    """The port of a prefill worker's KV bootstrap server: configured, else ``/server_info``, else ``default``."""
+    if worker.bootstrap_port is not None:
+        return worker.bootstrap_port
+    info = worker.info if isinstance(worker.info, dict) else {}
+    value = info.get("disaggregation_bootstrap_port")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536:
+        return value
+    return default

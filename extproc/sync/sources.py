@@ -317,6 +317,8 @@ class WorkerSources:
             model=entry.model,
             kv_events_endpoint=entry.kv_events_endpoint,
             replay_endpoint=entry.replay_endpoint,
+            role=entry.role,
+            bootstrap_port=entry.bootstrap_port,
         )
         self._resolved[key] = [worker]
         return [worker]
@@ -336,6 +338,7 @@ class WorkerSources:
                     ip=ip,
                     port=name.port,
                     model=name.model,
+                    role=name.role,
                 )
             )
         self._resolved[key] = workers

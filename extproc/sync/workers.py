@@ -36,6 +36,9 @@ class Worker:
     # Set only by configuration; otherwise the publisher endpoints come from ``info`` (discovery).
     kv_events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    # Set only by configuration; otherwise discovery reads them from ``info`` (``disaggregation_role``).
+    role: str | None = None  # aggregated | prefill | decode
+    bootstrap_port: int | None = None  # a prefill worker's KV bootstrap port
     healthy: bool = True
     # When it last left the candidates after failed health probes (None: healthy, or never was), and
     # whether a refused connection proved it dead: a worker that only missed probes may still serve.
@@ -64,6 +67,8 @@ class Worker:
             model=config.model,
             kv_events_endpoint=config.kv_events_endpoint,
             replay_endpoint=config.replay_endpoint,
+            role=config.role,
+            bootstrap_port=config.bootstrap_port,
         )
 
 

@@ -11,11 +11,15 @@ was made (the kernel then has nobody to watch), the worker exits at once. It is 
 the worker's own children watch their own parent instead. Standard library only: this runs under any interpreter
 (the project's ``.venv`` for the simulator, SGLang's own virtualenv for real SGLang); elsewhere than Linux it does
 nothing.
+
+With ``PREFIX_ROUTER_SGLANG_CPU_PD`` set (real SGLang prefill/decode workers on a CPU) it also installs the import
+hook of ``sglang_cpu_pd.py``, the adjustment SGLang 0.5.23's PD path needs without CUDA.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import signal
 import sys
@@ -40,3 +44,7 @@ def die_with_parent() -> None:
 
 
 die_with_parent()
+
+if os.environ.get("PREFIX_ROUTER_SGLANG_CPU_PD"):  # a real SGLang PD worker on a CPU (see sglang_cpu_pd.py)
+    # this directory is on the worker's sys.path (PYTHONPATH), so the sibling module imports by its own name
+    importlib.import_module("sglang_cpu_pd").install()

@@ -16,14 +16,34 @@ from pathlib import Path
 
 from extproc.addresses import free_ports
 
-from ..process import Launch, WorkerProcess, spawn
+from ..process import DisaggregationMode, Launch, WorkerProcess, spawn
 from .flags import sglang_flags
 from .installation import TINY_MODEL_NAME, CpuInstall
 
-__all__ = ["cpu_command", "cpu_environment", "cpu_flags", "spawn_cpu_worker"]
+__all__ = ["PD_PATCH_ENV", "cpu_command", "cpu_environment", "cpu_flags", "pd_flags", "spawn_cpu_worker"]
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
+PD_PATCH_ENV = "PREFIX_ROUTER_SGLANG_CPU_PD"  # guard/sitecustomize.py applies the CPU PD adjustment when set
+
+
+def pd_flags(mode: DisaggregationMode, bootstrap_port: int | None = None) -> list[str]:
+    """The flags of one side of a real PD pair on this CPU (measured; see docs/real-sglang.md).
+
+    Both sides move KV over TCP (``mooncake_tcp``: Mooncake with MC_FORCE_TCP, no RDMA NIC needed). The prefill
+    side runs without the overlap scheduler and hosts the bootstrap server; the decode side keeps retracted
+    requests' KV in a CPU tensor (its default backup needs CUDA).
+    """
+    if mode == "null":
+        return []
+    flags = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake_tcp"]
+    if mode == "prefill":
+        flags.append("--disable-overlap-schedule")
+        if bootstrap_port is not None:
+            flags += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    else:
+        flags += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    return flags
 
 
 def cpu_flags(max_total_tokens: int = 8192) -> list[str]:
@@ -97,13 +117,20 @@ def spawn_cpu_worker(
     log_dir: Path | None = None,
     env: dict[str, str] | None = None,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    disaggregation_mode: DisaggregationMode = "null",
 ) -> WorkerProcess:
     """Start one CPU worker on free (or the given) ports; returns at once (see ``wait_ready``).
 
     With ``log_dir`` its log is ``log_dir/sglang-<port>.log`` and stays after ``stop()``; else a temporary file.
+    ``disaggregation_mode`` "prefill" / "decode": one side of a PD pair (``pd_flags``; a prefill worker gets a
+    free bootstrap port), with the CPU adjustment of ``guard/sglang_cpu_pd.py`` switched on.
     """
     port, kv_port, replay_port = ports or tuple(free_ports(3, host))
-    argv = cpu_command(install, port, kv_port, replay_port, host, page_size, max_total_tokens, extra)
+    bootstrap_port = None
+    while disaggregation_mode == "prefill" and bootstrap_port in (None, port, kv_port, replay_port):
+        bootstrap_port = free_ports(1, host)[0]
+    pd_extra = pd_flags(disaggregation_mode, bootstrap_port)
+    argv = cpu_command(install, port, kv_port, replay_port, host, page_size, max_total_tokens, [*pd_extra, *extra])
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"sglang-{port}.log"
@@ -114,11 +141,25 @@ def spawn_cpu_worker(
     launch = Launch(
         engine="sglang-cpu",
         argv=argv,
-        env={**cpu_environment(install), **(env or {})},
+        env={
+            **cpu_environment(install),
+            **({PD_PATCH_ENV: "1"} if disaggregation_mode != "null" else {}),
+            **(env or {}),
+        },
         own_group=True,  # stop() takes the scheduler and detokenizer down with it
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=STOP_TIMEOUT_S,
         ready_poll_s=0.5,
         keep_log=log_dir is not None,
     )
-    return WorkerProcess(launch, host, port, kv_port, replay_port, spawn(launch, log_path), log_path)
+    return WorkerProcess(
+        launch,
+        host,
+        port,
+        kv_port,
+        replay_port,
+        spawn(launch, log_path),
+        log_path,
+        disaggregation_mode=disaggregation_mode,
+        bootstrap_port=bootstrap_port,
+    )

@@ -9,8 +9,14 @@ where everything lives):
 3. the tiny random-weight Llama, built by ``cpu/build_tiny_model.py`` under the SGLang venv's Python
    from the project's default tokenizer (a few seconds; nothing is downloaded).
 
-Then one import check (``sglang`` and ``sgl_kernel`` with the stand-in on the library path). Whatever
-is missing (a C compiler, disk space, a Python for the venv) is reported in one line, with the fix.
+4. what a prefill/decode pair needs in the venv (``PD_PIP_PACKAGES``: Mooncake's non-CUDA transfer engine and
+   msgpack), added to an existing install too; Mooncake's ``engine.so`` needs the Debian packages
+   ``PD_DEBIAN_PACKAGES`` (libibverbs and libnl), which are checked, not installed (apt needs root: ``.ci/run``
+   installs them).
+
+Then one import check (``sglang`` and ``sgl_kernel`` with the stand-in on the library path, and Mooncake's
+engine). Whatever is missing (a C compiler, disk space, a Python for the venv, a Debian package) is reported in
+one line, with the fix.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from extproc.tokenization import DEFAULT_TOKENIZER_DIR
 from .cpu_launch import cpu_environment
 from .installation import (
     CPU_DIR,
+    PD_DEBIAN_PACKAGES,
+    PD_PIP_PACKAGES,
     SGLANG_CPU_VERSION,
     CpuInstall,
     default_install_dir,
@@ -151,6 +159,41 @@ def build_model(install: CpuInstall, tokenizer: Path) -> bool:
     return True
 
 
+PD_PROBE = "import msgpack; from mooncake.engine import TransferEngine"
+
+
+def install_pd_packages(install: CpuInstall) -> bool:
+    """Add what a PD pair needs to the venv unless it is there (idempotent); True if pip ran."""
+    wanted = ",".join(PD_PIP_PACKAGES)
+    pinned = PD_PIP_PACKAGES[0].split("==")
+    probe = subprocess.run(
+        [str(install.python), "-c", f"import importlib.metadata as m; print(m.version({pinned[0]!r})); import msgpack"],
+        capture_output=True,
+        text=True,
+    )
+    if install.stamp().get("pd") == wanted or (probe.returncode == 0 and probe.stdout.strip() == pinned[1]):
+        _say(f"{' and '.join(PD_PIP_PACKAGES)} already installed: reusing them")
+        return False
+    _say(f"installing {' and '.join(PD_PIP_PACKAGES)} for prefill/decode pairs ...")
+    pip = subprocess.run([str(install.python), "-m", "pip", "install", "--quiet", *PD_PIP_PACKAGES])
+    if pip.returncode != 0:
+        raise InstallError(f"pip install {' '.join(PD_PIP_PACKAGES)} failed (status {pip.returncode}; see above)")
+    return True
+
+
+def check_pd_imports(install: CpuInstall) -> None:
+    """Mooncake's engine loads (its engine.so links libibverbs and libnl even for TCP transfers)."""
+    checked = subprocess.run(
+        [str(install.python), "-c", PD_PROBE], env=cpu_environment(install), capture_output=True, text=True
+    )
+    if checked.returncode != 0:
+        detail = (checked.stderr or checked.stdout).strip().splitlines()[-1:] or [""]
+        raise InstallError(
+            f"Mooncake's transfer engine does not load ({detail[0]}); it needs the Debian packages "
+            f"{' '.join(PD_DEBIAN_PACKAGES)}: apt-get install {' '.join(PD_DEBIAN_PACKAGES)}"
+        )
+
+
 def check_imports(install: CpuInstall) -> None:
     checked = subprocess.run(
         [str(install.python), "-c", "import sgl_kernel, sglang; print(sglang.__version__)"],
@@ -172,12 +215,18 @@ def install(root: Path, python: str, tokenizer: Path = DEFAULT_TOKENIZER_DIR) ->
     changed = install_sglang(target, python)
     changed = build_stub(target, compiler) or changed
     changed = build_model(target, tokenizer) or changed
+    pd_changed = install_pd_packages(target)
     if changed or not target.stamp_path.exists():
         check_imports(target)  # ~15 s: only after something was (re)built
-    target.stamp_path.write_text(
-        json.dumps({"sglang": SGLANG_CPU_VERSION, "libcuda": stub_digest(), "model": model_digest(tokenizer)}, indent=2)
-        + "\n"
-    )
+    if pd_changed or target.stamp().get("pd") != ",".join(PD_PIP_PACKAGES):
+        check_pd_imports(target)
+    stamp = {
+        "sglang": SGLANG_CPU_VERSION,
+        "libcuda": stub_digest(),
+        "model": model_digest(tokenizer),
+        "pd": ",".join(PD_PIP_PACKAGES),
+    }
+    target.stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
     return target
 
 

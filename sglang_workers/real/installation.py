@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from extproc.tokenization import DEFAULT_TOKENIZER_DIR
 
 __all__ = [
     "CPU_DIR",
+    "PD_DEBIAN_PACKAGES",
+    "PD_PIP_PACKAGES",
     "SGLANG_CPU_VERSION",
     "TINY_MODEL_NAME",
     "TINY_MODEL_VOCAB",
@@ -38,6 +41,10 @@ SGLANG_CPU_VERSION = "0.5.23"  # the release the simulator reproduces and these 
 CPU_DIR = Path(__file__).resolve().parent / "cpu"  # the stub's C source and the model builder
 TINY_MODEL_NAME = "tiny-llama"  # --served-model-name of the CPU workers
 TINY_MODEL_VOCAB = 8192  # the default tokenizer's vocabulary (largest id 8191) = the model's
+# What a real prefill/decode pair needs besides SGLang: Mooncake's transfer engine (TCP; the non-CUDA build) and
+# msgpack in SGLang's venv, and the RDMA libraries Mooncake's engine.so links against (even when it uses TCP).
+PD_PIP_PACKAGES = ("mooncake-transfer-engine-non-cuda==0.3.13.post1", "msgpack")
+PD_DEBIAN_PACKAGES = ("libibverbs1", "libnl-3-200", "libnl-route-3-200")
 STAMP = "prefix-router-sglang-cpu.json"  # what was built, from which sources
 
 
@@ -96,6 +103,20 @@ class CpuInstall:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+    def pd_problems(self) -> list[str]:
+        """What a PD pair still lacks (the ``make sglang-cpu`` step that adds Mooncake); empty when it can run."""
+        if self.stamp().get("pd") == ",".join(PD_PIP_PACKAGES):
+            return []
+        name, version = PD_PIP_PACKAGES[0].split("==")
+        probe = subprocess.run(  # another checkout's installer may have rewritten the stamp: ask the venv
+            [str(self.python), "-c", f"import importlib.metadata as m; print(m.version({name!r})); import msgpack"],
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return []
+        return [f"{' and '.join(PD_PIP_PACKAGES)} are not installed in {self.root}: run `make sglang-cpu`"]
 
     def problems(self) -> list[str]:
         """What is missing or out of date; empty when the install is complete and current."""

@@ -225,6 +225,47 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "wins over it, as in SGLang).",
     )
 
+    pd = parser.add_argument_group(
+        "prefill/decode disaggregation (SGLang --disaggregation-*): a request goes to one prefill and one decode "
+        "worker with bootstrap_host / bootstrap_port / bootstrap_room"
+    )
+    pd.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default=d["disaggregation_mode"].default,
+        help="null: an aggregated worker. prefill: runs the prefill (radix cache, KV events), sends the KV to the "
+        "decode worker that hand-shook for the room, answers after the transfer. decode: no radix cache, no KV "
+        "events; waits for the prefill's KV, then decodes. Both answer 400 without bootstrap_room.",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=d["disaggregation_bootstrap_port"].default,
+        help="Prefill: the port of its bootstrap server, where decode workers hand-shake (a request's "
+        "bootstrap_port; SGLang's default 8998). Decode: the port used when a request's bootstrap_port is null.",
+    )
+    pd.add_argument(
+        "--disaggregation-transfer-gbps",
+        type=float,
+        default=d["disaggregation_transfer_gbps"].default,
+        help="Prefill: KV transfer bandwidth per GPU in GB/s (simulated time): a transfer takes the profile's KV "
+        "bytes per token x prompt tokens / this.",
+    )
+    pd.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=float,
+        default=d["disaggregation_bootstrap_timeout"].default,
+        help="Prefill: seconds a request waits for its decode worker's handshake, then fails "
+        "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT; real seconds).",
+    )
+    pd.add_argument(
+        "--disaggregation-waiting-timeout",
+        type=float,
+        default=d["disaggregation_waiting_timeout"].default,
+        help="Decode: seconds a request waits for its KV after the handshake, then fails with a 500 "
+        "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT; real seconds).",
+    )
+
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "--profile",
@@ -295,6 +336,11 @@ def build_config(args: argparse.Namespace) -> SimWorkerConfig:
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
         hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config,
         file_storage_path=args.file_storage_path,
+        disaggregation_mode=args.disaggregation_mode,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_transfer_gbps=args.disaggregation_transfer_gbps,
+        disaggregation_bootstrap_timeout=args.disaggregation_bootstrap_timeout,
+        disaggregation_waiting_timeout=args.disaggregation_waiting_timeout,
     )
 
 
@@ -329,6 +375,10 @@ async def serve(config: SimWorkerConfig) -> None:
         else "KV events off"
     )
     grpc_note = f" and grpc://{config.host}:{grpc_door.bound_port}" if grpc_door is not None else ""
+    if config.disaggregation_mode == "prefill":
+        grpc_note += f" (prefill, bootstrap port {config.disaggregation_bootstrap_port})"
+    elif config.disaggregation_mode == "decode":
+        grpc_note += " (decode)"
     capacity = worker.scheduler.capacity if worker.scheduler else 0
     tiers = ""
     if config.enable_hierarchical_cache:

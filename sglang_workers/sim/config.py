@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SimWorkerConfig", "StorageSettings", "parse_storage_extra_config"]
+__all__ = ["DisaggregationMode", "SimWorkerConfig", "StorageSettings", "parse_storage_extra_config"]
 
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
 FILE_STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # SGLang's own override of the directory
 
 
@@ -191,6 +192,43 @@ class SimWorkerConfig(BaseModel):
     )
     file_storage_path: str | None = Field(None, description="Directory of the file backend (seeds the extra config).")
 
+    # -- prefill/decode disaggregation (SGLang --disaggregation-*, 0.5.23 defaults) ----------------------
+    disaggregation_mode: DisaggregationMode = Field(
+        "null",
+        description=(
+            "'null' = an aggregated worker; 'prefill' runs a request's prefill, sends its KV to the decode worker "
+            "named by bootstrap_host/bootstrap_port/bootstrap_room and answers after the transfer; 'decode' has no "
+            "radix cache (no KV events), waits for that KV and then decodes. PD workers refuse requests without a room."
+        ),
+    )
+    disaggregation_bootstrap_port: int = Field(
+        8998, ge=1, le=65535, description="Prefill only: the bootstrap server's port, where decode workers hand-shake."
+    )
+    disaggregation_transfer_gbps: float = Field(
+        25.0,
+        gt=0,
+        description=(
+            "Prefill only: KV transfer bandwidth to a decode worker per GPU (GB/s, 1e9; simulated time): a transfer "
+            "takes the profile's KV bytes per token x prompt tokens / this."
+        ),
+    )
+    disaggregation_bootstrap_timeout: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Prefill only: seconds a request waits for its decode worker's handshake before it fails (SGLang's "
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT; real seconds, not divided by speedup)."
+        ),
+    )
+    disaggregation_waiting_timeout: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Decode only: seconds a request waits for its KV after the handshake before it fails (SGLang's "
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT; real seconds, not divided by speedup)."
+        ),
+    )
+
     @model_validator(mode="after")
     def _check_ports(self) -> SimWorkerConfig:
         events = set(range(self.kv_events_port, self.kv_events_port + self.dp_size))
@@ -203,6 +241,11 @@ class SimWorkerConfig(BaseModel):
             raise ValueError("kv_events_port / kv_replay_port + dp_size go past port 65535")
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError("grpc_port must differ from port")
+        if self.disaggregation_mode != "null":
+            if self.dp_size != 1 or self.grpc_port is not None or self.enable_hierarchical_cache:
+                raise ValueError("a disaggregated (prefill/decode) sim worker has one DP rank, HTTP only, no HiCache")
+            if self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == self.port:
+                raise ValueError("disaggregation_bootstrap_port must differ from port")
         if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
             raise ValueError(
                 "hicache_storage_backend needs enable_hierarchical_cache (the L3 tier sits behind host memory)"

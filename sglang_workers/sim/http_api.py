@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from .http_generation import GenerationApi
+from .http_validation import read_json, validation_error
 from .metrics import HttpStats
 from .prometheus import render_metrics
 from .reports import LOAD_SECTIONS, loads_prometheus, loads_report, model_info_report, server_info_report
@@ -29,8 +30,8 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def error_response(status: int, message: str, kind: ErrorKind = "openai") -> web.Response:
-    return web.json_response(error_body(kind, status, message), status=status)
+def error_response(status: int, message: str, kind: ErrorKind = "openai", err_type: str | None = None) -> web.Response:
+    return web.json_response(error_body(kind, status, message, err_type), status=status)
 
 
 class HttpServer:
@@ -75,6 +76,7 @@ class HttpServer:
         r.add_get("/v1/loads", self.loads)
         r.add_get("/metrics", self.metrics)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
         return app
 
     @web.middleware
@@ -100,7 +102,7 @@ class HttpServer:
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc.status, exc.message, exc.kind)
+            return error_response(exc.status, exc.message, exc.kind, exc.err_type)
         except web.HTTPNotFound:
             return error_response(404, "Not Found", "detail")
         except web.HTTPMethodNotAllowed:
@@ -202,6 +204,18 @@ class HttpServer:
             content_type="text/plain",
             charset="utf-8",
         )
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's ``/abort_request`` (``{"rid": ..., "abort_all": false}``): 200 with an empty body, whether or
+        not a request matched; the aborted requests answer with finish_reason abort."""
+        body = await read_json(request)
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str):
+            raise validation_error("rid", "Input should be a valid string")
+        if not isinstance(abort_all, bool):
+            raise validation_error("abort_all", "Input should be a valid boolean")
+        self.worker.abort_request(rid, abort_all)
+        return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "POST"):

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from extproc.tokenization import ChatTemplateError
 
+from .disaggregation import bootstrap_fields
 from .http_validation import (
     Api,
     cache_salt,
@@ -32,7 +33,7 @@ from .http_validation import (
     validation_error,
 )
 from .request import Request
-from .responses import ApiError, meta_info, usage, weight_versions
+from .responses import ApiError, finish_reason_name, meta_info, usage, weight_versions
 from .worker import SimWorker
 
 __all__ = ["GenerationApi"]
@@ -56,6 +57,12 @@ class GenerationApi:
         self.worker = worker
         self.tokenizer = worker.tokenizer
 
+    @staticmethod
+    def _rid(body: dict[str, Any], count: int) -> str | None:
+        """The client's ``rid`` (what ``/abort_request`` names), for a request of one choice."""
+        rid = body.get("rid")
+        return rid if isinstance(rid, str) and count == 1 else None
+
     def _rank(self, request: web.Request, body: dict[str, Any], api: Api) -> int | None:
         return routed_rank(request, body, api, len(self.worker.schedulers), self.worker.header_overrides)
 
@@ -69,11 +76,15 @@ class GenerationApi:
                 yield item
         finally:  # also runs when the handler stops early (client gone, write failed, cancelled)
             if not req.finished and self.worker.schedulers:
+                if self.worker.disaggregation is not None:  # still waiting for its PD hand-off
+                    self.worker.disaggregation.drop(req)
                 self.worker.schedulers[req.dp_rank].abort(req)
 
     async def _wait(self, req: Request) -> None:
         async for _ in self._tokens(req):
             pass
+        if req.error is not None and req.pd_failure:  # an HTTPException(500): SGLang's handler shapes it so
+            raise ApiError(500, req.error, "openai", err_type="500")
         if req.error is not None:
             raise ApiError(500, req.error)
 
@@ -181,9 +192,12 @@ class GenerationApi:
             self.worker.check_length(p, "generate", n if asked else None)
         self.worker.require_ready()
         rank = self._rank(request, body, "generate")
+        boots = bootstrap_fields(body, len(prompts))
         reqs = [
-            self.worker.rank_scheduler(rank).submit(p, n, salt, rid if not batch else None, stream)
-            for p, n in zip(prompts, max_new)
+            self.worker.enqueue(
+                self.worker.rank_scheduler(rank), p, n, salt, rid if not batch else None, stream, "generate", b
+            )
+            for p, n, b in zip(prompts, max_new, boots)
         ]
 
         if not stream:
@@ -241,7 +255,13 @@ class GenerationApi:
             self.worker.check_length(ids, "openai", max_new)
         stream = bool(body.get("stream"))
         rank = self._rank(request, body, "completions")
-        reqs = [self.worker.submit(ids, max_new, salt, None, rank, stream) for ids in prompts for _ in range(n)]
+        count = len(prompts) * n
+        rid, boots = self._rid(body, count), bootstrap_fields(body, count)
+        reqs = [
+            self.worker.submit(ids, max_new, salt, rid, rank, stream, bootstrap=boots[i * n + j])
+            for i, ids in enumerate(prompts)
+            for j in range(n)
+        ]
         model = model_name(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 
@@ -256,7 +276,10 @@ class GenerationApi:
                     "object": "text_completion",
                     "created": created,
                     "model": model,
-                    "choices": [choice(i, self.tokenizer.decode(r.output_ids), "length") for i, r in enumerate(reqs)],
+                    "choices": [
+                        choice(i, self.tokenizer.decode(r.output_ids), finish_reason_name(r))
+                        for i, r in enumerate(reqs)
+                    ],
                     "usage": self._usage(reqs),
                     "metadata": {
                         "weight_version": "default",
@@ -282,7 +305,7 @@ class GenerationApi:
                 await self._send(resp, chunk([choice(index, self.tokenizer.decode(tokens), None)]))
             if await self._stream_failed(resp, req):
                 return resp
-            await self._send(resp, chunk([choice(index, "", "length")]))
+            await self._send(resp, chunk([choice(index, "", finish_reason_name(req))]))
         sglext = self._sglext(body, reqs[0])
         if sglext is not None:  # a chunk of its own, before the usage chunk
             await self._send(
@@ -330,7 +353,11 @@ class GenerationApi:
         self.worker.check_length(input_ids, "openai", max_new if asked else None)
         rank = self._rank(request, body, "chat")
         stream = bool(body.get("stream"))
-        reqs = [self.worker.submit(input_ids, max_new, salt, None, rank, stream, requested=asked) for _ in range(n)]
+        rid, boots = self._rid(body, n), bootstrap_fields(body, n)
+        reqs = [
+            self.worker.submit(input_ids, max_new, salt, rid, rank, stream, requested=asked, bootstrap=boots[i])
+            for i in range(n)
+        ]
         model = model_name(body)
         cid, created = uuid.uuid4().hex, int(time.time())
 
@@ -351,7 +378,7 @@ class GenerationApi:
                                 "reasoning_content": None,
                             },
                             "logprobs": None,
-                            "finish_reason": "length",
+                            "finish_reason": finish_reason_name(r),
                             "matched_stop": None,
                         }
                         for i, r in enumerate(reqs)
@@ -389,7 +416,7 @@ class GenerationApi:
                 await self._send(resp, chunk(index, delta, None))
             if await self._stream_failed(resp, req):
                 return resp
-            await self._send(resp, chunk(index, {"reasoning_content": None}, "length"))
+            await self._send(resp, chunk(index, {"reasoning_content": None}, finish_reason_name(req)))
         sglext = self._sglext(body, reqs[0])
         if sglext is not None:  # SGLang sends it in a chunk of its own, before the usage chunk
             await self._send(

@@ -72,6 +72,16 @@ def spawn_sim_worker(
     grpc_port: int | None = None
     while grpc and (grpc_port is None or grpc_port in taken):
         grpc_port = free_ports(1, host)[0]
+    if grpc_port is not None:
+        taken.add(grpc_port)
+    mode = str(options.get("disaggregation_mode") or "null")
+    if mode not in ("null", "prefill", "decode"):
+        raise ValueError(f"disaggregation_mode {mode!r}: one of null, prefill, decode")
+    bootstrap_port = options.get("disaggregation_bootstrap_port")
+    while mode == "prefill" and (bootstrap_port is None or bootstrap_port in taken):
+        bootstrap_port = free_ports(1, host)[0]  # each prefill worker of a fleet its own bootstrap server
+    pd_flags = ["--disaggregation-bootstrap-port", str(bootstrap_port)] if mode == "prefill" else []
+    options = {k: v for k, v in options.items() if k != "disaggregation_bootstrap_port" or mode != "prefill"}
     argv = [
         sys.executable,
         "-m",
@@ -88,6 +98,7 @@ def spawn_sim_worker(
         "--kv-replay-port",
         str(replay_port),
         *(["--grpc-port", str(grpc_port)] if grpc_port is not None else []),
+        *pd_flags,
         *sim_flags(options),
     ]
     launch = Launch(
@@ -103,4 +114,15 @@ def spawn_sim_worker(
     fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
     os.close(fd)
     log_path = Path(log_name)
-    return WorkerProcess(launch, host, port, kv_port, replay_port, spawn(launch, log_path), log_path, grpc_port)
+    return WorkerProcess(
+        launch,
+        host,
+        port,
+        kv_port,
+        replay_port,
+        spawn(launch, log_path),
+        log_path,
+        grpc_port,
+        disaggregation_mode=mode,  # type: ignore[arg-type]  # checked above
+        bootstrap_port=int(bootstrap_port) if mode == "prefill" and bootstrap_port is not None else None,
+    )

@@ -34,12 +34,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["DECODE_LOG_INTERVAL", "LoadCounters"]
+__all__ = ["DECODE_LOG_INTERVAL", "NULL_DISAGGREGATION", "LoadCounters"]
 
 DECODE_LOG_INTERVAL = 40  # SGLang --decode-log-interval default: decode steps between throughput reports
 STEP_MAX_US = 2_000_000  # a decode interval this long is an outlier (SGLang's STEP_MAX_US)
 CACHE_HIT_RATE_WINDOW_S = 15.0  # SGLANG_CACHE_HIT_RATE_WINDOW_SECONDS default
+# The ``disaggregation`` block of an aggregated worker (a PD worker's side fills in its mode and queues).
+NULL_DISAGGREGATION: dict[str, Any] = {
+    "mode": "null",
+    "prefill_bootstrap_queue_reqs": 0,
+    "prefill_inflight_queue_reqs": 0,
+    "decode_prealloc_queue_reqs": 0,
+    "decode_transfer_queue_reqs": 0,
+    "decode_retracted_queue_reqs": 0,
+    "kv_transfer_speed_gb_s": 0.0,
+    "kv_transfer_latency_ms": 0.0,
+}
 GEN_THROUGHPUT_STALENESS_S = 30.0  # a throughput older than this reads 0 at the next prefill report
 
 

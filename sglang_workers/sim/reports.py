@@ -19,6 +19,7 @@ from .worker import SimWorker
 __all__ = [
     "LOAD_SECTIONS",
     "SGLANG_VERSION",
+    "disaggregation_info",
     "hicache_info",
     "kv_events_info",
     "load_sections",
@@ -50,6 +51,26 @@ def kv_events_info(cfg: SimWorkerConfig) -> dict[str, Any] | None:
         "block_size": cfg.page_size,
         "dp_size": cfg.dp_size,
         "replay_endpoint_port_base": cfg.replay_port,
+    }
+
+
+def disaggregation_info(cfg: SimWorkerConfig) -> dict[str, Any]:
+    """The ``disaggregation_*`` server arguments, as a real 0.5.23 PD worker on ``mooncake_tcp`` reports them
+    (``mooncake_tcp`` is reported as ``mooncake``; a decode worker reports the default bootstrap port)."""
+    decode = cfg.disaggregation_mode == "decode"
+    return {
+        "disaggregation_mode": cfg.disaggregation_mode,
+        "disaggregation_transfer_backend": "mooncake",
+        "disaggregation_bootstrap_port": cfg.disaggregation_bootstrap_port,
+        "disaggregation_ib_device": None,
+        "disaggregation_decode_enable_radix_cache": False,
+        "disaggregation_decode_enable_offload_kvcache": False,
+        "disaggregation_decode_retraction_backup": "cpu_tensor" if decode else None,
+        "disaggregation_decode_extra_slots": 0 if decode else None,
+        "disaggregation_decode_polling_interval": 1,
+        "disaggregation_enable_kv_checksum": False,
+        "disaggregation_decode_host_receive_threshold": 1.0,
+        "disaggregation_decode_allocation_policy": "early",
     }
 
 
@@ -100,9 +121,9 @@ def server_info_report(worker: SimWorker) -> dict[str, Any]:
         "dp_size": cfg.dp_size,
         "load_balance_method": "round_robin",
         "enable_dp_attention": False,
-        "disable_radix_cache": False,
+        "disable_radix_cache": cfg.disaggregation_mode == "decode",
         "speculative_algorithm": None,
-        "disaggregation_mode": "null",
+        **disaggregation_info(cfg),
         "enable_metrics": True,
         "enable_cache_report": True,
         "kv_events_config": kv_cfg,
@@ -173,7 +194,9 @@ def hicache_info(cfg: SimWorkerConfig) -> dict[str, Any]:
 
 def model_info_report(worker: SimWorker) -> dict[str, Any]:
     """The body of ``/model_info`` (the gRPC ``GetModelInfo`` carries the same fields)."""
-    return model_info(worker.config.model, worker.tokenizer_path)
+    return model_info(worker.config.model, worker.tokenizer_path) | {
+        "disaggregation_mode": worker.config.disaggregation_mode
+    }
 
 
 def loads_report(worker: SimWorker, sections: set[str] | None = None, dp_rank: int | None = None) -> dict[str, Any]:

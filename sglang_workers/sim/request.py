@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .radix_cache import TreeNode
@@ -55,6 +56,13 @@ class Request:
     sent_at: float | None = None  # when its first answer (chunk) left the HTTP server
     updates: asyncio.Queue[list[int] | None] = field(default_factory=asyncio.Queue)
     rng: random.Random | None = None
+    # -- prefill/decode disaggregation and /abort_request (``disaggregation``) --
+    abort_message: str | None = None  # ended by /abort_request: finish_reason abort with this message
+    pd_failure: bool = False  # ``error`` is a PD hand-off failure (SGLang answers it as an HTTPException 500)
+    finish_length: int | None = None  # finish_reason length's value when not max_new_tokens (prefill: 0)
+    first_token: int | None = None  # decode: the first output token, sampled by the prefill worker
+    prebuilt: bool = False  # decode: the prompt's KV arrived from the prefill worker (no prefill compute)
+    on_computed: Callable[[Request], object] | None = None  # prefill: called instead of ending the response
 
     @property
     def fill_ids(self) -> list[int]:

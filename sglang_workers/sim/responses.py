@@ -24,7 +24,16 @@ from typing import Any, Literal
 
 from .request import Request
 
-__all__ = ["ApiError", "ErrorKind", "error_body", "meta_info", "model_info", "usage", "weight_versions"]
+__all__ = [
+    "ApiError",
+    "ErrorKind",
+    "error_body",
+    "finish_reason_name",
+    "meta_info",
+    "model_info",
+    "usage",
+    "weight_versions",
+]
 
 ErrorKind = Literal["validation", "openai", "generate", "plain", "detail"]
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError"}
@@ -35,11 +44,17 @@ class ApiError(Exception):
     """A client-visible refusal: becomes the body SGLang gives this kind of refusal (``error_body``) on HTTP, and
     the matching status on gRPC."""
 
-    def __init__(self, status: int, message: str, kind: ErrorKind = "openai") -> None:
+    def __init__(self, status: int, message: str, kind: ErrorKind = "openai", err_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.err_type = err_type  # the OpenAI body's ``type`` where SGLang names it otherwise than by status
+
+
+def finish_reason_name(req: Request) -> str:
+    """The OpenAI ``finish_reason`` of a finished request: ``abort`` after /abort_request, else ``length``."""
+    return "abort" if req.abort_message is not None else "length"
 
 
 # Monotonic -> wall clock, fixed once (SGLang's convert_time_to_realtime does the same).
@@ -50,7 +65,7 @@ def _wall(monotonic: float) -> float:
     return monotonic + _WALL_OFFSET
 
 
-def error_body(kind: ErrorKind, status: int, message: str) -> dict[str, Any]:
+def error_body(kind: ErrorKind, status: int, message: str, err_type: str | None = None) -> dict[str, Any]:
     """The JSON body of one refusal, in the shape SGLang gives that kind of refusal."""
     if kind == "generate":
         return {"error": {"message": message}}
@@ -58,8 +73,15 @@ def error_body(kind: ErrorKind, status: int, message: str) -> dict[str, Any]:
         return {"error": message}
     if kind == "detail":
         return {"detail": _DETAILS.get(status, message)}
-    kind_name = "Bad Request" if kind == "validation" else _TYPES.get(status, "BadRequestError")
+    kind_name = err_type or ("Bad Request" if kind == "validation" else _TYPES.get(status, "BadRequestError"))
     return {"object": "error", "message": message, "type": kind_name, "param": None, "code": status}
+
+
+def _finish_reason(req: Request) -> dict[str, Any]:
+    if req.abort_message is not None:  # SGLang's FINISH_ABORT.to_json() of an /abort_request
+        return {"type": "abort", "message": req.abort_message, "status_code": None, "err_type": None}
+    length = req.finish_length if req.finish_length is not None else req.max_new_tokens
+    return {"type": "length", "length": length}
 
 
 def weight_versions(completion_tokens: int) -> list[dict[str, Any]]:
@@ -86,14 +108,18 @@ def meta_info(
     admitted = req.admitted_at if req.admitted_at is not None else now
     out: dict[str, Any] = {
         "id": req.rid,
-        "finish_reason": {"type": "length", "length": req.max_new_tokens} if finished else None,
+        "finish_reason": _finish_reason(req) if finished else None,
         "prompt_tokens": len(req.input_ids),
         "weight_version": "default",
         "num_retractions": req.num_retractions,
-        "storage_prefetch_wait": 0.0,
-        "storage_staging_wait": 0.0,
-        "forward_entry_time": _wall(admitted),
-        "prefill_finished_time": _wall(req.first_token_at or now),
+    }
+    if not req.prebuilt:  # a decode worker's request had no prefill (and no storage prefetch) of its own
+        out["storage_prefetch_wait"] = 0.0
+        out["storage_staging_wait"] = 0.0
+    out["forward_entry_time"] = _wall(admitted)
+    if not req.prebuilt:
+        out["prefill_finished_time"] = _wall(req.first_token_at or now)
+    out |= {
         "queue_time": max(admitted - req.arrival, 0.0),
         "reasoning_tokens": 0,
         "completion_tokens": completion,
@@ -113,7 +139,7 @@ def meta_info(
         if req.sent_at is not None:
             out["response_sent_to_client_ts"] = _wall(req.sent_at)
         out["request_finished_ts"] = _wall(end)
-        if completion > 1 and req.first_token_at is not None and end > req.first_token_at:
+        if completion > 1 and req.first_token_at is not None and end > req.first_token_at and not req.prebuilt:
             out["decode_throughput"] = (completion - 1) / (end - req.first_token_at)
     if req.sent_at is None and (first_chunk or finished):
         req.sent_at = now

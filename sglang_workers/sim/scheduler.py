@@ -37,7 +37,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ from .config import SimWorkerConfig
 from .hicache_storage import FileStorage, StoragePrefetcher
 from .hiradix_cache import Backup, HiRadixCache
 from .kv_events import KVEventPublisher
-from .load_report import LoadCounters
+from .load_report import NULL_DISAGGREGATION, LoadCounters
 from .metrics import Histogram, SchedulerStats, record_finished
 from .radix_cache import RadixCache
 from .request import HEALTH_CHECK_RID_PREFIX, Request
@@ -132,6 +132,9 @@ class Scheduler:
         self._debt = 0.0  # wall seconds the simulation is behind (+) or ahead (-) of its pace
         self._task: asyncio.Task[None] | None = None
         self._rids = itertools.count()
+        # SGLang's decode server runs without a radix cache (nothing inserted, nothing matched, no events).
+        self.radix_cache = config.disaggregation_mode != "decode"
+        self.disaggregation_report: Callable[[], dict[str, Any]] | None = None  # PD queues for /v1/loads
         self._publish()  # the AllBlocksCleared of cache construction, as SGLang publishes it
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -170,6 +173,17 @@ class Scheduler:
 
         Like SGLang, ``max_new_tokens`` is clipped so that prompt + output fit the KV pool.
         """
+        return self.enqueue(self.new_request(input_ids, max_new_tokens, cache_salt, rid, stream))
+
+    def new_request(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        cache_salt: str | None = None,
+        rid: str | None = None,
+        stream: bool = False,
+    ) -> Request:
+        """A request of this scheduler, not queued yet (a PD request waits for its hand-off first)."""
         max_new_tokens = max(0, min(max_new_tokens, self.capacity - 1 - len(input_ids)))
         req = Request(
             rid or f"{next(self._rids):x}",
@@ -182,12 +196,16 @@ class Scheduler:
         )
         seed_material = f"{self.config.seed}:{cache_salt}:".encode() + array("Q", input_ids).tobytes()
         req.rng = random.Random(hashlib.sha256(seed_material).digest())
+        return req
+
+    def enqueue(self, req: Request) -> Request:
+        """Put a request made by ``new_request`` in the waiting queue."""
         self.waiting.append(req)
         if not req.health_check:
             self.stats.num_requests += 1
         if self.prefetcher is not None:  # SGLang prefetches from storage as the request arrives
-            m = self.cache.match(req.input_ids[:-1], cache_salt)
-            self.prefetcher.start(req, req.input_ids, cache_salt, m.node, m.device_len + m.host_len)
+            m = self.cache.match(req.input_ids[:-1], req.cache_salt)
+            self.prefetcher.start(req, req.input_ids, req.cache_salt, m.node, m.device_len + m.host_len)
         self._wakeup.set()
         return req
 
@@ -212,6 +230,33 @@ class Scheduler:
                 self.prefetcher.cancel(req)
         elif not req.finished:
             req.max_new_tokens = min(req.max_new_tokens, max(len(req.output_ids), 1))
+
+    def abort_request(self, req: Request, message: str = "Aborted by AbortReq.") -> bool:
+        """SGLang's ``/abort_request`` for one request: it ends with finish_reason abort ``message``.
+
+        Waiting, it leaves the queue and its response ends now; running, it ends after this step. Returns
+        False when the request is not in this scheduler (not queued yet, or already finished)."""
+        if req.finished or req.abort_message is not None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+            if self.prefetcher is not None:
+                self.prefetcher.cancel(req)
+            req.abort_message = message
+            req.finished_at = time.monotonic()
+            req.updates.put_nowait(None)
+            return True
+        if req in self.running or req in self.prefilling or req is self.chunked:
+            req.abort_message = message
+            req.max_new_tokens = min(req.max_new_tokens, max(len(req.output_ids), 1))
+            return True
+        return False
+
+    def abort_matching(self, rid: str, abort_all: bool) -> int:
+        """``/abort_request``: every request whose rid starts with ``rid`` (SGLang matches prefixes)."""
+        reqs = [*self.waiting, *self.prefilling, *self.running, *([self.chunked] if self.chunked else [])]
+        hits = [r for r in dict.fromkeys(reqs) if not r.health_check and (abort_all or r.rid.startswith(rid))]
+        return sum(self.abort_request(r) for r in hits)
 
     @property
     def idle(self) -> bool:
@@ -297,7 +342,8 @@ class Scheduler:
             return
         batch = next_prefill_batch(self)
         if batch:
-            compute = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch)
+            # A decode worker's prebuilt requests got their KV from the prefill worker: no compute.
+            compute = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch if not r.prebuilt)
             loaded = sum(r.load_tokens for r in batch)
             h2d = self.profile.h2d_time(loaded)
             duration = self.profile.overlapped_prefill(compute, h2d) + self._take_stall()
@@ -414,14 +460,15 @@ class Scheduler:
     def _finish_prefill(self, batch: list[Request], launch: float, duration: float) -> None:
         self.prefilling = []
         self.stats.prefill_batches += 1
-        # SGLang's effective prefill tokens: health checks and re-prefilled retractions are not cache statistics.
-        counted = [r for r in batch if not r.health_check and not r.retracted]
+        # SGLang's effective prefill tokens: health checks and re-prefilled retractions are not cache statistics,
+        # nor a decode worker's prompts whose KV came from the prefill worker (it computed nothing).
+        counted = [r for r in batch if not r.health_check and not r.retracted and not r.prebuilt]
         self.stats.prefill_compute_tokens += sum(r.chunk_len for r in counted)
         self.stats.prefill_cache_tokens += sum(r.chunk_prefix for r in counted)
         self.counters.on_prefill(
             launch,
             duration,
-            new_tokens=sum(r.chunk_len for r in batch),
+            new_tokens=sum(r.chunk_len for r in batch if not r.prebuilt),
             effective_new=sum(r.chunk_len for r in counted),
             effective_hit=sum(r.chunk_prefix for r in counted),
             health_only=all(r.health_check for r in batch),
@@ -478,6 +525,8 @@ class Scheduler:
     # -- radix cache hand-off ----------------------------------------------------------------------
     def _cache_unfinished(self, req: Request) -> None:
         """Insert what the request has computed so far and move its lock to the new path."""
+        if not self.radix_cache:  # its KV stays private until it finishes
+            return
         tokens = req.fill_ids[: req.kv_len]
         aligned = self.cache.page_align(len(tokens))
         self.cache.insert(tokens[:aligned], req.cache_salt, req.inserted_len)
@@ -490,7 +539,8 @@ class Scheduler:
 
     def _cache_finished(self, req: Request, now: float) -> None:
         tokens = req.fill_ids[: req.kv_len]
-        self.cache.insert(tokens[: self.cache.page_align(len(tokens))], req.cache_salt, req.inserted_len)
+        if self.radix_cache:
+            self.cache.insert(tokens[: self.cache.page_align(len(tokens))], req.cache_salt, req.inserted_len)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.last_node, req.kv_len, req.tree_len = None, 0, 0
@@ -498,13 +548,18 @@ class Scheduler:
         req.sim_finished = self.sim_time
         if not req.health_check:
             record_finished(self.stats, req, now)
-        req.updates.put_nowait(None)
+        if req.on_computed is not None and req.abort_message is None:
+            req.on_computed(req)  # a prefill worker's request: its response ends after the KV transfer
+        else:
+            req.updates.put_nowait(None)
         self._wakeup.set()
 
     def _emit(self, req: Request, now: float) -> None:
         """Sample the next token (seeded, so the same prompt always gets the same output)."""
         assert req.rng is not None
         token = self.vocab[req.rng.randrange(len(self.vocab))]
+        if req.first_token is not None and not req.output_ids:
+            token = req.first_token  # sampled by the prefill worker (the draw above keeps the sequence aligned)
         req.output_ids.append(token)
         self.last_output_at = now
         if req.health_check:
@@ -588,16 +643,7 @@ class Scheduler:
                 "graph_gb": profile.graph_gb,
                 "token_capacity": self.capacity,
             },
-            "disaggregation": {
-                "mode": "null",
-                "prefill_bootstrap_queue_reqs": 0,
-                "prefill_inflight_queue_reqs": 0,
-                "decode_prealloc_queue_reqs": 0,
-                "decode_transfer_queue_reqs": 0,
-                "decode_retracted_queue_reqs": 0,
-                "kv_transfer_speed_gb_s": 0.0,
-                "kv_transfer_latency_ms": 0.0,
-            },
+            "disaggregation": self.disaggregation_report() if self.disaggregation_report else dict(NULL_DISAGGREGATION),
             "queues": {
                 "waiting": len(self.waiting),
                 "grammar": 0,

@@ -14,10 +14,12 @@ import logging
 import os
 import re
 import time
+import uuid
 
 from extproc.tokenization import DEFAULT_TOKENIZER_DIR, ModelTokenizer, TokenizerLoadError, load_tokenizer
 
 from .config import SimWorkerConfig
+from .disaggregation import Bootstrap, DecodeSide, PrefillSide, missing_room_error
 from .hiradix_cache import HiRadixCache, host_pool_tokens
 from .kv_events import KVEventPublisher
 from .radix_cache import RadixCache
@@ -87,6 +89,7 @@ class SimWorker:
         self.header_overrides = os.environ.get("SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES", "").lower() in ("1", "true")
         self.started_at = time.time()
         self.bound_port: int | None = None  # the HTTP port, once the HTTP server listens (reported in /server_info)
+        self.disaggregation: PrefillSide | DecodeSide | None = None  # the PD side (--disaggregation-mode)
 
     @property
     def tokenizer_path(self) -> str:
@@ -131,11 +134,18 @@ class SimWorker:
                     write_policy=cfg.hicache_write_policy,
                 )
                 if cfg.enable_hierarchical_cache
-                else RadixCache(cfg.page_size, enable_events=cfg.kv_events)
+                # SGLang's decode server has no radix cache, so it publishes no KV events.
+                else RadixCache(cfg.page_size, enable_events=cfg.kv_events and cfg.disaggregation_mode != "decode")
             )
             scheduler = Scheduler(rank_cfg, self.profiles[rank % len(self.profiles)], cache, publisher, vocab)
             scheduler.start()
             self.schedulers.append(scheduler)
+        if cfg.disaggregation_mode == "prefill":
+            self.disaggregation = PrefillSide(cfg, self.schedulers[0], self.profiles[0])
+        elif cfg.disaggregation_mode == "decode":
+            self.disaggregation = DecodeSide(cfg, self.schedulers[0])
+        if self.disaggregation is not None:
+            await self.disaggregation.start()
         if cfg.load_time > 0:
             asyncio.get_running_loop().call_later(cfg.load_time, self._set_ready)
         else:
@@ -146,6 +156,8 @@ class SimWorker:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.disaggregation is not None:
+            await self.disaggregation.stop()
         for scheduler in self.schedulers:
             await scheduler.stop()
         for publisher in self.publishers:
@@ -198,14 +210,46 @@ class SimWorker:
         stream: bool = False,
         kind: ErrorKind = "openai",
         requested: bool = True,
+        bootstrap: Bootstrap | None = None,
     ) -> Request:
         """Check and queue one tokenized request: the admission path of both front doors (HTTP and gRPC).
 
         ``requested``: the client named ``max_new_tokens`` (else SGLang does not check prompt + output
-        against the context length)."""
+        against the context length). ``bootstrap``: a PD request's bootstrap fields."""
         self.require_ready()
         self.check_length(input_ids, kind, max_new_tokens if requested else None)
-        return self.rank_scheduler(rank).submit(input_ids, max_new_tokens, salt, rid, stream)
+        return self.enqueue(self.rank_scheduler(rank), input_ids, max_new_tokens, salt, rid, stream, kind, bootstrap)
+
+    def enqueue(
+        self,
+        scheduler: Scheduler,
+        input_ids: list[int],
+        max_new_tokens: int,
+        salt: str | None,
+        rid: str | None,
+        stream: bool = False,
+        kind: ErrorKind = "openai",
+        bootstrap: Bootstrap | None = None,
+    ) -> Request:
+        """Queue a checked request on ``scheduler``; a PD worker first stages it (``disaggregation``).
+
+        A PD worker refuses a request without ``bootstrap_room`` as SGLang's scheduler does (400)."""
+        pd = self.disaggregation
+        if pd is None:
+            return scheduler.submit(input_ids, max_new_tokens, salt, rid, stream)
+        if bootstrap is None or bootstrap.room is None:
+            raise missing_room_error(rid or uuid.uuid4().hex, kind)
+        req = scheduler.new_request(input_ids, max_new_tokens, salt, rid or uuid.uuid4().hex, stream)
+        pd.submit(req, bootstrap)
+        return req
+
+    def abort_request(self, rid: str, abort_all: bool = False) -> int:
+        """SGLang's ``/abort_request``: end every request whose rid starts with ``rid`` (all with ``abort_all``);
+        an empty rid without ``abort_all`` is ignored, as SGLang ignores it. Returns how many were ended."""
+        if not rid and not abort_all:
+            return 0
+        ended = self.disaggregation.abort(rid, abort_all) if self.disaggregation is not None else 0
+        return ended + sum(s.abort_matching(rid, abort_all) for s in self.schedulers)
 
     def rank_scheduler(self, rank: int | None) -> Scheduler:
         """The scheduler of ``rank``, or the next one round robin (SGLang's default for unpinned requests)."""

@@ -26,6 +26,7 @@ import pytest
 from extproc.addresses import free_port
 from prefix_router.stack import CrashLoopError, GatewayStack
 from tests.support.gateway_http import post
+from tests.support.up import stop_up
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -267,13 +268,7 @@ def test_up_restarts_a_killed_worker_and_router_and_serves_throughout(envoy_bin:
         assert up.wait(30) == 0, "".join(errors)
         assert not _children(up.pid)
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+        stop_up(up)
 
 
 def _descendants(pid: int) -> dict[int, str]:

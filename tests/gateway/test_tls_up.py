@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import envoy_stats, post
+from tests.support.up import stop_up
 
 PICKED = "cluster.prefix_router_picked.upstream_rq_total"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -133,10 +133,4 @@ def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str, body_mode: s
         assert up.wait(30) == 0, banner + up.stderr.read()
         assert not _port_open(url) and not any(_port_open(w) for w in workers)
     finally:
-        if up.poll() is None:  # a failed assertion: let up stop its children (they run in their own sessions)
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+        stop_up(up)  # a failed assertion: let up stop its children (they run in their own sessions)

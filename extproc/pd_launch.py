@@ -1,0 +1,130 @@
+"""A disaggregated request's pair, launched: bootstrap fields in, prefill leg out, failures handled.
+
+The router chose a prefill and a decode worker (``RouteOutcome.prefill``); this module gives the
+body its bootstrap fields (``extproc.pd``), starts the prefill leg (``extproc.prefill_leg``) and
+waits until that request is on the wire before Envoy is answered with the decode destination. So:
+
+- a prefill worker that refuses the connection is seen before anything reached the client: it
+  leaves the candidates (as a refused load poll makes it) and the pair is chosen again, with a new
+  room, up to ``pd.pair_attempts`` times, then 503;
+- a leg that fails later (reset, non-200, timeout) aborts the decode side by ``rid``, again until
+  decode's response begins (the decode request may still be on its way when the first abort
+  lands), and the servicer turns decode's response into a 502 that names the prefill failure;
+- when the decode side ends first (an error status, a client gone), the servicer cancels the leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from extproc.pd import PairPlan, bootstrap_body, new_room
+from extproc.prefill_leg import PrefillError, PrefillLeg
+from extproc.request import RequestKind
+from extproc.router import NoWorkerError, RouteOutcome, Router
+from extproc.sync.discovery import bootstrap_port
+
+__all__ = ["LaunchedPair", "PairLauncher"]
+
+log = logging.getLogger(__name__)
+
+# Client headers the prefill leg carries as they came (the body is the router's; the rest is Envoy's business).
+_FORWARDED_HEADERS = ("authorization", "x-api-key", "traceparent", "tracestate")
+
+
+@dataclass
+class LaunchedPair:
+    """The prefill side of one request, as the servicer follows it."""
+
+    plan: PairPlan
+    leg: PrefillLeg
+    failure: str | None = None  # why the leg failed after Envoy was answered (None: it has not)
+    response_started: bool = False  # decode's response headers reached the router
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+class PairLauncher:
+    """Starts prefill legs for one router; knows nothing of gRPC."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.config = router.config.pd
+        self.client = router.prefill_client
+
+    async def launch(
+        self,
+        route: Callable[[], Awaitable[RouteOutcome]],
+        kind: RequestKind,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> tuple[RouteOutcome, bytes, LaunchedPair | None]:
+        """Route (``route`` is one ``router.aroute`` call); for a pair, start its leg; the body Envoy sends on.
+
+        An aggregated decision comes back as it is, with the body untouched and no pair.
+        """
+        last: PrefillError | None = None
+        for _attempt in range(self.config.pair_attempts):
+            outcome = await route()
+            prefill = outcome.prefill
+            if prefill is None:
+                return outcome, body, None
+            worker = prefill.worker
+            port = bootstrap_port(worker, self.config.default_bootstrap_port)
+            try:
+                paired, plan = bootstrap_body(body, kind, worker.ip, port, new_room(), prefill.dp_rank)
+            except Exception:
+                self.router.finish(outcome)
+                raise
+            leg_headers = {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
+            leg_headers.update(prefill.upstream_headers)
+            leg_headers["content-type"] = "application/json"
+            leg = self.client.send(worker, path, paired, leg_headers)
+            try:
+                await leg.wait_sent(self.config.connect_timeout_s)
+            except PrefillError as exc:
+                leg.cancel()
+                self.router.finish(outcome)
+                self.router.telemetry.prefill_failed(exc.reason, retried=True)
+                self.router.registry.mark_unreachable(worker, f"prefill leg: {exc.detail}")
+                log.warning("prefill worker %s failed before the pair was sent (%s); a new pair", worker.id, exc)
+                last = exc
+                continue
+            except BaseException:  # the client went away while the leg connected: nothing may leak
+                leg.cancel()
+                self.router.finish(outcome)
+                raise
+            pair = LaunchedPair(plan=plan, leg=leg)
+            assert leg.task is not None
+            leg.task.add_done_callback(functools.partial(self._leg_ended, outcome, pair))
+            return outcome, paired, pair
+        raise NoWorkerError(f"no prefill worker accepted the request after {self.config.pair_attempts} pairs: {last}")
+
+    def _leg_ended(self, outcome: RouteOutcome, pair: LaunchedPair, _task: object) -> None:
+        assert outcome.prefill is not None
+        self.router.finish(outcome.prefill)  # the prefill worker's part is over
+        leg = pair.leg
+        if leg.task is None or leg.task.cancelled() or leg.failure is None or outcome.finished:
+            return
+        failure = leg.failure
+        pair.failure = failure.detail
+        self.router.telemetry.prefill_failed(failure.reason, retried=False)
+        if failure.reason == "refused":
+            self.router.registry.mark_unreachable(leg.worker, f"prefill leg: {failure.detail}")
+        log.warning("prefill leg failed (%s); aborting decode on %s", failure.detail, outcome.worker.id)
+        task = asyncio.get_running_loop().create_task(self._abort_decode(outcome, pair), name="abort-decode")
+        pair.tasks.add(task)
+        task.add_done_callback(pair.tasks.discard)
+
+    async def _abort_decode(self, outcome: RouteOutcome, pair: LaunchedPair) -> None:
+        """Abort the decode side now, and again until its response begins (or the request ended)."""
+        accepted = await self.client.abort(outcome.worker, pair.plan.rids)
+        self.router.telemetry.decode_aborted(accepted)
+        for _ in range(self.config.abort_repeats - 1):
+            await asyncio.sleep(self.config.abort_repeat_s)
+            if pair.response_started or outcome.finished:
+                return
+            await self.client.abort(outcome.worker, pair.plan.rids)

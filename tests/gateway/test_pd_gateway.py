@@ -1,0 +1,197 @@
+"""Prefill/decode pairs end to end: real Envoy, the router process, simulated prefill and decode workers.
+
+One stack per body mode (BUFFERED and FULL_DUPLEX_STREAMED): two prefill and one decode simulated
+worker, whose roles the router discovers from their ``/server_info``. The router sends the prefill
+leg itself; Envoy proxies the decode side, whose response the client reads. The test that kills a
+prefill worker comes last in each module run.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from extproc.addresses import free_port
+from prefix_router.stack import GatewayStack
+from tests.support.gateway_http import post, request, stream_lines
+from tests.support.up import running_up
+
+GENERATE = {"text": "The quick brown fox jumps over the lazy dog. " * 12, "sampling_params": {"max_new_tokens": 8}}
+
+
+@pytest.fixture(scope="module", params=["buffered", "streamed"])
+def stack(
+    request: pytest.FixtureRequest, envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayStack]:
+    config = tmp_path_factory.mktemp("router") / "router.yaml"
+    config.write_text(
+        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1, keep_last_healthy_s: 0}\n"
+        "load: {poll_interval_s: 0.2}\n"
+    )
+    gateway = GatewayStack(
+        pd=(2, 1),
+        sim_worker_options={"profile": "llama-3.1-8b-h100", "page_size": 16},
+        config=config,
+        body_mode=request.param,
+    )
+    with gateway:
+        yield gateway
+
+
+def _metrics(stack: GatewayStack) -> str:
+    return request(f"http://127.0.0.1:{stack.metrics_port}/metrics").body.decode()
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and line.split(" ")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _roles(stack: GatewayStack) -> tuple[list[Any], Any]:
+    workers = stack.sim_processes
+    return workers[:2], workers[2]
+
+
+def _label(worker: Any) -> str:
+    return worker.url.removeprefix("http://")
+
+
+def _wait_until(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_pd_request_is_answered_by_decode_and_prefilled_by_a_prefill_worker(stack: GatewayStack) -> None:
+    _prefill, decode = _roles(stack)
+    _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3)
+    before = _metrics(stack)
+    reply = post(stack.url + "/generate", GENERATE, timeout=30)
+    assert reply.status == 200, reply.body
+    assert reply.headers.get("x-upstream-host") == _label(decode)  # the client reads the decode worker's answer
+    data = reply.json()
+    assert data["meta_info"]["completion_tokens"] == 8
+    after = _metrics(stack)
+    assert _sample(after, "prefix_router_pd_routed_total", role="decode", worker=_label(decode)) == (
+        _sample(before, "prefix_router_pd_routed_total", role="decode", worker=_label(decode)) + 1
+    )
+    assert _sample(after, "prefix_router_pd_routed_total", role="prefill") == (
+        _sample(before, "prefix_router_pd_routed_total", role="prefill") + 1
+    )
+    for path, body in (
+        (
+            "/v1/chat/completions",
+            {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        ),
+        ("/v1/completions", {"model": "default", "prompt": "Once upon a time", "max_tokens": 4}),
+    ):
+        reply = post(stack.url + path, body, timeout=30)
+        assert reply.status == 200, reply.body
+        assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_repeat_hits_the_prefill_workers_cache_and_only_prefill_workers_feed_the_index(stack: GatewayStack) -> None:
+    prefill, decode = _roles(stack)
+    body = {"text": "A long shared system prompt about routing. " * 20, "sampling_params": {"max_new_tokens": 2}}
+    first = post(stack.url + "/generate", body, timeout=30)
+    assert first.status == 200, first.body
+    time.sleep(0.5)  # the prefill worker's KV events reach the index
+    second = post(stack.url + "/generate", body, timeout=30)
+    assert second.status == 200, second.body
+    prompt = second.json()["meta_info"]["prompt_tokens"]
+    cached = second.json()["meta_info"]["cached_tokens"]
+    assert cached >= prompt // 16 * 16 - 16 > 0  # the same prefill worker again: its radix cache held the prompt
+    text = _metrics(stack)
+    assert _sample(text, "prefix_router_index_blocks", worker=_label(decode)) == 0
+    assert sum(_sample(text, "prefix_router_index_blocks", worker=_label(p)) for p in prefill) > 0
+
+
+def test_streamed_tokens_pass_through_as_decode_makes_them(stack: GatewayStack) -> None:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 48,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events = [
+        (t, line) for t, line in stream_lines(stack.url + "/v1/chat/completions", body, 30) if line.startswith(b"data:")
+    ]
+    assert events[-1][1].strip() == b"data: [DONE]"
+    assert len(events) >= 40
+    # 48 decode steps of the simulated GPU take ~0.35 s: buffered, every event would arrive at once.
+    assert events[-1][0] - events[0][0] > 0.15
+
+
+def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_other(stack: GatewayStack) -> None:
+    prefill, _decode = _roles(stack)
+    # A prompt long enough that its prefill is still running when the worker dies (8k tokens on the simulated GPU).
+    long_body = {"text": " ".join(f"w{i}" for i in range(6000)), "sampling_params": {"max_new_tokens": 4}}
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        began = time.monotonic()
+        result["reply"] = post(stack.url + "/generate", long_body, timeout=60)
+        result["seconds"] = time.monotonic() - began
+
+    before = _metrics(stack)
+    sender = threading.Thread(target=send)
+    sender.start()
+    # Whichever prefill worker took it: find it by its in-flight count, then kill it mid-prefill.
+    victim: Any = None
+
+    def busy() -> bool:
+        nonlocal victim
+        text = _metrics(stack)
+        victim = next((p for p in prefill if _sample(text, "prefix_router_worker_in_flight", worker=_label(p))), None)
+        return victim is not None
+
+    _wait_until(busy, 10)
+    victim.process.send_signal(signal.SIGKILL)
+    sender.join(60)
+    reply = result["reply"]
+    assert result["seconds"] < 10  # seconds, never SGLang's 300 s bootstrap wait
+    assert reply.status >= 500, reply.body
+    assert re.search(rb"prefill|abort", reply.body, re.IGNORECASE), reply.body
+    after = _metrics(stack)
+    assert _sample(after, "prefix_router_pd_prefill_failures_total", retried="false") > _sample(
+        before, "prefix_router_pd_prefill_failures_total", retried="false"
+    )
+    # The next requests find the surviving prefill worker (a refused leg is retried before Envoy is answered).
+    for _ in range(3):
+        again = post(stack.url + "/generate", GENERATE, timeout=30)
+        assert again.status == 200, again.body
+    victim.restart(60)
+    _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, 20)
+
+
+def test_up_pd_runs_a_prefill_decode_fleet_behind_the_gateway(envoy_bin: str) -> None:
+    port = free_port()
+    with running_up("--pd", "1P1D", "--port", str(port), "--quiet") as (_, banner):
+        text = "".join(banner)
+        assert text.count("(prefill)") == 1 and text.count("(decode)") == 1, text
+        decode_url = next(line.split()[0] for line in banner if "(decode)" in line)
+        reply = post(f"http://127.0.0.1:{port}/generate", GENERATE, timeout=30)
+        assert reply.status == 200, reply.body
+        assert reply.headers.get("x-upstream-host") == decode_url.removeprefix("http://")
+
+
+def test_up_refuses_a_bad_pd_shape() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefix_router", "up", "--pd", "0P1D"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "not a PD fleet shape like 1P1D" in done.stderr

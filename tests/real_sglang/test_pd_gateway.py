@@ -1,0 +1,116 @@
+"""The gateway on a real SGLang 0.5.23 prefill/decode pair on this CPU: real Envoy, the router, one real
+prefill and one real decode worker (``GatewayStack(pd=(1, 1))``, mooncake over TCP).
+
+The router discovers both roles and the bootstrap port from ``/server_info``, sends the prefill leg
+itself and lets Envoy proxy the decode side. Checked against what the workers say: the decode worker
+answers, a repeat reports the prefill worker's ``cached_tokens``, only the prefill worker's KV events
+feed the index, a streamed chat arrives in pieces, and a killed prefill worker costs a fast, clean
+error. A pair takes ~7 GB and ~80 s to start; the module keeps its requests few and short.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from prefix_router.stack import GatewayStack
+from tests.support.gateway_http import post, stream_lines
+from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS
+
+pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
+    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install, missing_install_reason
+
+    reason = missing_install_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    install = find_install()
+    assert install is not None
+    config = tmp_path_factory.mktemp("router") / "router.yaml"
+    config.write_text(
+        f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
+        "health: {interval_s: 0.5, timeout_s: 5.0, unhealthy_after: 2, keep_last_healthy_s: 0}\n"
+    )
+    gateway = GatewayStack(
+        pd=(1, 1),
+        sglang_cpu_workers=1,
+        sglang_cpu_options={"capacity_tokens": CPU_POOL_TOKENS, "extra_args": CPU_EXTRA_FLAGS},
+        config=config,
+        startup_timeout_s=400,
+    )
+    with gateway:
+        yield gateway
+
+
+def _metric(stack: GatewayStack, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        head = line.split(" ")[0]
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _label(worker: Any) -> str:
+    return f"127.0.0.1:{worker.port}"
+
+
+def _wait_until(check: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+
+
+def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_prefill(stack: GatewayStack) -> None:
+    prefill, decode = stack.sglang_cpu_processes
+    _wait_until(lambda: _metric(stack, "prefix_router_worker_healthy") == 2, 30)
+    body = {"text": "Routing prefill and decode apart on one machine. " * 12, "sampling_params": {"max_new_tokens": 8}}
+    first = post(stack.url + "/generate", body, timeout=120)
+    assert first.status == 200, first.body
+    assert first.headers.get("x-upstream-host") == _label(decode)  # the client reads the decode worker's answer
+    assert first.json()["meta_info"]["completion_tokens"] == 8
+    assert _metric(stack, "prefix_router_pd_routed_total", role="prefill", worker=_label(prefill)) == 1
+    # The prefill worker's BlockStored events reach the index; the decode worker publishes none.
+    _wait_until(lambda: _metric(stack, "prefix_router_index_blocks", worker=_label(prefill)) > 0, 10)
+    assert _metric(stack, "prefix_router_index_blocks", worker=_label(decode)) == 0
+    second = post(stack.url + "/generate", body, timeout=120)
+    assert second.status == 200, second.body
+    meta = second.json()["meta_info"]
+    assert meta["cached_tokens"] >= meta["prompt_tokens"] - 16 > 0  # the prefill side's radix cache held it
+
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say something long."}],
+        "max_tokens": 24,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events = [
+        line for _, line in stream_lines(stack.url + "/v1/chat/completions", chat, 120) if line.startswith(b"data:")
+    ]
+    assert events[-1].strip() == b"data: [DONE]" and len(events) >= 20
+
+
+def test_a_killed_prefill_worker_fails_requests_fast_and_clean(stack: GatewayStack) -> None:
+    prefill, _ = stack.sglang_cpu_processes
+    prefill.process.send_signal(signal.SIGKILL)
+    prefill.process.wait()
+    body = {"text": "After the prefill worker died.", "sampling_params": {"max_new_tokens": 4}}
+    began = time.monotonic()
+    reply = post(stack.url + "/generate", body, timeout=60)
+    assert time.monotonic() - began < 5  # seconds, never the 300 s a decode worker waits for its KV
+    assert reply.status == 503, reply.body
+    assert b"prefill" in reply.body
