@@ -1,4 +1,4 @@
-"""The replicas' view drift: parsed from real /metrics text, 0 when they agree, relative spread otherwise."""
+"""Benchmark check tools: replicas' view drift from real /metrics text, and the decision digest."""
 
 from __future__ import annotations
 
@@ -41,3 +41,11 @@ def test_drift_is_zero_when_replicas_agree_and_the_relative_spread_otherwise() -
     assert math.isclose(drift([{"w0": 10.0, "w1": 30.0}, {"w0": 14.0, "w1": 30.0}]), 4 / 42)
     assert math.isclose(drift([{"w0": 8.0}, {}]), 8 / 4)  # a worker one replica has not heard of counts as 0
     assert math.isnan(drift([{"w0": 0.0}, {"w0": 0.0}]))
+
+
+def test_the_decision_digest_is_reproducible_and_sees_a_changed_decision() -> None:
+    from benchmarks import decision_digest
+
+    assert decision_digest.digest(64, 40) == decision_digest.digest(64, 40)  # what makes two commits comparable
+    # Scoring all 256 workers instead of the shortlist of 16 decides differently, and the digest says so.
+    assert decision_digest.digest(256, 40) != decision_digest.digest(256, 40, max_candidates=1_000_000)
