@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=300, help="Decisions per fleet.")
     parser.add_argument("--fleets", default="8,16,64,256", help="Comma-separated fleet sizes.")
-    parser.add_argument(
-        "--max-candidates", type=int, default=None, help="policy.max_candidates (default: config)."
-    )
+    parser.add_argument("--max-candidates", type=int, default=None, help="policy.max_candidates (default: config).")
     args = parser.parse_args(argv)
     for size in (int(f) for f in args.fleets.split(",") if f.strip()):
         print(f"{size:>4} workers, {args.steps} decisions: {digest(size, args.steps, args.max_candidates)}", flush=True)
