@@ -17,6 +17,10 @@ touched per group, and TTFT::
     python -m benchmarks.replicas                       # 1, 2, 3 replicas, burst workload
     python -m benchmarks.replicas --replicas 1,3 --workload gsp --rate 32 --json out/replicas.json
     python -m benchmarks.replicas --shared-state start   # replicas share decisions via Redis
+    python -m benchmarks.replicas --replicas 1,2,4 --workload multiturn --sessions 16 --turns 4 --rate 8
+
+With two replicas or more it also samples every replica's ``/metrics`` during the run and prints
+how far apart their views of the workers' caches are (``benchmarks.replica_drift``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.client import ClientOptions, run_load
 from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.metrics import RequestResult, percentile
-from benchmarks.workloads import BenchRequest, Workload, block_text, gsp_workload, prefix_hash
+from benchmarks.replica_drift import sample_drift
+from benchmarks.workloads import BenchRequest, Workload, block_text, gsp_workload, multiturn_workload, prefix_hash
 from extproc import envoy_config
 from extproc.addresses import free_port, split_host_port
 from extproc.envoy_config import GatewaySpec
@@ -133,6 +138,7 @@ class ReplicaGateway:
         self.router_command = list(router_command)
         self.startup_timeout_s = startup_timeout_s
         self.router_ports = [free_port() for _ in range(replicas)]
+        self.metrics_ports = [free_port() for _ in range(replicas)]
         self.port, self.admin_port = free_port(), free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="prefix-router-replicas-"))
         self._children: list[tuple[str, subprocess.Popen[bytes], Path]] = []
@@ -141,10 +147,15 @@ class ReplicaGateway:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Each replica's Prometheus ``/metrics``."""
+        return [f"http://{LOOPBACK}:{port}/metrics" for port in self.metrics_ports]
+
     def replica_config(self, index: int) -> dict[str, Any]:
         """The YAML config of replica ``index``: every worker, its own port, shared + own overrides."""
         config: dict[str, Any] = {
-            "server": {"host": LOOPBACK, "port": self.router_ports[index], "metrics_port": None},
+            "server": {"host": LOOPBACK, "port": self.router_ports[index], "metrics_port": self.metrics_ports[index]},
             "workers": [{"url": url} for url in self.worker_urls],
         }
         for extra in (self.router_config, self.replica_configs[index] if index < len(self.replica_configs) else {}):
@@ -268,6 +279,8 @@ class ReplicaResult:
     ttft_p50_s: float
     ttft_p90_s: float
     requests_per_worker: dict[str, int]
+    drift_p50: float = math.nan  # replicas' disagreement on the blocks each worker holds (replica_drift)
+    drift_max: float = math.nan
 
 
 def affinity(groups: Sequence[str], results: Sequence[RequestResult]) -> tuple[float, float]:
@@ -344,6 +357,18 @@ def burst_workload(
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
+    if args.workload == "multiturn":
+        return multiturn_workload(
+            sessions=args.sessions,
+            turns=args.turns,
+            system_prompt_len=args.system_len,
+            question_len=args.question_len,
+            answer_len=args.answer_len,
+            output_len=args.output_len,
+            turn_interval_s=args.turn_interval,
+            rate=args.rate,
+            seed=args.seed,
+        )
     if args.workload == "burst":
         return burst_workload(
             groups=args.groups,
@@ -368,8 +393,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 def _groups(workload: Workload) -> list[str]:
-    """A request's prefix group: its first message (gsp: the shared system prompt)."""
-    return [prefix_hash(r.messages[0]["content"], 1 << 20) for r in workload.requests]
+    """A request's prefix group: its session (multiturn), else its first message (gsp: the shared system prompt)."""
+    return [r.session or prefix_hash(r.messages[0]["content"], 1 << 20) for r in workload.requests]
 
 
 async def run_one(
@@ -379,7 +404,13 @@ async def run_one(
     await cluster.start()
     try:
         async with ReplicaGateway(cluster.urls, replicas, router_config=router_config) as gateway:
-            results = await run_load(gateway.url, workload.requests, options)
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(sample_drift(gateway.metrics_urls, stop)) if replicas > 1 else None
+            try:
+                results = await run_load(gateway.url, workload.requests, options)
+            finally:
+                stop.set()
+                drifts = sorted(await sampler) if sampler is not None else []
     finally:
         await cluster.stop()
     ok = [r for r in results if r.error is None]
@@ -399,6 +430,8 @@ async def run_one(
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p90_s=percentile(ttfts, 90),
         requests_per_worker=dict(sorted(counts.items())),
+        drift_p50=percentile(drifts, 50) if drifts else math.nan,
+        drift_max=drifts[-1] if drifts else math.nan,
     )
 
 
@@ -460,15 +493,17 @@ def redis_server() -> Iterator[str]:
 
 
 HEADER = (
-    "| replicas | requests | errors | hit rate | affinity | workers/group | TTFT p50 (ms) | TTFT p90 (ms) |\n"
-    "|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| replicas | requests | errors | hit rate | affinity | workers/group | TTFT p50 (ms) | TTFT p90 (ms) "
+    "| view drift p50 / max |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
 def _row(r: ReplicaResult) -> str:
     return (
         f"| {r.replicas} | {r.requests} | {r.errors} | {r.hit_rate:.3f} | {r.affinity:.3f} | "
-        f"{r.workers_per_group:.2f} | {r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} |"
+        f"{r.workers_per_group:.2f} | {r.ttft_p50_s * 1000:.0f} | {r.ttft_p90_s * 1000:.0f} | "
+        f"{r.drift_p50:.3f} / {r.drift_max:.3f} |"
     )
 
 
@@ -514,11 +549,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="KV page size (= router block size).")
     parser.add_argument(
         "--workload",
-        choices=["burst", "gsp"],
+        choices=["burst", "gsp", "multiturn"],
         default="burst",
         help="burst: fan-out bursts of requests sharing a prefix (the case replicas can split); "
-        "gsp: generated shared prefix with Poisson arrivals.",
+        "gsp: generated shared prefix with Poisson arrivals; multiturn: chat sessions whose history grows "
+        "(a session is the prefix group).",
     )
+    parser.add_argument("--sessions", type=int, default=16, help="multiturn: chat sessions.")
+    parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per session.")
+    parser.add_argument("--answer-len", type=int, default=64, help="multiturn: tokens of each assistant answer.")
+    parser.add_argument("--turn-interval", type=float, default=1.0, help="multiturn: seconds between turns.")
     parser.add_argument("--groups", type=int, default=16, help="Shared system prompts (prefix groups).")
     parser.add_argument("--burst-size", type=int, default=6, help="burst: requests per burst.")
     parser.add_argument("--bursts-per-group", type=int, default=2, help="burst: bursts of each group.")
@@ -547,6 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"burst: {args.groups} groups x {args.bursts_per_group} bursts of {args.burst_size} "
             f"({args.spacing * 1000:.0f} ms apart, a burst every {args.gap} s)"
         )
+    elif args.workload == "multiturn":
+        shape = f"multiturn: {args.sessions} sessions x {args.turns} turns at {args.rate} req/s"
     else:
         shape = f"gsp: {args.groups} groups x {args.prompts_per_group} prompts at {args.rate} req/s"
     print(

@@ -66,6 +66,14 @@ def tier_of(medium: str | None) -> str:
     return _MEDIUM_TIER.get(medium.upper() if isinstance(medium, str) else medium, "disk")
 
 
+def _set_depths(depth: dict[str, int], names: Mapping[int, str], bits: int, value: int) -> None:
+    """``depth[worker] = value`` for each slot whose bit is set in ``bits``."""
+    while bits:
+        low = bits & -bits
+        depth[names[low.bit_length() - 1]] = value
+        bits ^= low
+
+
 class _Tier:
     """Confirmed entries of one storage tier: key -> worker bitmask, plus per-worker LRU order."""
 
@@ -73,12 +81,17 @@ class _Tier:
         self.holders: dict[int, int] = {}
         self.order: dict[int, OrderedDict[int, None]] = {}
 
-    def add(self, slot: int, keys: Iterable[int]) -> int:
+    def add(self, slot: int, keys: Sequence[int]) -> int:
         """Store ``keys`` for ``slot`` (refreshing ones it has); returns how many are new."""
         bit = 1 << slot
         order = self.order.setdefault(slot, OrderedDict())
         holders = self.holders
         before = len(order)
+        if order.keys().isdisjoint(keys):  # the usual case (new pages): in bulk, no refreshes to order
+            order.update(dict.fromkeys(keys))
+            get = holders.get
+            holders.update({key: get(key, 0) | bit for key in keys})
+            return len(order) - before
         for key in keys:
             if key in order:
                 order.move_to_end(key)
@@ -349,40 +362,60 @@ class BlockIndex:
 
         Walks the prompt's keys once, carrying the set of workers still matching as a bitmask, and
         stops as soon as none does: cost is proportional to the matched prefix, not to the fleet.
+        The answer lists the workers in the order of ``worker_ids`` (the router reads it in that order).
         """
         with self._lock:
             now = self._clock()
-            slots = [self._slot(w) for w in worker_ids]
-            for slot in slots:
-                self._expire(slot, now)
+            slots = self._slots_of(worker_ids)
+            self._expire_each(slots, now)
             alive = 0
             for slot in slots:
                 alive |= 1 << slot
-            depth = dict.fromkeys(slots, 0)
+            depth = dict.fromkeys(worker_ids, 0)
+            names: dict[int, str] | None = None  # slot -> worker id, built once some worker matches a block
             holders_get = self._holders_lookup((tier,) if isinstance(tier, str) else tuple(tier))
-            fresh = self._fresh_cutoffs(slots, now)
+            fresh: list[float] | None = None  # per-slot record cutoffs, computed at the first record met
             recent_get = self._recent.get
             for i, key in enumerate(keys):
                 mask = holders_get(key, 0) & alive
                 entry = recent_get(key) if mask != alive else None  # confirmed for all: skip the record
                 if entry:
+                    if fresh is None:
+                        fresh = self._fresh_cutoffs(slots, now)
                     for slot, stamp in entry.items():
                         if stamp > fresh[slot]:
                             mask |= 1 << slot
                     mask &= alive
                 if mask != alive:
-                    gone = alive & ~mask
-                    for slot in slots:
-                        if gone >> slot & 1:
-                            depth[slot] = i
+                    if i:  # depths start at 0: only workers that matched some blocks are written
+                        names = names or dict(zip(slots, worker_ids))
+                        _set_depths(depth, names, alive & ~mask, i)
                     alive = mask
                     if not alive:
                         break
             else:
-                for slot in slots:
-                    if alive >> slot & 1:
-                        depth[slot] = len(keys)
-            return {w: depth[s] for w, s in zip(worker_ids, slots)}
+                if alive:
+                    _set_depths(depth, names or dict(zip(slots, worker_ids)), alive, len(keys))
+            return depth
+
+    def _slots_of(self, worker_ids: Sequence[str]) -> list[int]:
+        """The slots of ``worker_ids`` (made for ids not seen before)."""
+        known = self._slots
+        try:
+            return [known[w] for w in worker_ids]
+        except KeyError:
+            return [self._slot(w) for w in worker_ids]
+
+    def _expire_each(self, slots: Sequence[int], now: float) -> None:
+        """Drop the router's stale records of these slots (only slots holding one are visited further)."""
+        fifos = self._recent_fifo
+        if not fifos:
+            return
+        horizon = now - max(self.config.fallback_ttl_s, self.config.speculative_ttl_s)
+        for slot in slots:
+            fifo = fifos.get(slot)
+            if fifo and fifo[0][0] < horizon:
+                self._expire(slot, now)
 
     def _holders_lookup(self, tiers: tuple[str, ...]) -> Callable[[int, int], int]:
         """``key -> holder bitmask`` over one tier (a plain dict lookup: the hot case) or the union of several."""

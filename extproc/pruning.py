@@ -22,20 +22,27 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from extproc.policies import Candidate, WorkerLoad
+from extproc.policies import WorkerLoad
 
-__all__ = ["CandidatePruner", "load_of"]
+__all__ = ["CandidatePruner", "Depth", "load_of"]
+
+Depth = tuple[int, int, int]  # leading blocks matched: (storage tier, host memory, GPU), each cumulative
 
 
-def load_of(candidate: Candidate, reported: WorkerLoad | None) -> int:
+def load_of(in_flight: int, reported: WorkerLoad | None) -> int:
     """Requests on the worker: its in-flight count here or its reported running ones (the larger), plus its queue."""
     if reported is None:
-        return candidate.in_flight
-    return max(candidate.in_flight, reported.num_running_reqs) + reported.num_waiting_reqs
+        return in_flight
+    return max(in_flight, reported.num_running_reqs) + reported.num_waiting_reqs
 
 
 class CandidatePruner:
-    """Keeps the longest-matching and least-loaded candidates, at most ``max_candidates`` of them."""
+    """Keeps the longest-matching and least-loaded workers, at most ``max_candidates`` of them.
+
+    It works on plain per-worker figures (no ``Candidate`` objects): the router builds a candidate
+    only for the workers that survive, so what a decision spends on the rest of the fleet is one
+    index lookup and one load figure each.
+    """
 
     def __init__(self, max_candidates: int) -> None:
         if max_candidates < 2:
@@ -43,29 +50,25 @@ class CandidatePruner:
         self.max_candidates = max_candidates
         self._turn = 0  # rotates the order among equally loaded workers from one decision to the next
 
-    def prune(
-        self, candidates: Sequence[Candidate], reported: Callable[[Candidate], WorkerLoad | None]
-    ) -> list[Candidate]:
-        """The shortlist, in the order of ``candidates``; ``reported`` gives a candidate's last load report."""
-        count = len(candidates)
+    def shortlist(self, depths: Sequence[Depth], loads: Callable[[], Sequence[int]]) -> range | list[int]:
+        """Positions of the workers kept, in fleet order; ``depths[i]`` is worker i's match.
+
+        ``loads`` is called only when the fleet is larger than the shortlist (``load_of`` per worker).
+        """
+        count = len(depths)
         keep = self.max_candidates
         if count <= keep:
-            return list(candidates)
-        loads = [load_of(c, reported(c)) for c in candidates]
+            return range(count)
+        load = loads()
         # Usually few workers hold any of the prompt: only those are ranked by match.
-        holders = [i for i, c in enumerate(candidates) if c.shared_matched_blocks or c.matched_blocks]
+        holders = [i for i, d in enumerate(depths) if d[0] or d[2]]
         best = heapq.nsmallest(
             (keep + 1) // 2,
             holders,
-            key=lambda i: (
-                -candidates[i].shared_matched_blocks,
-                -candidates[i].host_matched_blocks,
-                -candidates[i].matched_blocks,
-                loads[i],
-            ),
+            key=lambda i: (-depths[i][0], -depths[i][1], -depths[i][2], load[i]),
         )
         chosen = set(best)
         self._turn = turn = (self._turn + 1) % count
         rest = (i for i in range(count) if i not in chosen)
-        chosen.update(heapq.nsmallest(keep - len(chosen), rest, key=lambda i: (loads[i], (i - turn) % count)))
-        return [candidates[i] for i in sorted(chosen)]
+        chosen.update(heapq.nsmallest(keep - len(chosen), rest, key=lambda i: (load[i], (i - turn) % count)))
+        return sorted(chosen)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.config import RouterConfig
+from extproc.fleet_layout import FleetLayout, WorkerLayout
 from extproc.flow_control import Admission, FlowController
 from extproc.index import BlockIndex, rank_key
 from extproc.key_cache import KeyCache
@@ -43,10 +44,10 @@ from extproc.pd import split_roles
 from extproc.policies import Candidate, Decision, Policy, RoutingRequest, create_policy, policy_from_config
 from extproc.prefill_leg import PrefillClient
 from extproc.prompt import Chain, PreparedPrompt, PromptPreparer
-from extproc.pruning import CandidatePruner
+from extproc.pruning import CandidatePruner, Depth, load_of
 from extproc.request import ParsedRequest, RequestError
 from extproc.response import DP_RANK_HEADERS
-from extproc.sync.discovery import dp_size, page_size, storage_group
+from extproc.sync.discovery import dp_size
 from extproc.sync.http import WorkerHttp
 from extproc.sync.hub import EventHub
 from extproc.sync.load import LoadTracker
@@ -103,10 +104,9 @@ class RouteOutcome:
         return next((c.matched_blocks for c in self.candidates if c.worker is self.worker), 0)
 
 
-def _rank_slots(worker: Worker) -> list[str]:
-    """The index slots of the worker's data-parallel ranks (just its id for a single-rank worker)."""
-    ranks = dp_size(worker)
-    return [worker.id] if ranks == 1 else [rank_key(worker.id, r) for r in range(ranks)]
+def _chains(workers: list[Worker], sizes: list[int]) -> set[Chain]:
+    """The (block size, model) key chains the candidates need (workers sharing both share one)."""
+    return {(size, w.model or "") for w, size in zip(workers, sizes)}
 
 
 class Router:
@@ -165,6 +165,7 @@ class Router:
             self._tokenizers.append(self.prompts.tokenizer_for(None))
         for tokenizer in self._tokenizers:
             tokenizer.set_cache_bytes(self.memory.piece_cache_bytes // len(self._tokenizers))
+        self.layout = FleetLayout(self.prompts.model_config, self.events.block_size, config.index.default_block_size)
         self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
         self.flow = FlowController(config.flow_control, self.telemetry.metrics) if config.flow_control.enabled else None
@@ -177,6 +178,7 @@ class Router:
                 self.policy.remove_worker(worker_id)
                 self.decode_policy.remove_worker(worker_id)
         self._members = current
+        self.layout.retain(self.registry.workers)
 
     def memory_usage(self) -> dict[str, int]:
         """Estimated bytes each part of the memory budget holds now (``/metrics`` reads it at scrape time)."""
@@ -217,10 +219,7 @@ class Router:
 
     def block_size_for(self, worker: Worker) -> int:
         """Tokens per block for this worker: model config, then /server_info, then its events."""
-        cfg = self.prompts.model_config(worker.model)
-        if cfg is not None and cfg.block_size:
-            return cfg.block_size
-        return page_size(worker) or self.events.block_size(worker) or self.config.index.default_block_size
+        return self.layout.block_size(worker)
 
     # -- the decision -----------------------------------------------------------------------------
     def route(self, parsed: ParsedRequest) -> RouteOutcome:
@@ -230,9 +229,10 @@ class Router:
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers, decode, aggregated = self._split_roles(self._workers(parsed))
-        prompt = self.prompts.prepare(parsed, self._chains(workers))
+        layout = self.layout.read(workers)
+        prompt = self.prompts.prepare(parsed, _chains(workers, layout[1]))
         assert prompt is not None  # no budget, so never refused
-        return self._decide(parsed, workers, prompt, start_ns, wall_ns, decode=decode, aggregated=aggregated)
+        return self._decide(parsed, workers, layout, prompt, start_ns, wall_ns, decode=decode, aggregated=aggregated)
 
     async def aroute(
         self,
@@ -256,7 +256,8 @@ class Router:
         """
         start_ns, wall_ns = time.perf_counter_ns(), time.time_ns()
         workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
-        chains = self._chains(workers)
+        layout = self.layout.read(workers)
+        chains = _chains(workers, layout[1])
         prompt = self.prompts.prepare(parsed, chains, self.config.server.inline_tokenize_chars)
         if prompt is None:
             loop = asyncio.get_running_loop()
@@ -264,6 +265,7 @@ class Router:
             assert prompt is not None  # no budget, so never refused
             # Health may have changed meanwhile.
             workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
+            layout = self.layout.read(workers)
         waited = 0.0
         if self.flow is not None:
             admission = admission or _ADMIT_ALL
@@ -274,7 +276,8 @@ class Router:
                 workers, decode, aggregated = self._split_roles(self._workers(parsed, subset))
             # Admitted because some worker has room: the policy chooses among those only.
             workers = [w for w in workers if self._room_at(w, priority)] or workers
-        outcome = self._decide(parsed, workers, prompt, start_ns, wall_ns, waited, decode, aggregated)
+            layout = self.layout.read(workers)
+        outcome = self._decide(parsed, workers, layout, prompt, start_ns, wall_ns, waited, decode, aggregated)
         if waited and self.flow is not None:
             self.flow.wake()  # this one took its slot: the next waiter may fit too
         return outcome
@@ -365,14 +368,11 @@ class Router:
                 param="input_ids" if parsed.kind == "generate" else "prompt",
             )
 
-    def _chains(self, workers: list[Worker]) -> set[Chain]:
-        """The (block size, model) key chains the candidates need (workers sharing both share one)."""
-        return {(self.block_size_for(w), w.model or "") for w in workers}
-
     def _decide(
         self,
         parsed: ParsedRequest,
         workers: list[Worker],
+        layout: tuple[list[WorkerLayout], list[int]],
         prompt: PreparedPrompt,
         start_ns: int,
         wall_ns: int,
@@ -383,40 +383,50 @@ class Router:
         """Rank ``workers`` with the policy; given ``decode`` (a disaggregated fleet), pair the winner with one."""
         model = parsed.model or ""
         policy = self.policy
-        sizes = [self.block_size_for(w) for w in workers]  # read once per decision: the lookups below use them
+        shapes, sizes = layout  # read once per decision (``FleetLayout.read``): the lookups below use them
         if prompt.error is not None:
             log.info("routing %s without tokens: %s", parsed.path, prompt.error)
             self.telemetry.tokenize_failed(model)
         tokens = prompt.tokens
         loads, events, tiers = self.loads, self.events, self.tier_stats
         shared = self.config.index.shared_tier
-        # Everything the index lookup and the pruning need, for every worker; the rest for the shortlist only.
-        candidates = [
-            Candidate(
-                worker=w,
-                in_flight=w.in_flight,
-                block_size=size,
-                storage_group=storage_group(w) if shared else None,
-            )
-            for w, size in zip(workers, sizes)
-        ]
-        keys_of: dict[str, list[int]] = {}
+        # The index lookup and the pruning read every worker; candidates are built for the shortlist only.
+        keys_of: dict[Chain, list[int]] = {}
         rank_matches: dict[str, list[int]] = {}
         first_keys: list[int] = []
+        depths: list[Depth] | None = None
+        kept: range | list[int] = range(len(workers))
         if tokens is not None and policy.needs_tokens:
-            first_keys = self._match(parsed, tokens, prompt.keys, candidates, keys_of, rank_matches)
+            depths, first_keys = self._match(parsed, tokens, prompt.keys, workers, shapes, sizes, keys_of, rank_matches)
             if decode is not None and aggregated:
                 # llm-d's prefix-based PD decider: little left to prefill is cheaper without the KV transfer.
-                cached = max(c.matched_blocks * c.block_size for c in candidates)
+                cached = max(depth[2] * size for depth, size in zip(depths, sizes))
                 if len(tokens) - cached < self.config.pd.aggregate_below_tokens:
                     self.telemetry.pd_skipped()
-                    return self._decide(parsed, aggregated, prompt, start_ns, wall_ns, queue_wait_s)
-            candidates = self.pruner.prune(candidates, lambda c: loads.get(c.worker))
-        for c in candidates:
-            c.load = loads.get(c.worker)
-            c.index_state = events.state(c.worker)
-            c.tier_report = tiers.get(c.worker)
-            c.cached_blocks = self.index.size(c.worker.id)
+                    layout = self.layout.read(aggregated)
+                    return self._decide(parsed, aggregated, layout, prompt, start_ns, wall_ns, queue_wait_s)
+            kept = self.pruner.shortlist(depths, lambda: [load_of(w.in_flight, loads.peek(w)) for w in workers])
+        candidates: list[Candidate] = []
+        index_size = self.index.size
+        for i in kept:
+            w = workers[i]
+            c = Candidate(
+                worker=w,
+                in_flight=w.in_flight,
+                load=loads.get(w),
+                index_state=events.state(w),
+                block_size=sizes[i],
+                cached_blocks=index_size(w.id),
+                storage_group=shapes[i].storage_group if shared else None,
+                tier_report=tiers.get(w),
+            )
+            if depths is not None:
+                c.shared_matched_blocks, c.host_matched_blocks, c.matched_blocks = depths[i]
+            candidates.append(c)
+        chosen_keys: dict[str, list[int]] = {}
+        if depths is not None:
+            for c in candidates:
+                chosen_keys[c.worker.id] = keys_of[(c.block_size, c.worker.model or "")]
         request = RoutingRequest(
             model=model,
             path=parsed.path,
@@ -433,10 +443,10 @@ class Router:
         chosen.in_flight += 1
         rank = self._pin_rank(chosen, rank_matches.get(chosen.id))
         slot = chosen.id if rank is None else rank_key(chosen.id, rank)
-        if keys_of.get(chosen.id):
-            self.index.record_routed(slot, keys_of[chosen.id])
+        if chosen_keys.get(chosen.id):
+            self.index.record_routed(slot, chosen_keys[chosen.id])
             if self.shared is not None:
-                self.shared.publish(slot, keys_of[chosen.id])
+                self.shared.publish(slot, chosen_keys[chosen.id])
         policy.on_routed(request, decision)
         if log.isEnabledFor(logging.DEBUG):  # why each candidate ranked where it did (--log-level debug)
             log.debug("routed %s to %s (%s): %s", parsed.path, chosen.id, decision.reason, decision.scores)
@@ -453,7 +463,7 @@ class Router:
             decision=decision,
             start_ns=wall_ns,
             end_ns=wall_ns + (end_ns - start_ns),
-            blocks=len(keys_of.get(chosen.id, first_keys)),
+            blocks=len(chosen_keys.get(chosen.id, first_keys)),
             tokenized=tokens is not None,
             queue_wait_s=queue_wait_s,
             decode=pair[0] if pair is not None else None,
@@ -468,7 +478,7 @@ class Router:
             upstream_headers=headers,
             candidates=candidates,
             dp_rank=rank,
-            recorded_keys=keys_of.get(chosen.id, []),
+            recorded_keys=chosen_keys.get(chosen.id, []),
             queue_wait_s=queue_wait_s,
         )
         if pair is None:
@@ -524,50 +534,64 @@ class Router:
         parsed: ParsedRequest,
         tokens: list[int],
         chains: dict[Chain, list[int]],
-        candidates: list[Candidate],
-        keys_of: dict[str, list[int]],
+        workers: list[Worker],
+        shapes: list[WorkerLayout],
+        sizes: list[int],
+        keys_of: dict[Chain, list[int]],
         rank_matches: dict[str, list[int]],
-    ) -> list[int]:
-        """Fill each candidate's matched blocks; workers sharing page size and model share one key chain.
+    ) -> tuple[list[Depth], list[int]]:
+        """Each worker's match depth, in fleet order, and the first chain's keys.
 
-        A multi-rank worker's match is its best rank's; each rank's is kept in ``rank_matches``.
+        Workers sharing page size and model share one key chain (filled into ``keys_of``). A
+        multi-rank worker's match is its best rank's; each rank's is kept in ``rank_matches``.
         """
-        groups: dict[Chain, list[Candidate]] = {}
-        for c in candidates:
-            groups.setdefault((c.block_size, c.worker.model or ""), []).append(c)
+        chain_of = [(size, w.model or "") for w, size in zip(workers, sizes)]
+        groups: dict[Chain, Sequence[int]]
+        if chain_of.count(chain_of[0]) == len(chain_of):  # the usual fleet: one page size, one model
+            groups = {chain_of[0]: range(len(workers))}
+        else:
+            mixed: dict[Chain, list[int]] = {}
+            for i, chain in enumerate(chain_of):
+                mixed.setdefault(chain, []).append(i)
+            groups = dict(mixed)
+        depths: list[Depth] = [(0, 0, 0)] * len(workers)
         first: list[int] | None = None
         index = self.index
         lower = index.has_tier("host") or index.has_tier("shared")
+        shared = self.config.index.shared_tier
         for chain, members in groups.items():
             keys = chains.get(chain)
             if keys is None:  # a worker's page size became known while the pool hashed
                 keys = self.prompts.chain(parsed, tokens, chain)
             if first is None:
                 first = keys
-            slots = {c.worker.id: _rank_slots(c.worker) for c in members}
-            ids = [slot for member in slots.values() for slot in member]
+            keys_of[chain] = keys
+            ids = [slot for i in members for slot in shapes[i].slots]
             if lower:  # GPU, then host memory, then the storage tier each shares (every rank shares it)
-                depths = index.match_tiers(keys, ids, {s: c.storage_group for c in members for s in slots[c.worker.id]})
-                for c in members:
-                    mine = [depths[s] for s in slots[c.worker.id]]
-                    c.matched_blocks = max(d.gpu for d in mine)
-                    c.host_matched_blocks = max(c.matched_blocks, *(d.local for d in mine))
-                    c.shared_matched_blocks = max(c.host_matched_blocks, *(d.shared for d in mine))
-                    keys_of[c.worker.id] = keys
+                groups_of = {s: shapes[i].storage_group if shared else None for i in members for s in shapes[i].slots}
+                tiers = index.match_tiers(keys, ids, groups_of)
+                for i in members:
+                    mine = [tiers[s] for s in shapes[i].slots]
+                    gpu = max(d.gpu for d in mine)
+                    host = max(gpu, *(d.local for d in mine))
+                    depths[i] = (max(host, *(d.shared for d in mine)), host, gpu)
                     if len(mine) > 1:
-                        rank_matches[c.worker.id] = [d.local for d in mine]
+                        rank_matches[workers[i].id] = [d.local for d in mine]
                 continue
-            gpu = index.match(keys, ids, "gpu")
-            for c in members:
-                mine_slots = slots[c.worker.id]
-                if len(mine_slots) == 1:  # the common case, once per worker of the fleet: no generator
-                    depth = gpu[mine_slots[0]]
-                else:
-                    depth = max(gpu[s] for s in mine_slots)
-                    rank_matches[c.worker.id] = [gpu[s] for s in mine_slots]
-                c.matched_blocks = c.host_matched_blocks = c.shared_matched_blocks = depth
-                keys_of[c.worker.id] = keys
-        return first or []
+            matched = index.match(keys, ids, "gpu")
+            if len(ids) == len(members):  # one rank each: the answers come in the members' order
+                for i, depth in zip(members, matched.values()):
+                    if depth:
+                        depths[i] = (depth, depth, depth)
+                continue
+            for i in members:
+                slots = shapes[i].slots
+                depth = max(matched[s] for s in slots)
+                if len(slots) > 1:
+                    rank_matches[workers[i].id] = [matched[s] for s in slots]
+                if depth:
+                    depths[i] = (depth, depth, depth)
+        return depths, first or []
 
     def served(self, outcome: RouteOutcome, endpoint: str) -> bool:
         """Envoy says ``endpoint`` served the request: move the accounting there if it fell back.

@@ -258,9 +258,12 @@ class WorkerCacheView:
         bit = 1 << ("gpu", "host", "disk").index(tier)
         own = self._own
         before = len(own)
-        for engine_hash, key in zip(event.block_hashes, keys):
-            previous = own.get(engine_hash)
-            own[engine_hash] = (key, (previous[1] if previous else 0) | bit)
+        if own.keys().isdisjoint(event.block_hashes):  # the usual case: pages never seen before
+            own.update(zip(event.block_hashes, zip(keys, itertools.repeat(bit))))
+        else:
+            for engine_hash, key in zip(event.block_hashes, keys):
+                previous = own.get(engine_hash)
+                own[engine_hash] = (key, (previous[1] if previous else 0) | bit)
         bound = self.hashes
         assert bound is not None
         bound.used += len(own) - before

@@ -66,17 +66,22 @@ class EventBatch:
     dp_rank: int | None = None
 
 
+_U63, _U64 = 1 << 63, 1 << 64
+
+
 def _signed64(value: Any) -> int:
     # Hashes arrive as uint64 when non-negative and int64 when negative; normalise to signed.
     if not isinstance(value, int) or isinstance(value, bool):
         raise EventDecodeError(f"block hash must be an integer, got {type(value).__name__}")
-    return value - (1 << 64) if value >= 1 << 63 else value
+    return value - _U64 if value >= _U63 else value
 
 
 def _hashes(value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise EventDecodeError("block_hashes must be an array")
-    return [_signed64(v) for v in value]
+    if set(map(type, value)) <= {int}:  # the wire's case, checked in C: one pass, no call per hash
+        return [v - _U64 if v >= _U63 else v for v in value]
+    return [_signed64(v) for v in value]  # names the first bad element
 
 
 def _opt_hash(value: Any) -> int | None:
@@ -120,7 +125,9 @@ def _decode_event(raw: Any) -> Event | None:
         raise EventDecodeError(f"event must be a map or an array, got {type(raw).__name__}")
     if kind == "BlockStored":
         try:
-            tokens = list(fields["token_ids"])
+            tokens = fields["token_ids"]
+            if type(tokens) is not list:  # msgpack hands over a fresh list: no copy needed then
+                tokens = list(tokens)
             block_size = int(fields["block_size"])
         except (KeyError, TypeError, ValueError) as exc:
             raise EventDecodeError(f"BlockStored lacks token_ids/block_size: {exc}") from exc

@@ -218,6 +218,11 @@ class LoadTracker:
         load.age_s = self.clock() - stamp
         return load
 
+    def peek(self, worker: Worker) -> WorkerLoad | None:
+        """The last report as it is (``age_s`` not refreshed): for figures read once per worker per decision."""
+        entry = self._loads.get(worker.id)
+        return None if entry is None else entry[1]
+
     def set(self, worker: Worker, load: WorkerLoad) -> None:
         load.polled_at = self.clock()
         self._loads[worker.id] = (load.polled_at, load)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -60,10 +59,14 @@ def test_a_fleet_no_larger_than_the_shortlist_decides_exactly_as_without_pruning
     assert len({o[0].worker.id for o in outstanding}) > 1  # type: ignore[attr-defined]
 
 
+def _no_loads_needed() -> list[int]:
+    raise AssertionError("a fleet no larger than the shortlist needs no loads")
+
+
 def test_the_pruner_passes_a_small_fleet_through_untouched() -> None:
-    candidates = [Candidate(worker=w, in_flight=i % 3) for i, w in enumerate(_workers(16))]
-    assert CandidatePruner(16).prune(candidates, lambda c: None) == candidates
-    assert len(CandidatePruner(15).prune(candidates, lambda c: None)) == 15
+    depths = [(i % 3, i % 3, 0) for i in range(16)]
+    assert list(CandidatePruner(16).shortlist(depths, _no_loads_needed)) == list(range(16))
+    assert len(CandidatePruner(15).shortlist(depths, lambda: [0] * 16)) == 15
 
 
 def _candidate(worker: Worker, rng: random.Random) -> Candidate:
@@ -78,10 +81,6 @@ def _candidate(worker: Worker, rng: random.Random) -> Candidate:
     )
 
 
-def _reported_by(reports: dict[str, WorkerLoad]) -> Callable[[Candidate], WorkerLoad | None]:
-    return lambda c: reports[c.worker.id]
-
-
 @pytest.mark.parametrize("keep", [2, 3, 8, 16, 33])
 def test_on_a_large_fleet_the_best_matches_and_the_least_loaded_always_survive(keep: int) -> None:
     rng = random.Random(keep)
@@ -93,18 +92,17 @@ def test_on_a_large_fleet_the_best_matches_and_the_least_loaded_always_survive(k
             w.id: WorkerLoad(num_running_reqs=rng.randrange(0, 16), num_waiting_reqs=rng.randrange(0, 4))
             for w in workers
         }
-        kept = pruner.prune(candidates, _reported_by(reports))
-        assert len(kept) == keep
-        positions = [candidates.index(c) for c in kept]
-        assert positions == sorted(positions)  # the fleet's order is kept
         depth = [(c.shared_matched_blocks, c.host_matched_blocks, c.matched_blocks) for c in candidates]
+        loads = [load_of(c.in_flight, reports[c.worker.id]) for c in candidates]
+        positions = list(pruner.shortlist(depth, lambda loads=loads: loads))  # type: ignore[misc]
+        assert len(positions) == keep
+        assert positions == sorted(set(positions))  # the fleet's order is kept, nobody twice
         ranked = sorted(depth, reverse=True)
         # Every worker matching deeper than the ceil(K/2)-th best is kept, and the best one always.
         cut = ranked[(keep + 1) // 2 - 1]
-        assert all(c in kept for c, d in zip(candidates, depth) if d > cut)
-        assert max(depth) in [(c.shared_matched_blocks, c.host_matched_blocks, c.matched_blocks) for c in kept]
-        loads = [load_of(c, reports[c.worker.id]) for c in candidates]
-        assert min(loads) in [load_of(c, reports[c.worker.id]) for c in kept]
+        assert all(i in positions for i, d in enumerate(depth) if d > cut)
+        assert max(depth) in [depth[i] for i in positions]
+        assert min(loads) in [loads[i] for i in positions]
 
 
 def test_equally_idle_workers_take_turns_on_the_shortlist() -> None:
@@ -112,7 +110,7 @@ def test_equally_idle_workers_take_turns_on_the_shortlist() -> None:
     pruner = CandidatePruner(4)
     seen: set[str] = set()
     for _ in range(64):
-        seen.update(c.worker.id for c in pruner.prune([Candidate(worker=w) for w in workers], lambda c: None))
+        seen.update(workers[i].id for i in pruner.shortlist([(0, 0, 0)] * 64, lambda: [0] * 64))
     assert seen == {w.id for w in workers}
 
 
