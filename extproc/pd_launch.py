@@ -61,13 +61,17 @@ class PairLauncher:
         path: str,
         body: bytes,
         headers: Mapping[str, str],
+        on_retry: Callable[[float], Awaitable[None]] | None = None,
     ) -> tuple[RouteOutcome, bytes, LaunchedPair | None]:
         """Route (``route`` is one ``router.aroute`` call); for a pair, start its leg; the body Envoy sends on.
 
-        An aggregated decision comes back as it is, with the body untouched and no pair.
+        An aggregated decision comes back as it is, with the body untouched and no pair. ``on_retry``
+        is awaited with the seconds another pair may take (the servicer asks Envoy for that much more time).
         """
         last: PrefillError | None = None
-        for _attempt in range(self.config.pair_attempts):
+        for attempt in range(self.config.pair_attempts):
+            if attempt and on_retry is not None:
+                await on_retry(self.config.connect_timeout_s)
             outcome = await route()
             prefill = outcome.prefill
             if prefill is None:
