@@ -1,7 +1,8 @@
 """``prefix-router bench``: side-by-side benchmarks, one suite per module, picked by ``--suite`` or ``--matrix``.
 
 This module only dispatches: ``--suite routing`` (the default) is ``benchmarks.suites.compare``,
-``--suite tiered`` ``benchmarks.suites.tiered``, ``--suite overhead`` ``benchmarks.router_overhead``
+``--suite tiered`` ``benchmarks.suites.tiered``, ``--suite pd`` ``benchmarks.suites.pd``, ``--suite overhead``
+``benchmarks.router_overhead``
 and ``--matrix`` ``benchmarks.suites.matrix_suite``. Each suite declares only its own flags, so
 ``prefix-router bench --suite tiered --help`` lists what the tiered suite takes, and a flag another
 suite owns is an error rather than silently ignored.
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from benchmarks import router_overhead
-from benchmarks.suites import compare, matrix_suite, tiered
+from benchmarks.suites import compare, matrix_suite, pd, tiered
 
 __all__ = ["SUITES", "BenchSuite", "suite_for"]
 
@@ -30,6 +31,11 @@ SUITES = {
         tiered,
         "the tiered-KV-cache scenario (long-context QA + multi-turn chat, a GPU pool smaller than the working set) "
         "through every contender x {no HiCache, host tier, host + shared storage tier}",
+    ),
+    "pd": (
+        pd,
+        "prefill/decode disaggregated fleets (2P2D, 3P1D) through smg's PD mode, sgl-router's mini-lb and ours, "
+        "beside the same fleet aggregated: TTFT, TPOT, goodput",
     ),
 }
 MATRIX_HELP = "every workload x offered load x fleet against every contender (a report of cells)"

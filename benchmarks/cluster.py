@@ -32,7 +32,7 @@ import aiohttp
 
 from benchmarks.metrics import FleetFigures
 
-__all__ = ["HICACHE_SETTINGS", "Cluster", "ClusterError", "ClusterSpec", "CpuWorkerPool"]
+__all__ = ["HICACHE_SETTINGS", "Cluster", "ClusterError", "ClusterSpec", "CpuWorkerPool", "PdTargets"]
 
 _REQUESTS_TOTAL = re.compile(r"^sglang:num_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
 _PROMPT_TOTAL = re.compile(r"^sglang:prompt_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
@@ -42,6 +42,27 @@ _CACHED_BY_SOURCE = re.compile(
 
 HicacheSetting = Literal["none", "host", "host+shared"]
 HICACHE_SETTINGS: tuple[HicacheSetting, ...] = ("none", "host", "host+shared")
+
+
+@dataclass(frozen=True)
+class PdTargets:
+    """A PD fleet as a gateway is told about it: prefill URLs with their bootstrap ports, decode URLs."""
+
+    prefill: tuple[tuple[str, int], ...]
+    decode: tuple[str, ...]
+
+    @property
+    def urls(self) -> list[str]:
+        return [url for url, _ in self.prefill] + list(self.decode)
+
+    def prefill_args(self) -> list[str]:
+        """``--prefill URL PORT`` per prefill worker, then ``--decode URL`` per decode worker (smg and sgl-router)."""
+        args: list[str] = []
+        for url, port in self.prefill:
+            args += ["--prefill", url, str(port)]
+        for url in self.decode:
+            args += ["--decode", url]
+        return args
 
 
 class ClusterError(RuntimeError):
@@ -60,6 +81,7 @@ class ClusterSpec:
     seed: int
     hicache: HicacheSetting = "none"
     engine: str = "sim"  # or "sglang-cpu": real SGLang 0.5.23 on this CPU (after `make sglang-cpu`)
+    prefill: int = 0  # > 0: a PD fleet of this many prefill workers and ``workers - prefill`` decode workers
 
 
 class CpuWorkerPool:
@@ -115,6 +137,15 @@ class Cluster:
         return [str(w.url) for w in self._workers]
 
     @property
+    def pd_targets(self) -> PdTargets:
+        """A PD fleet's prefill workers (with their bootstrap ports) and decode workers."""
+        prefill = tuple(
+            (str(w.url), int(w.bootstrap_port)) for w in self._workers if w.disaggregation_mode == "prefill"
+        )
+        decode = tuple(str(w.url) for w in self._workers if w.disaggregation_mode == "decode")
+        return PdTargets(prefill, decode)
+
+    @property
     def grpc_urls(self) -> list[str]:
         """``grpc://`` addresses of the workers' gRPC scheduler API."""
         return [str(w.grpc_url) for w in self._workers]
@@ -125,8 +156,28 @@ class Cluster:
             await self._flush_all()
             self._baseline = await self._counts()
             return
-        from prefix_router.fleet import WorkerStartError, start_fleet
+        from prefix_router.fleet import WorkerStartError, start_fleet, start_pd_fleet
 
+        if self.spec.prefill:
+            if not 0 < self.spec.prefill < self.spec.workers:
+                raise ClusterError(f"a PD fleet of {self.spec.workers} workers cannot have {self.spec.prefill} prefill")
+            try:
+                pd = await asyncio.to_thread(
+                    start_pd_fleet,
+                    "sim",
+                    self.spec.prefill,
+                    self.spec.workers - self.spec.prefill,
+                    profile=self.spec.profile,
+                    speedup=self.spec.speedup,
+                    capacity_tokens=self.spec.capacity_tokens,
+                    page_size=self.spec.page_size,
+                    seed=self.spec.seed,
+                    log_level="warning",
+                )
+            except (WorkerStartError, OSError) as exc:
+                raise ClusterError(str(exc)[-1000:]) from None
+            self._workers = pd.workers
+            return
         try:
             self._workers = await asyncio.to_thread(
                 start_fleet,

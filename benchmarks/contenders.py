@@ -287,8 +287,9 @@ class EnvoyBaseline(_ProcessContender):
         try:
             await wait_http(f"http://127.0.0.1:{admin}/ready", 30, proc)
         except ContenderError as exc:
+            failure = self._failure(exc)  # its log tail, read before stop() removes the log
             await self.stop()
-            raise self._failure(exc) from None
+            raise failure from None
         return f"http://127.0.0.1:{port}"
 
 
@@ -337,8 +338,9 @@ class SglRouter(_ProcessContender):
         try:
             await wait_http(base + "/readiness", 60, proc)
         except ContenderError as exc:
+            failure = self._failure(exc)  # its log tail, read before stop() removes the log
             await self.stop()
-            raise self._failure(exc) from None
+            raise failure from None
         return base
 
 
@@ -364,6 +366,10 @@ class Smg(_ProcessContender):
         self.metrics_url: str | None = None  # its Prometheus endpoint, once started
 
     def argv(self, port: int, metrics_port: int, worker_urls: Sequence[str]) -> list[str]:
+        return self.launch_argv(port, metrics_port, ["--worker-urls", *worker_urls, "--policy", self.policy])
+
+    def launch_argv(self, port: int, metrics_port: int, routing: Sequence[str]) -> list[str]:
+        """``smg launch`` with ``routing`` (the workers and the policy) and this benchmark's common settings."""
         argv = [
             sys.executable,
             "-m",
@@ -373,10 +379,7 @@ class Smg(_ProcessContender):
             "127.0.0.1",
             "--port",
             str(port),
-            "--worker-urls",
-            *worker_urls,
-            "--policy",
-            self.policy,
+            *routing,
             "--prometheus-host",
             "127.0.0.1",
             "--prometheus-port",
@@ -432,8 +435,9 @@ class Smg(_ProcessContender):
         try:
             await self._ready(base, len(worker_urls), proc, 60)
         except ContenderError as exc:
+            failure = self._failure(exc)  # its log tail, read before stop() removes the log
             await self.stop()
-            raise self._failure(exc) from None
+            raise failure from None
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         return base
 

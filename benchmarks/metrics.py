@@ -102,6 +102,8 @@ class Summary:
     error_samples: list[str] = field(default_factory=list)
     start_error: str | None = None  # the contender could not start: every figure is NaN
     fleet: FleetFigures | None = None  # what the workers counted (tokens by tier, GPU seconds), if they said
+    # Time per output token after the first, per request: (e2e - TTFT) / (output tokens - 1), its mean ITL.
+    tpot_s: dict[str, float] = field(default_factory=lambda: distribution([]))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,6 +121,7 @@ class Summary:
             "error_samples": self.error_samples,
             "start_error": self.start_error,
             "fleet": self.fleet.to_json() if self.fleet is not None else None,
+            "tpot_s": self.tpot_s,
         }
 
 
@@ -143,6 +146,11 @@ def summarize(
     errors = [r for r in results if r.error is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
+    tpots = [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in ok
+        if r.e2e_s is not None and r.ttft_s is not None and r.output_tokens > 1
+    ]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     if ok:
@@ -166,6 +174,7 @@ def summarize(
         max_mean_requests=max_over_mean(requests_per_worker, workers),
         duration_s=duration,
         error_samples=samples,
+        tpot_s=distribution(tpots),
     )
 
 

@@ -10,6 +10,7 @@ from benchmarks.client import ClientOptions, run_load
 from benchmarks.cluster import Cluster, ClusterError, ClusterSpec, CpuWorkerPool
 from benchmarks.contenders import ContenderError, create_contender
 from benchmarks.metrics import RequestResult, Summary, failed, summarize
+from benchmarks.pd_contenders import PdContender, create_pd_contender
 from benchmarks.workloads import Workload
 
 __all__ = ["progress_bar", "run_one"]
@@ -31,8 +32,10 @@ async def run_one(
     progress: bool,
     pool: CpuWorkerPool | None = None,
 ) -> tuple[Summary, list[float]]:
-    """One contender at one offered load on a fresh (or flushed) cluster; a start failure becomes its row."""
-    contender = create_contender(name, page_size=spec.page_size)
+    """One contender at one offered load on a fresh (or flushed) cluster; a start failure becomes its row.
+
+    With ``spec.prefill`` the cluster is a PD fleet and ``name`` a PD contender (``pd_contenders``)."""
+    contender = create_pd_contender(name) if spec.prefill else create_contender(name, page_size=spec.page_size)
     cluster = Cluster(spec, pool)
     try:
         try:
@@ -40,8 +43,11 @@ async def run_one(
         except ClusterError as exc:
             return failed(name, rate, f"cluster did not start: {exc}"), []
         try:
-            urls = cluster.grpc_urls if contender.worker_transport == "grpc" else cluster.urls
-            url = await contender.start(urls)
+            if isinstance(contender, PdContender):
+                url = await contender.start_pd(cluster.pd_targets)
+            else:
+                urls = cluster.grpc_urls if contender.worker_transport == "grpc" else cluster.urls
+                url = await contender.start(urls)
         except ContenderError as exc:
             return failed(name, rate, str(exc)), []
         model = await cluster.served_model()

@@ -57,11 +57,11 @@ CONTENDER_NAMES = (
 
 
 def add_run_arguments(
-    parser: argparse.ArgumentParser, contenders: str, contenders_help: str
+    parser: argparse.ArgumentParser, contenders: str, contenders_help: str, names: str = CONTENDER_NAMES
 ) -> argparse._ArgumentGroup:
     """Flags of every suite that replays a workload through contenders: who runs, seed, timeouts, progress."""
     g = parser.add_argument_group("contenders and run")
-    g.add_argument("--contenders", default=contenders, help=f"{contenders_help} Comma-separated: {CONTENDER_NAMES}.")
+    g.add_argument("--contenders", default=contenders, help=f"{contenders_help} Comma-separated: {names}.")
     g.add_argument("--seed", type=int, default=0, help="Seed of prompt text, arrival times and the simulated workers.")
     g.add_argument("--page-size", type=positive(int), default=16, help="KV page size of the workers in tokens.")
     g.add_argument("--request-timeout", type=positive(float), default=300.0, help="Per-request timeout in seconds.")

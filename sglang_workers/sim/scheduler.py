@@ -460,14 +460,15 @@ class Scheduler:
     def _finish_prefill(self, batch: list[Request], launch: float, duration: float) -> None:
         self.prefilling = []
         self.stats.prefill_batches += 1
-        # SGLang's effective prefill tokens: health checks and re-prefilled retractions are not cache statistics.
-        counted = [r for r in batch if not r.health_check and not r.retracted]
+        # SGLang's effective prefill tokens: health checks and re-prefilled retractions are not cache statistics,
+        # nor a decode worker's prompts whose KV came from the prefill worker (it computed nothing).
+        counted = [r for r in batch if not r.health_check and not r.retracted and not r.prebuilt]
         self.stats.prefill_compute_tokens += sum(r.chunk_len for r in counted)
         self.stats.prefill_cache_tokens += sum(r.chunk_prefix for r in counted)
         self.counters.on_prefill(
             launch,
             duration,
-            new_tokens=sum(r.chunk_len for r in batch),
+            new_tokens=sum(r.chunk_len for r in batch if not r.prebuilt),
             effective_new=sum(r.chunk_len for r in counted),
             effective_hit=sum(r.chunk_prefix for r in counted),
             health_only=all(r.health_check for r in batch),

@@ -26,7 +26,7 @@ import pytest
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 from tests.support.real_sglang import CPU_POOL_TOKENS
-from tests.support.sglang_session import Observation, Runner, Session, shape
+from tests.support.sglang_session import Observation, Runner, Session, shape, shape_differences
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 
@@ -109,25 +109,6 @@ def _allowed(step: str, what: str) -> bool:
     return False
 
 
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Where two shapes differ: missing or extra keys, key order, types."""
-    out: list[str] = []
-    if isinstance(a, dict) and isinstance(b, dict):
-        out += [f"{path}.{k}: only in SGLang" for k in a if k not in b]
-        out += [f"{path}.{k}: only in the simulator" for k in b if k not in a]
-        common = [k for k in a if k in b]
-        if common != [k for k in b if k in a]:
-            out.append(f"{path}: keys in another order")
-        for k in common:
-            out += _differences(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            out += _differences(x, y, f"{path}[{i}]")
-    elif a != b:
-        out.append(f"{path}: SGLang {a!r}, simulator {b!r}")
-    return out
-
-
 def _compare(real: Observation, sim: Observation) -> list[str]:
     problems = []
     if real.status != sim.status:
@@ -136,7 +117,7 @@ def _compare(real: Observation, sim: Observation) -> list[str]:
         problems.append(f"content type: SGLang {real.content_type!r}, simulator {sim.content_type!r}")
     if real.values != sim.values:
         problems.append(f"values: SGLang {real.values}, simulator {sim.values}")
-    for diff in _differences(real.shape, sim.shape):
+    for diff in shape_differences(real.shape, sim.shape):
         field = diff.split(":", 1)[0].lstrip(".").split(".")[0]
         if not _allowed(real.step, field):
             problems.append(diff)
@@ -172,7 +153,7 @@ def test_server_info_keys_routers_read_agree(sessions: tuple[Session, Session]) 
         missing = [k for k in SERVER_INFO_KEYS if k not in real_info]
         assert missing == [], f"SGLang 0.5.23 no longer reports {missing}"
         picked = {k: shape(real_info[k]) for k in SERVER_INFO_KEYS}
-        assert _differences(picked, {k: shape(sim_info.get(k, "<missing>")) for k in SERVER_INFO_KEYS}) == []
+        assert shape_differences(picked, {k: shape(sim_info.get(k, "<missing>")) for k in SERVER_INFO_KEYS}) == []
         real_state = {k: shape(real_info["internal_states"][0][k]) for k in INTERNAL_STATE_KEYS}
         sim_state = {k: shape(sim_info["internal_states"][0][k]) for k in INTERNAL_STATE_KEYS}
         memory_keys = set(real_state.pop("memory_usage")) - set(sim_state.pop("memory_usage"))

@@ -18,8 +18,7 @@ import pytest
 
 from extproc.addresses import free_ports
 from prefix_router.fleet import PdFleet, start_fleet, start_pd_fleet
-from sglang_workers.process import WorkerProcess
-from tests.support.pd import pd_body, send_pd
+from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd, wait_for
 from tests.support.sim_fixtures import EventSubscriber, get_json, http, post_json, sse_events
 
 PAGE = 4
@@ -30,20 +29,6 @@ PROMPT = list(range(100, 160))  # 60 tokens: 15 pages
 def pair() -> Iterator[PdFleet]:
     with start_pd_fleet("sim", 1, 1, profile="instant", page_size=PAGE, seed=3) as pd:
         yield pd
-
-
-def _decode_load(worker: WorkerProcess) -> dict[str, Any]:
-    _, loads = get_json(worker, "/v1/loads")
-    block: dict[str, Any] = loads["loads"][0]["disaggregation"]
-    return block
-
-
-def _wait_for(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.02)
 
 
 def test_generate_pair_answers_from_both_and_decode_continues_the_prefill_token(pair: PdFleet) -> None:
@@ -127,18 +112,9 @@ def test_server_info_and_loads_name_the_side(pair: PdFleet) -> None:
     _, info = get_json(decode, "/server_info")
     assert info["disaggregation_mode"] == "decode" and info["disable_radix_cache"] is True
     for worker, mode in ((prefill, "prefill"), (decode, "decode")):
-        block = _decode_load(worker)
+        block = pd_load(worker)
         assert block["mode"] == mode
-        assert set(block) == {
-            "mode",
-            "prefill_bootstrap_queue_reqs",
-            "prefill_inflight_queue_reqs",
-            "decode_prealloc_queue_reqs",
-            "decode_transfer_queue_reqs",
-            "decode_retracted_queue_reqs",
-            "kv_transfer_speed_gb_s",
-            "kv_transfer_latency_ms",
-        }
+        assert set(block) == DISAGGREGATION_LOAD_KEYS
         assert get_json(worker, "/model_info")[1]["disaggregation_mode"] == mode
 
 
@@ -158,7 +134,7 @@ def test_abort_request_fails_a_request_waiting_for_its_other_half(pair: PdFleet,
     body = pd_body({"input_ids": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 4}}, prefill)
     out: list[tuple[int, bytes]] = []
     thread = _post_in_thread(worker.url + "/generate", body, out)  # only one half: it waits for the other
-    _wait_for(lambda: _decode_load(worker)[queue] == 1)
+    wait_for(lambda: pd_load(worker)[queue] == 1)
     status, raw = http("POST", worker.url + "/abort_request", {"rid": rid})
     assert (status, raw) == (200, b"")
     thread.join(10)
@@ -172,7 +148,7 @@ def test_abort_request_fails_a_request_waiting_for_its_other_half(pair: PdFleet,
         f"{stage} failed for request rank=0 {prefix}.rid={rid!r} {prefix}.bootstrap_room={room} with exception "
         f"KVTransferError(bootstrap_room={room}): Aborted by AbortReq."
     )
-    assert _decode_load(worker)[queue] == 0
+    assert pd_load(worker)[queue] == 0
 
 
 def test_abort_request_ends_a_running_request_with_finish_reason_abort() -> None:
@@ -180,7 +156,7 @@ def test_abort_request_ends_a_running_request_with_finish_reason_abort() -> None
         out: list[tuple[int, bytes]] = []
         body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 5000}}
         thread = _post_in_thread(worker.url + "/generate", body, out)
-        _wait_for(lambda: get_json(worker, "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1)
+        wait_for(lambda: get_json(worker, "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1)
         assert http("POST", worker.url + "/abort_request", {"rid": "long"}) == (200, b"")  # rid prefixes match
         thread.join(10)
         status, raw = out[0]
@@ -242,7 +218,7 @@ def test_a_failed_prefill_fails_its_decode_at_once(pair: PdFleet) -> None:
     started = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(http, "POST", prefill.url + "/generate", body | {"rid": rid}, None, 30)
-        _wait_for(lambda: _decode_load(prefill)["prefill_bootstrap_queue_reqs"] == 1)
+        wait_for(lambda: pd_load(prefill)["prefill_bootstrap_queue_reqs"] == 1)
         # the prefill waits in its bootstrap queue: abort it there, then the decode half arrives and fails fast
         assert http("POST", prefill.url + "/abort_request", {"rid": rid})[0] == 200
         assert p.result()[0] == 500
@@ -266,7 +242,7 @@ def test_kv_transfer_takes_bytes_per_token_over_the_bandwidth() -> None:
         body = pd_body({"input_ids": list(range(1000, 3000)), "sampling_params": {"max_new_tokens": 2}}, prefill)
         (ps, p), (ds, _) = send_pd(prefill, decode, "/generate", body)
         assert (ps, ds) == (200, 200)
-        block = _decode_load(prefill)
+        block = pd_load(prefill)
         assert block["kv_transfer_latency_ms"] == pytest.approx(2000 * 131072 / 0.5e9 * 1e3, rel=1e-3)
         assert block["kv_transfer_speed_gb_s"] == 0.5
         assert p["meta_info"]["e2e_latency"] >= 0.5

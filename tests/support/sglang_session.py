@@ -82,6 +82,25 @@ def shape(value: Any) -> Any:
     return type(value).__name__
 
 
+def shape_differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two shapes differ: missing or extra keys, key order, types."""
+    out: list[str] = []
+    if isinstance(a, dict) and isinstance(b, dict):
+        out += [f"{path}.{k}: only in SGLang" for k in a if k not in b]
+        out += [f"{path}.{k}: only in the simulator" for k in b if k not in a]
+        common = [k for k in a if k in b]
+        if common != [k for k in b if k in a]:
+            out.append(f"{path}: keys in another order")
+        for k in common:
+            out += shape_differences(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            out += shape_differences(x, y, f"{path}[{i}]")
+    elif a != b:
+        out.append(f"{path}: SGLang {a!r}, simulator {b!r}")
+    return out
+
+
 @dataclass
 class Observation:
     """What one step showed: status, content type, body shape, and the values that must be equal."""
