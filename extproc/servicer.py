@@ -109,7 +109,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.max_body_bytes = config.server.max_body_bytes
         self.fallbacks = config.server.fallback_endpoints
         self.flow = config.flow_control
-        self.pairs = PairLauncher(router)
+        self.pairs = PairLauncher(router, self.fallbacks)
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self,
