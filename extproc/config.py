@@ -471,9 +471,13 @@ class PdConfig(Section):
         ),
     )
     connect_timeout_s: float = Field(
-        2.0,
+        0.2,
         gt=0,
-        description="How long the prefill leg may take to connect and send the request before the pair is retried.",
+        description=(
+            "How long the prefill leg may take to connect and send the request before the pair is retried. Envoy "
+            "waits for the router meanwhile: keep it below the ext_proc message_timeout (each retry asks Envoy "
+            "for this much more time)."
+        ),
     )
     prefill_timeout_s: float = Field(
         600.0,

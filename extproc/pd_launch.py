@@ -10,7 +10,11 @@ waits until that request is on the wire before Envoy is answered with the decode
 - a leg that fails later (reset, non-200, timeout) aborts the decode side by ``rid``, again until
   decode's response begins (the decode request may still be on its way when the first abort
   lands), and the servicer turns decode's response into a 502 that names the prefill failure;
-- when the decode side ends first (an error status, a client gone), the servicer cancels the leg.
+- when the decode side ends first (an error status, a client gone), the servicer cancels the leg;
+- when every decode endpoint Envoy was given goes down before decode's response began, Envoy's
+  ``override_host`` fallback may already have sent the decode half to some other worker of its
+  cluster, a prefill worker included, where it would wait out SGLang's 300 s bootstrap timeout: the
+  pair fails, the leg is cancelled and the request's rids are aborted on every worker.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.pd import PairPlan, bootstrap_body, new_room
 from extproc.prefill_leg import PrefillError, PrefillLeg
@@ -49,8 +54,10 @@ class LaunchedPair:
 class PairLauncher:
     """Starts prefill legs for one router; knows nothing of gRPC."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, fallbacks: int = 0) -> None:
+        """``fallbacks``: how many decode fallbacks follow the primary in Envoy's destination list."""
         self.router = router
+        self.fallbacks = fallbacks
         self.config = router.config.pd
         self.client = router.prefill_client
 
@@ -61,13 +68,17 @@ class PairLauncher:
         path: str,
         body: bytes,
         headers: Mapping[str, str],
+        on_retry: Callable[[float], Awaitable[None]] | None = None,
     ) -> tuple[RouteOutcome, bytes, LaunchedPair | None]:
         """Route (``route`` is one ``router.aroute`` call); for a pair, start its leg; the body Envoy sends on.
 
-        An aggregated decision comes back as it is, with the body untouched and no pair.
+        An aggregated decision comes back as it is, with the body untouched and no pair. ``on_retry``
+        is awaited with the seconds another pair may take (the servicer asks Envoy for that much more time).
         """
         last: PrefillError | None = None
-        for _attempt in range(self.config.pair_attempts):
+        for attempt in range(self.config.pair_attempts):
+            if attempt and on_retry is not None:
+                await on_retry(self.config.connect_timeout_s)
             outcome = await route()
             prefill = outcome.prefill
             if prefill is None:
@@ -100,6 +111,7 @@ class PairLauncher:
             pair = LaunchedPair(plan=plan, leg=leg)
             assert leg.task is not None
             leg.task.add_done_callback(functools.partial(self._leg_ended, outcome, pair))
+            self._spawn(pair, self._watch_decode(outcome, pair), "watch-decode")
             return outcome, paired, pair
         raise NoWorkerError(f"no prefill worker accepted the request after {self.config.pair_attempts} pairs: {last}")
 
@@ -115,9 +127,30 @@ class PairLauncher:
         if failure.reason == "refused":
             self.router.registry.mark_unreachable(leg.worker, f"prefill leg: {failure.detail}")
         log.warning("prefill leg failed (%s); aborting decode on %s", failure.detail, outcome.worker.id)
-        task = asyncio.get_running_loop().create_task(self._abort_decode(outcome, pair), name="abort-decode")
+        self._spawn(pair, self._abort_decode(outcome, pair), "abort-decode")
+
+    @staticmethod
+    def _spawn(pair: LaunchedPair, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         pair.tasks.add(task)
         task.add_done_callback(pair.tasks.discard)
+
+    async def _watch_decode(self, outcome: RouteOutcome, pair: LaunchedPair) -> None:
+        """Until decode's response begins: fail the pair if every decode endpoint Envoy may use went down."""
+        registry = self.router.registry
+        while not (pair.response_started or outcome.finished or pair.failure is not None):
+            await asyncio.sleep(self.config.abort_repeat_s)
+            listed = set(outcome.endpoints(self.fallbacks))
+            if any(w.healthy for w in registry.workers if w.endpoint in listed):
+                continue
+            if pair.response_started or outcome.finished or pair.failure is not None:
+                return
+            pair.failure = f"decode worker {outcome.worker.id} went down before it answered"
+            self.router.telemetry.decode_lost()
+            log.warning("%s; cancelling the prefill leg and aborting rid(s) %s", pair.failure, pair.plan.rids)
+            pair.leg.cancel()
+            await asyncio.gather(*(self.client.abort(w, pair.plan.rids) for w in registry.workers if w.healthy))
+            return
 
     async def _abort_decode(self, outcome: RouteOutcome, pair: LaunchedPair) -> None:
         """Abort the decode side now, and again until its response begins (or the request ended)."""

@@ -109,7 +109,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.max_body_bytes = config.server.max_body_bytes
         self.fallbacks = config.server.fallback_endpoints
         self.flow = config.flow_control
-        self.pairs = PairLauncher(router)
+        self.pairs = PairLauncher(router, self.fallbacks)
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self,
@@ -228,13 +228,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
             # Tokenizing runs in the router's pool; a cancel here (client gone) leaves no slot taken.
             # On a disaggregated fleet the launcher adds the bootstrap fields and starts the prefill leg.
-            routed = body
             outcome, body, ex.pair = await self.pairs.launch(
                 lambda: self.router.aroute(parsed, subset=ex.subset, admission=admission, on_queued=ex.extend_timeout),
                 ex.kind,
                 ex.path,
-                routed,
+                body,
                 ex.headers,
+                on_retry=ex.extend_timeout,
             )
         except RequestError as exc:
             ex.ended = True

@@ -218,6 +218,11 @@ class Telemetry:
             ["accepted"],
             registry=metrics,
         )
+        self._pd_decode_lost = Counter(
+            "prefix_router_pd_decode_lost_total",
+            "Pairs failed because every decode endpoint given to Envoy went down before decode answered.",
+            registry=metrics,
+        )
         self._pd_skipped = Counter(
             "prefix_router_pd_skipped_total",
             "Requests on a PD fleet served by an aggregated worker because little of the prompt was uncached "
@@ -356,6 +361,10 @@ class Telemetry:
     def decode_aborted(self, accepted: bool) -> None:
         """The router aborted a decode side whose prefill leg failed."""
         self._pd_decode_aborts.labels("true" if accepted else "false").inc()
+
+    def decode_lost(self) -> None:
+        """A pair failed: its decode endpoints went down before the decode side answered."""
+        self._pd_decode_lost.inc()
 
     def pd_skipped(self) -> None:
         """A request of a PD fleet went to an aggregated worker: its uncached part was short."""

@@ -137,6 +137,31 @@ def test_streamed_tokens_pass_through_as_decode_makes_them(stack: GatewayStack) 
     assert events[-1][0] - events[0][0] > 0.15
 
 
+def _queued_on(worker: Any) -> int:
+    """Requests the worker itself reports, in its scheduler or waiting in its PD bootstrap queue."""
+    loads = request(worker.url + "/v1/loads?include=all&format=json").json()["loads"]
+    return sum(
+        r["num_running_reqs"] + r["num_waiting_reqs"] + r["disaggregation"]["prefill_bootstrap_queue_reqs"]
+        for r in loads
+    )
+
+
+def test_a_dead_decode_worker_stops_the_prefill_leg_it_was_paired_with(stack: GatewayStack) -> None:
+    prefill, decode = _roles(stack)
+    decode.process.send_signal(signal.SIGKILL)
+    decode.process.wait()
+    try:
+        began = time.monotonic()
+        reply = post(stack.url + "/generate", GENERATE, timeout=30)
+        assert reply.status >= 500, reply.body  # Envoy could not reach the decode side (or the router knew it dead)
+        assert time.monotonic() - began < 5
+        # A prefill leg would otherwise wait out the bootstrap timeout (300 s) for a decode worker that never comes.
+        _wait_until(lambda: sum(_queued_on(p) for p in prefill) == 0, 5)
+    finally:
+        decode.restart(60)
+        _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, 20)
+
+
 def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_other(stack: GatewayStack) -> None:
     prefill, _decode = _roles(stack)
     # A prompt long enough that its prefill is still running when the worker dies (8k tokens on the simulated GPU).

@@ -11,6 +11,7 @@ error. A pair takes ~7 GB and ~80 s to start; the module keeps its requests few 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -105,12 +106,36 @@ def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_pref
 
 
 def test_a_killed_prefill_worker_fails_requests_fast_and_clean(stack: GatewayStack) -> None:
-    prefill, _ = stack.sglang_cpu_processes
-    prefill.process.send_signal(signal.SIGKILL)
-    prefill.process.wait()
-    body = {"text": "After the prefill worker died.", "sampling_params": {"max_new_tokens": 4}}
-    began = time.monotonic()
-    reply = post(stack.url + "/generate", body, timeout=60)
-    assert time.monotonic() - began < 5  # seconds, never the 300 s a decode worker waits for its KV
-    assert reply.status == 503, reply.body
+    prefill, decode = stack.sglang_cpu_processes
+    # Frozen first, so that the request is in flight on both sides when the prefill worker dies: its
+    # kernel still accepts the leg's connection, the decode worker waits for KV that never comes.
+    prefill.process.send_signal(signal.SIGSTOP)
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        body = {"text": "The prefill worker dies while this waits. " * 8, "sampling_params": {"max_new_tokens": 4}}
+        result["reply"] = post(stack.url + "/generate", body, timeout=120)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        _wait_until(lambda: _metric(stack, "prefix_router_worker_in_flight", worker=_label(decode)) == 1, 10)
+        time.sleep(1.0)  # the decode worker has the request by now, waiting in its bootstrap queue
+    finally:
+        prefill.process.send_signal(signal.SIGKILL)
+        prefill.process.wait()
+    killed = time.monotonic()
+    sender.join(120)
+    assert time.monotonic() - killed < 15  # seconds, never the 300 s a decode worker waits for its KV
+    reply = result["reply"]
+    assert reply.status == 502, reply.body
     assert b"prefill" in reply.body
+    assert _metric(stack, "prefix_router_pd_decode_aborts_total") >= 1
+    # The dead worker is out of the candidates: the next request is refused at once, naming the missing side.
+    began = time.monotonic()
+    again = post(stack.url + "/generate", {"text": "And after.", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    assert time.monotonic() - began < 5
+    assert again.status == 503, again.body
+    assert b"prefill" in again.body
+    # The decode worker is still well: it was aborted, not wedged.
+    assert _metric(stack, "prefix_router_worker_healthy", worker=_label(decode)) == 1

@@ -173,12 +173,15 @@ async def servers() -> AsyncIterator[dict[str, tuple[_Recorder, int]]]:
         await runner.cleanup()
 
 
-async def _launch(router: Router) -> Any:
+async def _launch(router: Router, retries: list[float] | None = None) -> Any:
+    async def on_retry(seconds: float) -> None:
+        if retries is not None:
+            retries.append(seconds)
+
     launcher = PairLauncher(router)
     body = orjson.dumps({"input_ids": TOKENS, "sampling_params": {"max_new_tokens": 4}})
-    return await launcher.launch(
-        lambda: router.aroute(_parsed()), "generate", "/generate", body, {"authorization": "x"}
-    )
+    route = lambda: router.aroute(_parsed())  # noqa: E731
+    return await launcher.launch(route, "generate", "/generate", body, {"authorization": "x"}, on_retry)
 
 
 async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_end(
@@ -215,9 +218,11 @@ async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_
     router = _router(workers)
     _hold(router, "dead", 4)  # the best cache is on the dead worker: it is tried first
     try:
-        outcome, body, pair = await _launch(router)
+        retries: list[float] = []
+        outcome, body, pair = await _launch(router, retries)
         assert outcome.prefill is not None and outcome.prefill.worker.id == "p"
         assert not dead.healthy and dead.in_flight == 0
+        assert retries == [router.config.pd.connect_timeout_s]  # Envoy was asked to wait for the second pair
         await asyncio.wait_for(pair.leg.task, 5)
         assert prefill.bodies[0]["bootstrap_room"] == orjson.loads(body)["bootstrap_room"]
         sample = router.telemetry.metrics.get_sample_value
