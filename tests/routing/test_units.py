@@ -337,12 +337,13 @@ def test_router_tokenizes_records_and_traces() -> None:
     assert first.worker.in_flight == 1
     header = first.upstream_headers["traceparent"]
     assert header.startswith("00-0af7651916cd43dd8448eb211c80319c-")  # joins the client's trace
-    second = router.route(parsed)
-    assert second.worker is first.worker and second.matched_blocks == len(first.request.block_keys)
     router.finish(first)
     router.finish(first)  # idempotent
-    router.finish(second)
     assert first.worker.in_flight == 0
+    second = router.route(parsed)  # the router's own record of the first makes its worker the holder
+    assert second.worker is first.worker and second.matched_blocks == len(first.request.block_keys)
+    router.finish(second)
+    assert second.worker.in_flight == 0
     text = generate_latest(router.telemetry.metrics).decode()
     assert 'prefix_router_decisions_total{policy="prefix-aware",reason="prefix-hit-own-record"}' in text
     assert "prefix_router_decision_seconds_count" in text and 'prefix_router_worker_healthy{worker="w0"}' in text
@@ -691,15 +692,46 @@ def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> 
     from extproc.policies.prefix_aware.in_flight import InFlightBook
 
     book = InFlightBook()
-    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # nothing open: nothing to wait for
+    assert book.memory_wait_s("w0", 2000, 0, 10_000, now=0.0) == 0.0  # nothing open: nothing to wait for
     for i in range(4):
-        book.booked("w0", i, 2000, 0, now=0.0)
+        book.booked("w0", i, 2000, 0, now=0.1 * i)
     book.released("w0", 0, now=2.0)  # residence 2 s
     assert book.residence_s("w0") == pytest.approx(2.0)
     assert book.held_tokens("w0") == 6000
-    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # 6k held + 2k new fits in 10k
-    assert book.memory_wait_s("w0", 6000, 0, 10_000) == pytest.approx(2000 / 6000 * 2.0)  # a third must finish
+    assert book.memory_wait_s("w0", 2000, 0, 10_000, now=0.5) == 0.0  # 6k held + 2k new fits in 10k
+    # 2k too many: the oldest open one (routed at 0.1 s) frees them when it finishes, 1.6 s from now.
+    assert book.memory_wait_s("w0", 6000, 0, 10_000, now=0.5) == pytest.approx(2.0 - 0.4)
+    # 4k too many: the two oldest must finish; the second was routed at 0.2 s.
+    assert book.memory_wait_s("w0", 8000, 0, 10_000, now=0.5) == pytest.approx(2.0 - 0.3)
+    # One older than the residence is late, not done: a quarter of a residence (at least its age) is left.
+    assert book.memory_wait_s("w0", 6000, 0, 10_000, now=3.0) == pytest.approx(0.25 * 2.9)
     book.booked("w1", 9, 2000, 0, now=0.0)
-    assert book.memory_wait_s("w1", 9000, 0, 10_000) == pytest.approx(0.5 * 2.0)  # no residence of its own: the fleet's
+    # no residence of its own: the fleet's
+    assert book.memory_wait_s("w1", 9000, 0, 10_000, now=0.5) == pytest.approx(2.0 - 0.5)
     book.forget("w0")
+    assert book.held_tokens("w0") == 0.0
+
+
+def test_open_requests_sharing_a_prefix_hold_its_pages_once() -> None:
+    """Requests of one system prompt hold it once; requests of different prompts hold each of theirs."""
+    from extproc.policies.prefix_aware.in_flight import InFlightBook
+
+    shared = block_keys([7] * 2048, 16)  # 128 blocks of one system prompt
+    book = InFlightBook()
+    for i in range(3):  # the shared prompt plus 64 tokens of its own each (4 blocks)
+        own = block_keys([7] * 2048 + [i + 10] * 64, 16)
+        assert own[:128] == shared
+        book.booked("w0", i, 64, 2048, now=0.0, keys=own, block_size=16)
+    assert book.held_tokens("w0") == 2048 + 3 * 64
+    for i in range(3):  # three other prompts: nothing shared
+        book.booked("w1", i, 2112, 0, now=0.0, keys=block_keys([i + 100] * 2112, 16), block_size=16)
+    assert book.held_tokens("w1") == 3 * 2112
+    # A fourth request of the shared prompt needs room for its own tokens only: the prompt is held already.
+    book.released("w0", 0, now=1.0)
+    fourth = block_keys([7] * 2048 + [99] * 64, 16)
+    held = book.held_tokens("w0")
+    assert book.memory_wait_s("w0", 64, 2048, int(held) + 64, now=1.0, keys=fourth) == 0.0
+    assert book.memory_wait_s("w1", 64, 2048, int(book.held_tokens("w1")) + 64, now=1.0, keys=fourth) > 0.0
+    book.released("w0", 1, now=1.0)
+    book.released("w0", 2, now=1.0)
     assert book.held_tokens("w0") == 0.0

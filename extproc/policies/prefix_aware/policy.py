@@ -85,7 +85,7 @@ class PrefixAwareOptions(PolicyOptions):
         "or the lesser of the two ('lesser': a worker kept busy by one client at a time is not congested).",
     )
     min_work_price: float = Field(
-        1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
+        0.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
     )
     max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
     eviction_weight: float = Field(
@@ -203,17 +203,24 @@ class PrefixAwarePolicy(Policy):
         running = load.num_running_reqs if load else c.in_flight
         # A request that arrives during a decode step waits for its end: half a step on average.
         step_wait = cost.decode.step_seconds(running) / 2
+        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, now, request.block_keys)
         rho = min(cost.utilization, 0.999)
         queued = rho / (1.0 - rho)
         if opts.work_price == "concurrency":
             queued = cost.concurrency
         elif opts.work_price == "lesser":
             queued = min(queued, cost.concurrency)
-        price = min(max(queued, opts.min_work_price), opts.max_work_price)
+        # ``queued`` is how many requests a second of prefill delays on average there (the mean number
+        # waiting in an M/G/1 queue). This one delays the requests that arrive while the worker works off
+        # what it has now plus it: an arrival rate of rho / (mean prefill), over ``queue + prefill / 2``
+        # (those arriving during its own prefill wait half of it). So a prefill behind a long backlog costs
+        # more than the average, and one on an idle worker almost nothing.
+        backlog = (queue + memory_wait + prefill / 2) / max(cost.mean_prefill_s, 1e-6)
+        price = min(max(queued * backlog, opts.min_work_price), opts.max_work_price)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
         # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
         # evicted one costs that many recomputations later.
-        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
             # Past ``cache_full_fraction`` of the pool the rest is running requests' working room
@@ -222,7 +229,6 @@ class PrefixAwarePolicy(Policy):
             evicted = min(float(new), max(0.0, new - room))
         reuse = min(cost.reuse, 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
-        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
@@ -239,7 +245,9 @@ class PrefixAwarePolicy(Policy):
             "work_price": price,
             "ttft_s": ttft,
             "eviction_s": eviction,
-            "score": ttft + price * (prefill + eviction),
+            # An evicted token is recomputed later by a request that pays it in its own TTFT (1), and by
+            # the requests queued behind that one (the price).
+            "score": ttft + price * prefill + (1.0 + price) * eviction,
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
@@ -290,7 +298,7 @@ class PrefixAwarePolicy(Policy):
         now = self.clock()
         new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
         self.cost_model(worker).sent(new, cached, now)
-        self.book.booked(worker.id, id(request), new, cached, now)
+        self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
