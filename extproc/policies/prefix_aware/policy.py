@@ -14,21 +14,20 @@ on the worker against its reported pool (``in_flight``): below saturation a full
 queue, is what makes a request wait.
 
 The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
-Recomputing a prefix that another worker holds delays every request that later queues behind it on
-the worker that recomputes; in a queue at utilisation ``rho`` that is about ``rho / (1 - rho)``
-requests (the mean number waiting in an M/G/1 queue). So the price of a second of prefill on a
-worker is ``clamp(rho / (1 - rho), min_work_price, max_work_price)``, with ``rho`` the worker's
-measured prefill utilisation, or the time-averaged number of requests in the worker (running +
-waiting, from its load reports) when that is less: a worker kept busy by one client that sends its
-next request only after the last one finished is busy all the time but delays nobody, and its
-prefix must not be moved away from it (measured on real SGLang: the second turn of a chat left its
-holder before this). Lightly loaded workers spend cheap seconds: a hot prefix whose holder
-is busy spills to an idle worker (replication, as Preble does). As the fleet nears saturation every
-second becomes expensive, requests stay with the workers that hold their prefixes, and total work
-stays as low as the cache allows: the "death spiral on misses" cannot start, because moving a
-prefix off its holder only pays when the holder's queue is longer than the recomputation times its
-price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together even on an idle
-fleet.
+A prefill delays every request that arrives on that worker while it works through its backlog and
+this prefill. In a queue at utilisation ``rho`` requests arrive at ``rho / mean prefill`` and about
+``rho / (1 - rho)`` wait on average (M/G/1); the ones this prefill delays are those arriving during
+its backlog plus half its own prefill, so the price of a second of prefill is ``queued * backlog``:
+``queued`` the average (the lesser of ``rho / (1 - rho)`` and the time-averaged number of requests in
+the worker: a worker kept busy by one client at a time is busy all the time but delays nobody, and its
+prefix must not be moved away from it, as measured on real SGLang), ``backlog`` the seconds ahead of
+this request in units of the worker's mean prefill. An idle worker's seconds are nearly free, so a
+request whose holder has a backlog spills to an idle worker when recomputing there is sooner
+(replication, as Preble does, and as the perfect-information floor would). The price never exceeds
+``max(queued, 1)`` (nor ``max_work_price``): past saturation a long backlog is where arrivals go
+elsewhere, requests stay with the workers that hold their prefixes, and total work stays as low as the
+cache allows: the "death spiral on misses" cannot start, because moving a prefix off its holder only
+pays when the holder's queue is longer than the recomputation times its price.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -203,7 +202,10 @@ class PrefixAwarePolicy(Policy):
         # (those arriving during its own prefill wait half of it). So a prefill behind a long backlog costs
         # more than the average, and one on an idle worker almost nothing.
         backlog = (queue + memory_wait + prefill / 2) / max(cost.mean_prefill_s, 1e-6)
-        price = min(max(queued * backlog, opts.min_work_price), opts.max_work_price)
+        # Never above the average's price (at least 1: what the recomputation costs the request itself):
+        # past saturation a long backlog is where arrivals go elsewhere, and holders must still shed.
+        ceiling = min(max(queued, 1.0), opts.max_work_price)
+        price = min(max(queued * backlog, opts.min_work_price), ceiling)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
         # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
         # evicted one costs that many recomputations later.
