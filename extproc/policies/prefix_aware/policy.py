@@ -14,20 +14,21 @@ on the worker against its reported pool (``in_flight``): below saturation a full
 queue, is what makes a request wait.
 
 The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
-A prefill delays every request that arrives on that worker while it works through its backlog and
-this prefill. In a queue at utilisation ``rho`` requests arrive at ``rho / mean prefill`` and about
-``rho / (1 - rho)`` wait on average (M/G/1); the ones this prefill delays are those arriving during
-its backlog plus half its own prefill, so the price of a second of prefill is ``queued * backlog``:
-``queued`` the average (the lesser of ``rho / (1 - rho)`` and the time-averaged number of requests in
-the worker: a worker kept busy by one client at a time is busy all the time but delays nobody, and its
-prefix must not be moved away from it, as measured on real SGLang), ``backlog`` the seconds ahead of
-this request in units of the worker's mean prefill. An idle worker's seconds are nearly free, so a
-request whose holder has a backlog spills to an idle worker when recomputing there is sooner
-(replication, as Preble does, and as the perfect-information floor would). The price never exceeds
-``max(queued, 1)`` (nor ``max_work_price``): past saturation a long backlog is where arrivals go
-elsewhere, requests stay with the workers that hold their prefixes, and total work stays as low as the
-cache allows: the "death spiral on misses" cannot start, because moving a prefix off its holder only
-pays when the holder's queue is longer than the recomputation times its price.
+Recomputing a prefix that another worker holds delays every request that later queues behind it on
+the worker that recomputes; in a queue at utilisation ``rho`` that is about ``rho / (1 - rho)``
+requests (the mean number waiting in an M/G/1 queue). So the price of a second of prefill on a
+worker is ``clamp(rho / (1 - rho), min_work_price, max_work_price)``, with ``rho`` the worker's
+measured prefill utilisation, or the time-averaged number of requests in the worker (running +
+waiting, from its load reports) when that is less: a worker kept busy by one client that sends its
+next request only after the last one finished is busy all the time but delays nobody, and its
+prefix must not be moved away from it (measured on real SGLang: the second turn of a chat left its
+holder before this). Lightly loaded workers spend cheap seconds: a hot prefix whose holder
+is busy spills to an idle worker (replication, as Preble does). As the fleet nears saturation every
+second becomes expensive, requests stay with the workers that hold their prefixes, and total work
+stays as low as the cache allows: the "death spiral on misses" cannot start, because moving a
+prefix off its holder only pays when the holder's queue is longer than the recomputation times its
+price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together even on an idle
+fleet.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -84,7 +85,7 @@ class PrefixAwareOptions(PolicyOptions):
         "or the lesser of the two ('lesser': a worker kept busy by one client at a time is not congested).",
     )
     min_work_price: float = Field(
-        0.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
+        1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
     )
     max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
     eviction_weight: float = Field(
@@ -196,16 +197,7 @@ class PrefixAwarePolicy(Policy):
             queued = cost.concurrency
         elif opts.work_price == "lesser":
             queued = min(queued, cost.concurrency)
-        # ``queued`` is how many requests a second of prefill delays on average there (the mean number
-        # waiting in an M/G/1 queue). This one delays the requests that arrive while the worker works off
-        # what it has now plus it: an arrival rate of rho / (mean prefill), over ``queue + prefill / 2``
-        # (those arriving during its own prefill wait half of it). So a prefill behind a long backlog costs
-        # more than the average, and one on an idle worker almost nothing.
-        backlog = (queue + memory_wait + prefill / 2) / max(cost.mean_prefill_s, 1e-6)
-        # Never above the average's price (at least 1: what the recomputation costs the request itself):
-        # past saturation a long backlog is where arrivals go elsewhere, and holders must still shed.
-        ceiling = min(max(queued, 1.0), opts.max_work_price)
-        price = min(max(queued * backlog, opts.min_work_price), ceiling)
+        price = min(max(queued, opts.min_work_price), opts.max_work_price)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
         # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
         # evicted one costs that many recomputations later.
@@ -233,9 +225,7 @@ class PrefixAwarePolicy(Policy):
             "work_price": price,
             "ttft_s": ttft,
             "eviction_s": eviction,
-            # An evicted token is recomputed later by a request that pays it in its own TTFT (1), and by
-            # the requests queued behind that one (the price).
-            "score": ttft + price * prefill + (1.0 + price) * eviction,
+            "score": ttft + price * (prefill + eviction),
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
