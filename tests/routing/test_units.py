@@ -691,46 +691,60 @@ def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> 
     from extproc.policies.prefix_aware.in_flight import InFlightBook
 
     book = InFlightBook()
-    assert book.memory_wait_s("w0", 2000, 0, 10_000, now=0.0) == 0.0  # nothing open: nothing to wait for
+    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # nothing open: nothing to wait for
     for i in range(4):
-        book.booked("w0", i, 2000, 0, now=0.1 * i)
+        book.booked("w0", i, 2000, 0, now=0.0)
     book.released("w0", 0, now=2.0)  # residence 2 s
     assert book.residence_s("w0") == pytest.approx(2.0)
     assert book.held_tokens("w0") == 6000
-    assert book.memory_wait_s("w0", 2000, 0, 10_000, now=0.5) == 0.0  # 6k held + 2k new fits in 10k
-    # 2k too many: the oldest open one (routed at 0.1 s) frees them when it finishes, 1.6 s from now.
-    assert book.memory_wait_s("w0", 6000, 0, 10_000, now=0.5) == pytest.approx(2.0 - 0.4)
-    # 4k too many: the two oldest must finish; the second was routed at 0.2 s.
-    assert book.memory_wait_s("w0", 8000, 0, 10_000, now=0.5) == pytest.approx(2.0 - 0.3)
-    # One older than the residence is late, not done: a quarter of a residence (at least its age) is left.
-    assert book.memory_wait_s("w0", 6000, 0, 10_000, now=3.0) == pytest.approx(0.25 * 2.9)
+    assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # 6k held + 2k new fits in 10k
+    assert book.memory_wait_s("w0", 6000, 0, 10_000) == pytest.approx(2000 / 6000 * 2.0)  # a third must finish
     book.booked("w1", 9, 2000, 0, now=0.0)
-    # no residence of its own: the fleet's
-    assert book.memory_wait_s("w1", 9000, 0, 10_000, now=0.5) == pytest.approx(2.0 - 0.5)
+    assert book.memory_wait_s("w1", 9000, 0, 10_000) == pytest.approx(0.5 * 2.0)  # no residence of its own: the fleet's
     book.forget("w0")
     assert book.held_tokens("w0") == 0.0
 
 
-def test_open_requests_sharing_a_prefix_hold_its_pages_once() -> None:
-    """Requests of one system prompt hold it once; requests of different prompts hold each of theirs."""
-    from extproc.policies.prefix_aware.in_flight import InFlightBook
+def test_the_fleet_mean_is_kept_as_running_sums() -> None:
+    """Each refit replaces its worker's share; a worker that leaves drops out; nobody measured: no mean."""
+    from extproc.policies.prefix_aware.cost_model import FleetMean
 
-    shared = block_keys([7] * 2048, 16)  # 128 blocks of one system prompt
-    book = InFlightBook()
-    for i in range(3):  # the shared prompt plus 64 tokens of its own each (4 blocks)
-        own = block_keys([7] * 2048 + [i + 10] * 64, 16)
-        assert own[:128] == shared
-        book.booked("w0", i, 64, 2048, now=0.0, keys=own, block_size=16)
-    assert book.held_tokens("w0") == 2048 + 3 * 64
-    for i in range(3):  # three other prompts: nothing shared
-        book.booked("w1", i, 2112, 0, now=0.0, keys=block_keys([i + 100] * 2112, 16), block_size=16)
-    assert book.held_tokens("w1") == 3 * 2112
-    # A fourth request of the shared prompt needs room for its own tokens only: the prompt is held already.
-    book.released("w0", 0, now=1.0)
-    fourth = block_keys([7] * 2048 + [99] * 64, 16)
-    held = book.held_tokens("w0")
-    assert book.memory_wait_s("w0", 64, 2048, int(held) + 64, now=1.0, keys=fourth) == 0.0
-    assert book.memory_wait_s("w1", 64, 2048, int(book.held_tokens("w1")) + 64, now=1.0, keys=fourth) > 0.0
-    book.released("w0", 1, now=1.0)
-    book.released("w0", 2, now=1.0)
-    assert book.held_tokens("w0") == 0.0
+    fleet = FleetMean()
+    assert fleet.model is None
+    a, b = object(), object()
+    fleet.update(a, PrefillModel(0.02, 4e-5, 1e-9))
+    fleet.update(b, PrefillModel(0.04, 2e-5, 3e-9))
+
+    def constants(m: PrefillModel | None) -> tuple[float, float, float]:
+        assert m is not None
+        return (m.c0, m.a, m.b)
+
+    assert constants(fleet.model) == pytest.approx((0.03, 3e-5, 2e-9))
+    fleet.update(a, PrefillModel(0.06, 4e-5, 1e-9))  # a refit replaces a's share, it does not add one
+    assert constants(fleet.model)[0] == pytest.approx(0.05)
+    fleet.remove(a)
+    assert constants(fleet.model) == pytest.approx((0.04, 2e-5, 3e-9))
+    fleet.remove(b)
+    assert fleet.model is None
+
+
+def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_it() -> None:
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    measured, fresh = _workers(2)
+    model = policy.cost_model(measured)
+    busy = tokens = 0.0
+    for step in range(6):  # a worker twice as slow as the priors in every constant
+        model.sent(1000, 0, step * 0.5)
+        busy += 2 * policy.cost_model(fresh).learned.seconds(1000, 0)
+        tokens += 1000
+        model.observe(
+            WorkerLoad(
+                total_prefill_busy_us=int(busy * 1e6),
+                total_prefill_uncached_tokens=int(tokens),
+                polled_at=step * 0.5 + 0.4,
+            )
+        )
+    assert model.windows
+    assert policy.cost_model(fresh).prefill == model.learned  # judged by the measured one, for queue and prefill
+    policy.remove_worker(measured.id)
+    assert policy.fleet.model is None and policy.cost_model(fresh).prefill == policy.cost_model(fresh).learned

@@ -189,8 +189,6 @@ class PrefixAwarePolicy(Policy):
         running = load.num_running_reqs if load else c.in_flight
         # A request that arrives during a decode step waits for its end: half a step on average.
         step_wait = cost.decode.step_seconds(running) / 2
-        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
-        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, now, request.block_keys)
         rho = min(cost.utilization, 0.999)
         queued = rho / (1.0 - rho)
         if opts.work_price == "concurrency":
@@ -201,6 +199,7 @@ class PrefixAwarePolicy(Policy):
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
         # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
         # evicted one costs that many recomputations later.
+        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
             # Past ``cache_full_fraction`` of the pool the rest is running requests' working room
@@ -209,6 +208,7 @@ class PrefixAwarePolicy(Policy):
             evicted = min(float(new), max(0.0, new - room))
         reuse = min(cost.reuse, 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
@@ -276,7 +276,7 @@ class PrefixAwarePolicy(Policy):
         now = self.clock()
         new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
         self.cost_model(worker).sent(new, cached, now)
-        self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size)
+        self.book.booked(worker.id, id(request), new, cached, now)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
