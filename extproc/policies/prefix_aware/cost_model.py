@@ -167,7 +167,7 @@ class WorkerCostModel:
 
     @property
     def prefill(self) -> PrefillModel:
-        """The constants that price its prefills and its queue: its own once measured, else the stand-in."""
+        """The constants that price its prefills and its queue: its own once measured, else the fleet's mean."""
         if self.windows or self.fleet is None or self.fleet.model is None:
             return self.learned
         return self.fleet.model
