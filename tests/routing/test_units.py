@@ -703,3 +703,48 @@ def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> 
     assert book.memory_wait_s("w1", 9000, 0, 10_000) == pytest.approx(0.5 * 2.0)  # no residence of its own: the fleet's
     book.forget("w0")
     assert book.held_tokens("w0") == 0.0
+
+
+def test_the_fleet_mean_is_kept_as_running_sums() -> None:
+    """Each refit replaces its worker's share; a worker that leaves drops out; nobody measured: no mean."""
+    from extproc.policies.prefix_aware.cost_model import FleetMean
+
+    fleet = FleetMean()
+    assert fleet.model is None
+    a, b = object(), object()
+    fleet.update(a, PrefillModel(0.02, 4e-5, 1e-9))
+    fleet.update(b, PrefillModel(0.04, 2e-5, 3e-9))
+
+    def constants(m: PrefillModel | None) -> tuple[float, float, float]:
+        assert m is not None
+        return (m.c0, m.a, m.b)
+
+    assert constants(fleet.model) == pytest.approx((0.03, 3e-5, 2e-9))
+    fleet.update(a, PrefillModel(0.06, 4e-5, 1e-9))  # a refit replaces a's share, it does not add one
+    assert constants(fleet.model)[0] == pytest.approx(0.05)
+    fleet.remove(a)
+    assert constants(fleet.model) == pytest.approx((0.04, 2e-5, 3e-9))
+    fleet.remove(b)
+    assert fleet.model is None
+
+
+def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_it() -> None:
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    measured, fresh = _workers(2)
+    model = policy.cost_model(measured)
+    busy = tokens = 0.0
+    for step in range(6):  # a worker twice as slow as the priors in every constant
+        model.sent(1000, 0, step * 0.5)
+        busy += 2 * policy.cost_model(fresh).learned.seconds(1000, 0)
+        tokens += 1000
+        model.observe(
+            WorkerLoad(
+                total_prefill_busy_us=int(busy * 1e6),
+                total_prefill_uncached_tokens=int(tokens),
+                polled_at=step * 0.5 + 0.4,
+            )
+        )
+    assert model.windows
+    assert policy.cost_model(fresh).prefill == model.learned  # judged by the measured one, for queue and prefill
+    policy.remove_worker(measured.id)
+    assert policy.fleet.model is None and policy.cost_model(fresh).prefill == policy.cost_model(fresh).learned

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from extproc.sync.load import WorkerLoad
 
-__all__ = ["DecodeModel", "PrefillModel", "WorkerCostModel"]
+__all__ = ["DecodeModel", "FleetMean", "PrefillModel", "WorkerCostModel"]
 
 _MIN_SCALE = 1e-4  # a learned constant never drops below this fraction of its prior (or below zero)
 _MAX_SENT = 4096  # requests remembered per worker for attribution (older ones are dropped)
@@ -68,6 +68,39 @@ class DecodeModel:
         return self.d0 + self.d1 * batch if batch > 0 else 0.0
 
 
+class FleetMean:
+    """The mean learned constants of the workers that have measured themselves, kept as running sums.
+
+    A worker that has not measured a window yet is judged by it. Each refit of a worker replaces that
+    worker's share of the sums, so a report costs the same whatever the fleet's size (walking every
+    worker's model per report made a 256-worker fleet's reports quadratic).
+    """
+
+    def __init__(self) -> None:
+        self._sums = [0.0, 0.0, 0.0]
+        self._members: dict[int, PrefillModel] = {}  # id of a worker's model -> its share of the sums
+        self.model: PrefillModel | None = None  # the mean (None: nobody has measured anything)
+
+    def update(self, member: object, learned: PrefillModel) -> None:
+        old = self._members.get(id(member))
+        self._members[id(member)] = learned
+        for i, name in enumerate(("c0", "a", "b")):
+            self._sums[i] += getattr(learned, name) - (getattr(old, name) if old is not None else 0.0)
+        self._refresh()
+
+    def remove(self, member: object) -> None:
+        old = self._members.pop(id(member), None)
+        if old is None:
+            return
+        for i, name in enumerate(("c0", "a", "b")):
+            self._sums[i] -= getattr(old, name)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        n = len(self._members)
+        self.model = PrefillModel(*(max(0.0, total / n) for total in self._sums)) if n else None
+
+
 @dataclass
 class _Sent:
     new: float  # uncached tokens predicted, not yet attributed to a report
@@ -88,6 +121,7 @@ class WorkerCostModel:
         prior_weight: float = 1.0,
         min_window_tokens: int = 256,
         utilization_window_s: float = 5.0,
+        fleet: FleetMean | None = None,
     ) -> None:
         self.prior = prior
         self.decode_prior = decode_prior
@@ -120,9 +154,9 @@ class WorkerCostModel:
         self.reuse = 0.5  # fraction of prompt tokens found cached on this worker, recent requests (a prior)
         self._queue_level = 0.0  # seconds of prefill queued as of _queue_clock
         self._queue_clock = 0.0
-        # Until this worker has measured a window: the constants it is judged by (its fleet's measured
-        # mean, set by the policy when another worker learns), for its prefill and its queue alike.
-        self.stand_in: PrefillModel | None = None
+        # Until this worker has measured a window it is judged by its fleet's measured mean, for its
+        # prefill and its queue alike; once it has, its own constants join that mean.
+        self.fleet = fleet
 
     # -- the learned figures ----------------------------------------------------------------------
     @property
@@ -133,10 +167,10 @@ class WorkerCostModel:
 
     @property
     def prefill(self) -> PrefillModel:
-        """The constants that price its prefills and its queue: its own once measured, else the stand-in."""
-        if self.windows or self.stand_in is None:
+        """The constants that price its prefills and its queue: its own once measured, else the fleet's mean."""
+        if self.windows or self.fleet is None or self.fleet.model is None:
             return self.learned
-        return self.stand_in
+        return self.fleet.model
 
     @property
     def decode(self) -> DecodeModel:
@@ -329,6 +363,8 @@ class WorkerCostModel:
                 self._gram[i][j] = lam * self._gram[i][j] + x[i] * x[j]
         self._scale = _ridge_nonnegative(self._gram, self._rhs, self._ridge)
         self.windows += 1
+        if self.fleet is not None:
+            self.fleet.update(self, self.learned)
 
     def _observe_decode(self, load: WorkerLoad) -> None:
         moments = load.decode_moments

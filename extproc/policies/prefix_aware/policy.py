@@ -48,7 +48,7 @@ from pydantic import Field
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest, WorkerLoad
-from extproc.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.policies.prefix_aware.cost_model import DecodeModel, FleetMean, PrefillModel, WorkerCostModel
 from extproc.policies.prefix_aware.in_flight import InFlightBook
 from extproc.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
 from extproc.sync.workers import Worker
@@ -122,6 +122,7 @@ class PrefixAwarePolicy(Policy):
         self._prior = PrefillModel(o.prefill_floor_s, o.prefill_per_token_s, o.attention_per_token2_s)
         self._decode_prior = DecodeModel(o.decode_step_s, o.decode_per_request_s)
         self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
+        self.fleet = FleetMean()  # the measured workers' mean constants (judge the unmeasured ones)
         self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self.book = InFlightBook()  # what the router sent each worker and has not seen finish
@@ -129,15 +130,14 @@ class PrefixAwarePolicy(Policy):
 
     def _new_model(self) -> WorkerCostModel:
         o = self.opts
-        model = WorkerCostModel(
+        return WorkerCostModel(
             self._prior,
             self._decode_prior,
             memory_s=o.memory_s,
             prior_weight=o.prior_weight,
             utilization_window_s=o.utilization_window_s,
+            fleet=self.fleet,
         )
-        model.stand_in = self._fleet_mean()
-        return model
 
     def cost_model(self, worker: Worker) -> WorkerCostModel:
         """The worker's learned cost model, created from the priors on first report or send."""
@@ -146,35 +146,21 @@ class PrefixAwarePolicy(Policy):
             model = self.costs[worker.id] = self._new_model()
         return model
 
-    def _fleet_mean(self) -> PrefillModel | None:
-        """The measured workers' mean constants, which judge a worker that has not measured itself yet.
-
-        Against the priors a fresh worker would look faster or slower than measured ones for no
-        reason but ignorance: on real SGLang CPU workers the holder of a chat's history, the only
-        worker measured so far, looked slower than the prior said the idle one was, and the second
-        turn left it. Workers behind one router usually run one model on one kind of GPU; a fleet
-        that mixes them is told apart after each worker's first measured window. The stand-in prices
-        the unmeasured worker's queue as well as its prefill, so both sides of its TTFT agree.
-        """
-        learned = [m.learned for m in self.costs.values() if m.windows]
-        if not learned:
-            return None
-        n = len(learned)
-        return PrefillModel(*(sum(getattr(m, c) for m in learned) / n for c in ("c0", "a", "b")))
-
     def on_load(self, worker: Worker, load: WorkerLoad) -> None:
-        """Learn from a report; when it refits a worker, unmeasured workers take the new fleet mean."""
-        model = self.cost_model(worker)
-        windows = model.windows
-        model.observe(load)
-        if model.windows != windows:
-            mean = self._fleet_mean()
-            for other in (*self.costs.values(), self._unseen):
-                if not other.windows:
-                    other.stand_in = mean
+        """Learn from a report (a refit also moves the fleet's mean, which judges unmeasured workers).
+
+        Why the fleet's mean and not the priors: against the priors a fresh worker would look faster or
+        slower than measured ones for no reason but ignorance (on real SGLang CPU workers the holder of a
+        chat's history, the only worker measured so far, looked slower than the prior said the idle one
+        was, and the second turn left it). Workers behind one router usually run one model on one kind of
+        GPU; a fleet that mixes them is told apart after each worker's first measured window.
+        """
+        self.cost_model(worker).observe(load)
 
     def remove_worker(self, worker_id: str) -> None:
-        self.costs.pop(worker_id, None)
+        model = self.costs.pop(worker_id, None)
+        if model is not None:
+            self.fleet.remove(model)
         self._traffic.pop(worker_id, None)
         self.book.forget(worker_id)
 
