@@ -12,9 +12,11 @@ Prints, per fleet size (figures, not a test):
   (the tokenizer's piece cache outlives each fleet's router, so only the first fleet's cold rows
   are cold: compare fleets on the warm columns);
 - **event ingestion**: real msgpack ``BlockStored`` batches from one ZMQ publisher per worker (in
-  another process) into the router's subscribers, blocks per second, and whether the index then
-  holds exactly the blocks published (``exact``), with the process's resident-memory growth per
-  million blocks ingested (index entries plus the engine-hash maps of the event streams);
+  another process) into the router's subscribers (with ``--full-cache`` each batch also removes an
+  older one, as a full cache does), blocks stored and removed per second and per CPU-second of the
+  router's process (the figure a shared machine does not move), and whether the index then holds
+  exactly the blocks stored and not removed (``exact``), with the process's resident-memory growth
+  per million blocks stored (index entries plus the engine-hash maps of the event streams);
 - **memory per worker**: what the router holds per worker that is not a cache block (registry entry,
   load report, cost model, index slot), measured with ``tracemalloc``, and the index entries per
   million blocks; with the default 256 MiB budget, how many blocks that leaves per worker;
@@ -91,7 +93,7 @@ def print_ingestion(fleets: list[int], total_blocks: int, full_cache: bool = Fal
     print(f"\n== KV event ingestion, {total_blocks:,} blocks stored in batches of 16 pages x 16 tokens{removed}")
     print(
         f"{'publishers':>10} {'stored':>9} {'removed':>9} {'seconds':>8} {'blocks/s':>10} {'per CPU-s':>10} "
-        f"{'exact':>6} {'RSS MiB / M blocks':>19}"
+        f"{'exact':>6} {'RSS MiB / M stored':>19}"
     )
     for fleet in fleets:
         gc.collect()
