@@ -12,7 +12,11 @@ blocks, look them up, choose, trace), for chat prompts of about 1k / 8k / 32k to
 
 Event ingestion sends real msgpack ``BlockStored`` batches (16 pages of 16 tokens each) from
 ``--workers`` ZMQ PUB sockets in a separate process to the router's subscribers and times how fast
-the index absorbs them.
+the index absorbs them. With ``--full-cache`` every batch after a worker's first ``FULL_AFTER``
+also carries a ``BlockRemoved`` of the batch stored ``FULL_AFTER`` batches before (a worker whose
+cache is full evicts a page for every page it stores: what a busy fleet sends). The router's CPU
+seconds over the run (this process: the subscribers and the index; the publisher is another) give
+blocks per CPU-second, a figure that holds on a shared machine where wall-clock rates do not.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import multiprocessing as mp
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
@@ -35,6 +40,7 @@ from extproc.sync.workers import Worker, WorkerRegistry
 from extproc.tokenization import load_tokenizer
 
 PAGE = 16
+FULL_AFTER = 8  # batches a worker stores before its cache is full (with ``full_cache``)
 SIZES = (1024, 8192, 32768)
 
 
@@ -108,7 +114,7 @@ def decision_latency(
     return results
 
 
-def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) -> None:
+def _publisher(ports: list[int], batches: int, pages: int, full_cache: bool, ready: Any, go: Any) -> None:
     import msgpack
     import zmq
 
@@ -124,6 +130,7 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
     for _ in ports:
         out = [msgpack.packb([time.time(), [{"type": "AllBlocksCleared"}], 0])]
         parent = None
+        stored: list[list[int]] = []
         for b in range(batches):
             tokens = [rng.randrange(128_000) for _ in range(pages * PAGE)]
             hashes = [rng.getrandbits(63) for _ in range(pages)]
@@ -136,7 +143,11 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
                 "lora_id": None,
                 "medium": "GPU",
             }
-            out.append(msgpack.packb([time.time(), [event], 0]))
+            events: list[dict[str, Any]] = [event]
+            if full_cache and b >= FULL_AFTER:
+                events.append({"type": "BlockRemoved", "block_hashes": stored[b - FULL_AFTER], "medium": "GPU"})
+            stored.append(hashes)
+            out.append(msgpack.packb([time.time(), events, 0]))
             parent = hashes[-1] if b % 8 else None  # chains of 8 batches, then a new root
         payloads.append(out)
     ready.set()
@@ -148,8 +159,29 @@ def _publisher(ports: list[int], batches: int, pages: int, ready: Any, go: Any) 
     ctx.destroy(linger=0)
 
 
-async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float, int]:
-    """(blocks the streams stored, seconds, confirmed entries the index then holds)."""
+@dataclass(frozen=True)
+class Ingestion:
+    """One ingestion run: blocks stored and removed by the streams, how long, the router's CPU, the index after."""
+
+    stored: int
+    removed: int
+    expected_held: int  # what the index must hold: every stored block not removed since
+    seconds: float
+    cpu_s: float  # this process's CPU seconds over the run (subscribers, decoding, index; every thread)
+    held: int  # entries the index holds at the end
+
+    @property
+    def blocks(self) -> int:
+        return self.stored + self.removed
+
+    @property
+    def exact(self) -> bool:
+        return self.held == self.expected_held
+
+
+async def event_ingestion(workers: int, total_blocks: int, full_cache: bool = False) -> Ingestion:
+    """Publish ``total_blocks`` stored blocks from ``workers`` publishers (and as many removals, less the
+    first ``FULL_AFTER`` batches', with ``full_cache``) and time how fast the index absorbs them."""
     from extproc.addresses import free_ports
 
     pages = 16
@@ -170,27 +202,33 @@ async def event_ingestion(workers: int, total_blocks: int) -> tuple[int, float, 
     hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index, http)
     ctx = mp.get_context("spawn")
     ready, go = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_publisher, args=(ports, batches, pages, ready, go), daemon=True)
+    proc = ctx.Process(target=_publisher, args=(ports, batches, pages, full_cache, ready, go), daemon=True)
     proc.start()
     await asyncio.get_running_loop().run_in_executor(None, ready.wait)
     await hub.start()
     await asyncio.sleep(1.0)  # subscriptions established (ZMQ slow joiner)
-    expected = workers * batches * pages
+    expected_stored = workers * batches * pages
+    expected_removed = workers * max(0, batches - FULL_AFTER) * pages if full_cache else 0
     go.set()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
 
-    def stored() -> int:
-        return sum(v.stats.blocks_stored for views in hub.views.values() for v in views)
+    def counted() -> tuple[int, int]:
+        views = [v for per_worker in hub.views.values() for v in per_worker]
+        return sum(v.stats.blocks_stored for v in views), sum(v.stats.blocks_removed for v in views)
+
+    def done() -> bool:
+        stored, removed = counted()
+        return stored >= expected_stored and removed >= expected_removed
 
     deadline = start + 120
-    while stored() < expected and time.perf_counter() < deadline:
+    while not done() and time.perf_counter() < deadline:
         await asyncio.sleep(0.005)
-    elapsed = time.perf_counter() - start
-    done = stored()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    stored, removed = counted()
     held = index.blocks_total
     await hub.stop()
     proc.join(5)
-    return done, elapsed, held
+    return Ingestion(stored, removed, expected_stored - expected_removed, elapsed, cpu, held)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,16 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=30, help="Conversations per prompt size (3 warm turns each).")
     parser.add_argument("--workers", type=int, default=8, help="Workers in the fleet / event publishers.")
     parser.add_argument("--event-blocks", type=int, default=200_000, help="Blocks to publish for the ingestion run.")
+    parser.add_argument(
+        "--full-cache", action="store_true", help="Every batch also removes an older one (a full cache's events)."
+    )
     args = parser.parse_args(argv)
 
     print(f"decision latency, prefix-aware policy, {args.workers} workers, page {PAGE} (ms)")
     print(f"{'prompt':>8} {'tokens':>7} {'cold p50':>9} {'cold p99':>9} {'warm p50':>9} {'warm p99':>9}")
     for size, tokens, (c50, c99), (w50, w99) in decision_latency(args.samples, args.workers):
         print(f"{size // 1024:>7}k {tokens:>7} {c50:>9.2f} {c99:>9.2f} {w50:>9.2f} {w99:>9.2f}")
-    done, elapsed, _held = asyncio.run(event_ingestion(args.workers, args.event_blocks))
+    run = asyncio.run(event_ingestion(args.workers, args.event_blocks, args.full_cache))
     print(
-        f"event ingestion: {done} blocks from {args.workers} workers in {elapsed:.2f} s "
-        f"= {done / elapsed:,.0f} blocks/s (BlockStored batches of 16 pages x {PAGE} tokens, real ZMQ)"
+        f"event ingestion: {run.stored} blocks stored + {run.removed} removed from {args.workers} workers in "
+        f"{run.seconds:.2f} s = {run.blocks / run.seconds:,.0f} blocks/s, {run.blocks / max(run.cpu_s, 1e-9):,.0f} "
+        f"per router CPU-second (batches of 16 pages x {PAGE} tokens, real ZMQ), index exact: {run.exact}"
     )
     return 0
 

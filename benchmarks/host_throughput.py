@@ -14,7 +14,9 @@ Each gateway runs ``--seconds`` twice, in the order envoy, routers, envoy, route
 spell of a shared machine hits both alike; the ratio to Envoy alone is printed with the rate,
 and per router process. The client, Envoy, the workers and the routers share this host's cores,
 so on a small machine the ratio says what the router costs there, not what a dedicated host
-reaches.
+reaches. To say where the cores went, the CPU time of every process (from ``/proc``: the client,
+Envoy, the router processes, the workers) is read around every measured spell and printed as CPU
+milliseconds per answered request.
 """
 
 from __future__ import annotations
@@ -65,6 +67,27 @@ def _port_run(count: int) -> int:
     raise RuntimeError(f"no run of {count} free ports")
 
 
+def _wait_router(port: int, processes: int, timeout: float = 60.0) -> None:
+    """Until every router process answers its gRPC readiness SERVING (else early requests fail open)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    for p in range(port, port + processes):
+        with grpc.insecure_channel(f"127.0.0.1:{p}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router on port {p} was not ready within {timeout:.0f} s")
+                time.sleep(0.2)
+
+
 def _wait(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -78,11 +101,44 @@ def _wait(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+CPU_GROUPS = ("client", "envoy", "router", "workers")
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (``serve --processes N`` runs its routers as children)."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of ``pids`` and their descendants (0 for any already gone)."""
+    total = 0
+    for pid in {p for root in pids for p in _tree(root)}:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / _TICK
+
+
 class Gateway:
     """Envoy (and, with ``processes``, ``prefix-router serve --processes N``) on loopback."""
 
     def __init__(self, envoy: str, worker_urls: Sequence[str], processes: int, workdir: Path) -> None:
         self.children: list[subprocess.Popen[bytes]] = []
+        self.router_pid: int | None = None
         listen, admin = free_port(), free_port()
         extproc = None
         if processes:
@@ -91,6 +147,7 @@ class Gateway:
             args = [sys.executable, "-m", "prefix_router", "serve", "--processes", str(processes), "--port", str(port)]
             args += ["--metrics-port", "0", "--log-level", "warning", *(f"--worker={u}" for u in worker_urls)]
             self.children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.router_pid = self.children[-1].pid
         spec = GatewaySpec(
             workers=[split_host_port(u) for u in worker_urls],
             extproc=extproc,
@@ -103,8 +160,21 @@ class Gateway:
         base_id = str(listen % 60000)
         cmd = [envoy, "-c", str(config), "--concurrency", "1", "--base-id", base_id, "-l", "error"]
         self.children.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.envoy_pid = self.children[-1].pid
         self.url = f"http://127.0.0.1:{listen}"
         _wait(f"http://127.0.0.1:{admin}/ready")
+        if extproc is not None:
+            _wait_router(extproc[1], processes)
+
+    def cpu_s(self, worker_pids: Sequence[int]) -> dict[str, float]:
+        """CPU seconds used so far by each group of processes this gateway's requests go through."""
+        self_cpu = os.times()
+        return {
+            "client": self_cpu.user + self_cpu.system,
+            "envoy": _cpu_s([self.envoy_pid]),
+            "router": _cpu_s([self.router_pid]) if self.router_pid is not None else 0.0,
+            "workers": _cpu_s(worker_pids),
+        }
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -184,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     bodies = _bodies(args.tokens, 64)
     gateways: dict[str, Gateway] = {}
     totals: dict[str, list[int]] = {}
+    cpu: dict[str, dict[str, float]] = {}
+    worker_pids = [s.pid for s in sims]
     try:
         with tempfile.TemporaryDirectory(prefix="host-throughput-") as tmp:
             gateways["envoy"] = Gateway(envoy, [s.url for s in sims], 0, Path(tmp))
@@ -193,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(_closed_loop(gateway.url, bodies, args.concurrency, 1.0))
             for _ in range(2):
                 for name, gateway in gateways.items():
+                    before = gateway.cpu_s(worker_pids)
                     ok, failed = asyncio.run(_closed_loop(gateway.url, bodies, args.concurrency, args.seconds))
+                    after = gateway.cpu_s(worker_pids)
+                    used = cpu.setdefault(name, dict.fromkeys(CPU_GROUPS, 0.0))
+                    for group in CPU_GROUPS:
+                        used[group] += after[group] - before[group]
                     total = totals.setdefault(name, [0, 0])
                     total[0] += ok
                     total[1] += failed
@@ -213,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         rate = ok / seconds
         per = rate / int(name.split("x")[1]) if name.startswith("router") else rate
         print(f"{name:>11} {rate:>8.0f} {failed:>7} {rate / base:>8.2f} {per:>18.0f}")
+    print("CPU ms per answered request (user + system, from /proc), and cores busy over the spell:")
+    print(f"{'gateway':>11} " + " ".join(f"{g:>8}" for g in CPU_GROUPS) + f" {'total':>8} {'cores':>6}")
+    for name, used in cpu.items():
+        answered = max(totals[name][0], 1)
+        row = " ".join(f"{1000 * used[g] / answered:>8.3f}" for g in CPU_GROUPS)
+        busy = sum(used.values())
+        print(f"{name:>11} {row} {1000 * busy / answered:>8.3f} {busy / seconds:>6.2f}")
     return 0
 
 

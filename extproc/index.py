@@ -116,10 +116,15 @@ class _Tier:
         order = self.order.get(slot)
         if not order:
             return 0
+        holders, held, pop = self.holders, self.holders.get, order.pop
         removed = 0
-        for key in keys:
-            if order.pop(key, 0) is None:
-                self._clear_bit(key, bit)
+        for key in keys:  # ``_clear_bit`` inlined: one call less per block on the event path
+            if pop(key, 0) is None:
+                mask = held(key, 0) & ~bit
+                if mask:
+                    holders[key] = mask
+                else:
+                    holders.pop(key, None)
                 removed += 1
         return removed
 

@@ -281,9 +281,11 @@ class WorkerCacheView:
         tier = tier_of(event.medium)
         bit = 1 << ("gpu", "host", "disk").index(tier)
         own = self._own
+        pop = own.pop
         keys: list[int] = []
+        kept = 0  # entries still held in another tier
         for engine_hash in event.block_hashes:
-            entry = own.get(engine_hash)
+            entry = pop(engine_hash, None)
             if entry is None:
                 continue
             key, bits = entry
@@ -291,9 +293,9 @@ class WorkerCacheView:
             bits &= ~bit
             if bits:
                 own[engine_hash] = (key, bits)
-            else:
-                del own[engine_hash]
-                assert self.hashes is not None
-                self.hashes.used -= 1
+                kept += 1
+        if keys:
+            assert self.hashes is not None
+            self.hashes.used -= len(keys) - kept
         self.index.remove(self.worker_id, keys, tier)
         self.stats.blocks_removed += len(keys)
