@@ -2,11 +2,16 @@
 
 The router chose a prefill and a decode worker (``RouteOutcome.prefill``); this module gives the
 body its bootstrap fields (``extproc.pd``), starts the prefill leg (``extproc.prefill_leg``) and
-waits until that request is on the wire before Envoy is answered with the decode destination. So:
+answers Envoy with the decode destination. A leg that has to open a connection is waited for until
+its request is on the wire before Envoy is answered; one that goes out on an idle keep-alive
+connection to its worker (``PrefillClient.warm``) is not: nothing could refuse it, and the decode half
+is the pair's critical path (the prefill worker computes only once decode's handshake reached its
+bootstrap server), so it leaves at once. So:
 
 - a prefill worker that refuses the connection is seen before anything reached the client: it
   leaves the candidates (as a refused load poll makes it) and the pair is chosen again, with a new
-  room, up to ``pd.pair_attempts`` times, then 503;
+  room, up to ``pd.pair_attempts`` times, then 503 (a worker that died closed its pooled connections,
+  so its next leg is a cold one, waited for);
 - a leg that fails later (reset, non-200, timeout) aborts the decode side by ``rid``, again until
   decode's response begins (the decode request may still be on its way when the first abort
   lands), and the servicer turns decode's response into a 502 that names the prefill failure;
@@ -93,9 +98,11 @@ class PairLauncher:
             leg_headers = {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
             leg_headers.update(prefill.upstream_headers)
             leg_headers["content-type"] = "application/json"
+            warm = self.client.warm(worker)
             leg = self.client.send(worker, path, paired, leg_headers)
             try:
-                await leg.wait_sent(self.config.connect_timeout_s)
+                if not warm:
+                    await leg.wait_sent(self.config.connect_timeout_s)
             except PrefillError as exc:
                 leg.cancel()
                 self.router.finish(outcome)
