@@ -252,13 +252,14 @@ async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer
         client = router.prefill_client
         try:
             outcome, _, pair = await _launch(router)
-            assert pair.leg.sent.is_set()  # a new connection: Envoy is answered once the request is on the wire
+            assert pair.leg.sent.is_set() and not pair.warm  # a new connection: waited for until on the wire
             await asyncio.wait_for(pair.leg.task, 5)
             router.finish(outcome)
             assert client.warm(workers[0]) is not waits_again  # the connection went back to the pool
             outcome, _, pair = await _launch(router)
-            assert pair.leg.sent.is_set() is waits_again  # warm: answered before the leg even ran
-            assert not client.warm(workers[0])  # the idle connection is spoken for by that leg
+            assert pair.warm is not waits_again  # warm: not waited for, only given the loop's next turns
+            assert pair.leg.sent.is_set()  # in which it went out
+            assert not client.warm(workers[0])  # the pooled connection is that leg's now
             await asyncio.wait_for(pair.leg.task, 5)
             assert pair.leg.status == 200 and pair.failure is None
             router.finish(outcome)
