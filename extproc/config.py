@@ -479,6 +479,15 @@ class PdConfig(Section):
             "for this much more time)."
         ),
     )
+    warm_idle_s: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "A prefill leg that will go out on a keep-alive connection to its worker idle at most this long does "
+            "not hold up Envoy's answer (the decode half leaves at once); any other leg is waited for until it is "
+            "on the wire, so a refused connection still retries the pair. 0: always wait."
+        ),
+    )
     prefill_timeout_s: float = Field(
         600.0,
         gt=0,

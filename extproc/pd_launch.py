@@ -2,11 +2,19 @@
 
 The router chose a prefill and a decode worker (``RouteOutcome.prefill``); this module gives the
 body its bootstrap fields (``extproc.pd``), starts the prefill leg (``extproc.prefill_leg``) and
-waits until that request is on the wire before Envoy is answered with the decode destination. So:
+answers Envoy with the decode destination. A leg that has to open a connection is waited for until
+its request is on the wire before Envoy is answered; one that goes out on an idle keep-alive
+connection to its worker (``PrefillClient.warm``) is not: nothing could refuse it, and the decode half
+is the pair's critical path (the prefill worker computes only once decode's handshake reached its
+bootstrap server). Such a leg is given the loop's next ``WARM_TURNS`` turns first, in which aiohttp
+writes it (the request, then its body), so that the prefill worker has read it before decode's
+handshake reaches it; then Envoy is answered (measured: docs/benchmarks.md, "Prefill/decode
+disaggregation"). So:
 
 - a prefill worker that refuses the connection is seen before anything reached the client: it
   leaves the candidates (as a refused load poll makes it) and the pair is chosen again, with a new
-  room, up to ``pd.pair_attempts`` times, then 503;
+  room, up to ``pd.pair_attempts`` times, then 503 (a worker that died closed its pooled connections,
+  so its next leg is a cold one, waited for);
 - a leg that fails later (reset, non-200, timeout) aborts the decode side by ``rid``, again until
   decode's response begins (the decode request may still be on its way when the first abort
   lands), and the servicer turns decode's response into a 502 that names the prefill failure;
@@ -36,6 +44,10 @@ __all__ = ["LaunchedPair", "PairLauncher"]
 
 log = logging.getLogger(__name__)
 
+# Loop turns a leg on a pooled connection is given before Envoy is answered: aiohttp writes the
+# request in the first and its body in the second (a task of its own).
+WARM_TURNS = 2
+
 # Client headers the prefill leg carries as they came (the body is the router's; the rest is Envoy's business).
 _FORWARDED_HEADERS = ("authorization", "x-api-key", "traceparent", "tracestate")
 
@@ -46,6 +58,7 @@ class LaunchedPair:
 
     plan: PairPlan
     leg: PrefillLeg
+    warm: bool = False  # the leg went out on a pooled connection: Envoy's answer did not wait for it
     failure: str | None = None  # why the leg failed after Envoy was answered (None: it has not)
     response_started: bool = False  # decode's response headers reached the router
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -93,9 +106,16 @@ class PairLauncher:
             leg_headers = {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
             leg_headers.update(prefill.upstream_headers)
             leg_headers["content-type"] = "application/json"
+            warm = self.client.warm(worker)
             leg = self.client.send(worker, path, paired, leg_headers)
             try:
-                await leg.wait_sent(self.config.connect_timeout_s)
+                if not warm:
+                    await leg.wait_sent(self.config.connect_timeout_s)
+                else:
+                    for _ in range(WARM_TURNS):
+                        await asyncio.sleep(0)
+                    if leg.failure is not None and leg.failure.before_sent:  # it could not go out after all
+                        raise leg.failure
             except PrefillError as exc:
                 leg.cancel()
                 self.router.finish(outcome)
@@ -108,7 +128,7 @@ class PairLauncher:
                 leg.cancel()
                 self.router.finish(outcome)
                 raise
-            pair = LaunchedPair(plan=plan, leg=leg)
+            pair = LaunchedPair(plan=plan, leg=leg, warm=warm)
             assert leg.task is not None
             leg.task.add_done_callback(functools.partial(self._leg_ended, outcome, pair))
             self._spawn(pair, self._watch_decode(outcome, pair), "watch-decode")

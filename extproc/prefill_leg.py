@@ -11,7 +11,10 @@ once the KV cache has been handed to decode. What matters is how the leg ends:
   comes (SGLang gives up after 300 s), so the caller aborts the decode side by ``rid``.
 
 Its own ``aiohttp`` session: legs last as long as a prefill takes (no short total timeout, unlike
-the sync path's polls), and one pool keeps connections to the prefill workers warm.
+the sync path's polls), and one pool keeps connections to the prefill workers warm. ``PrefillClient.warm``
+says whether a leg would go out on one of those (an idle keep-alive connection, not spoken for by a leg
+still being sent): then "on the wire" only means "in a local socket buffer", the same thing it means a
+moment later, so the caller need not wait for it (``extproc.pd_launch``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import Counter
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from extproc.config import PdConfig
 from extproc.sync.workers import Worker
@@ -46,9 +52,10 @@ class PrefillError(Exception):
 class PrefillLeg:
     """One prefill request in flight: ``sent`` once the request is on the wire, ``task`` until its end."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, unsent: Counter[str] | None = None) -> None:
         self.worker = worker
         self.sent = asyncio.Event()
+        self._unsent = unsent  # the client's count of legs not yet sent, per worker URL (this one counted once)
         self.failure: PrefillError | None = None
         self.status: int | None = None
         self.task: asyncio.Task[None] | None = None
@@ -71,6 +78,16 @@ class PrefillLeg:
             self.cancel()
             raise PrefillError("timeout", f"not sent to {self.worker.id} within {timeout_s} s", before_sent=True)
 
+    def mark_sent(self) -> None:
+        """The request is on the wire (or the leg ended first): it no longer waits for a connection."""
+        self.sent.set()
+        self.settle()
+
+    def settle(self) -> None:
+        unsent, self._unsent = self._unsent, None
+        if unsent is not None:
+            unsent[self.worker.url] -= 1
+
     def cancel(self) -> None:
         """Stop the leg (the decode side ended): closing the connection makes SGLang abort the prefill."""
         if self.task is not None and not self.task.done():
@@ -80,7 +97,7 @@ class PrefillLeg:
 async def _headers_sent(_session: Any, context: SimpleNamespace, _params: Any) -> None:
     leg = getattr(context, "trace_request_ctx", None)
     if isinstance(leg, PrefillLeg):
-        leg.sent.set()
+        leg.mark_sent()
 
 
 class PrefillClient:
@@ -89,6 +106,7 @@ class PrefillClient:
     def __init__(self, config: PdConfig) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
+        self._unsent: Counter[str] = Counter()  # legs started but not yet on the wire, per worker URL
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -98,10 +116,38 @@ class PrefillClient:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=[trace])
         return self._session
 
+    def warm(self, worker: Worker) -> bool:
+        """Whether a leg to ``worker`` started now would reuse an idle keep-alive connection, not open one.
+
+        Counts the pool's connections to the worker that are still connected and idle at most
+        ``pd.warm_idle_s`` (a worker that died or closed them is no longer counted once the loop saw
+        their end), less the legs already started there and not yet sent (each will take one). Reads
+        aiohttp's pool (``TCPConnector._conns``, aiohttp 3.x); where that is not there, nothing is warm
+        and every leg is waited for.
+        """
+        limit = self.config.warm_idle_s
+        if limit <= 0 or self._session is None or self._session.closed:
+            return False
+        pool = getattr(self._session.connector, "_conns", None)
+        if not isinstance(pool, Mapping):
+            return False
+        url = URL(worker.url)
+        now = time.monotonic()  # aiohttp stamps a connection's release with time.monotonic()
+        idle = sum(
+            1
+            for key, conns in pool.items()
+            if getattr(key, "host", None) == url.host and getattr(key, "port", None) == url.port
+            for proto, released in conns
+            if proto.is_connected() and now - released <= limit
+        )
+        return idle > self._unsent[worker.url]
+
     def send(self, worker: Worker, path: str, body: bytes, headers: Mapping[str, str]) -> PrefillLeg:
         """Start the leg to ``worker`` (``path`` as the client asked: /generate, chat, completions)."""
-        leg = PrefillLeg(worker)
+        self._unsent[worker.url] += 1
+        leg = PrefillLeg(worker, self._unsent)
         leg.task = asyncio.create_task(self._run(leg, worker.url + path, body, dict(headers)), name="prefill-leg")
+        leg.task.add_done_callback(lambda _: leg.settle())  # also when cancelled before it ever ran
         return leg
 
     async def _run(self, leg: PrefillLeg, url: str, body: bytes, headers: dict[str, str]) -> None:

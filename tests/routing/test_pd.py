@@ -241,6 +241,64 @@ async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_
         await router.stop()
 
 
+async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer(
+    servers: dict[str, tuple[_Recorder, int]],
+) -> None:
+    prefill, prefill_port = servers["prefill"]
+    _, decode_port = servers["decode"]
+    workers = [_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")]
+    for warm_idle_s, waits_again in ((2.0, False), (0.0, True)):
+        router = _router(workers, warm_idle_s=warm_idle_s)
+        client = router.prefill_client
+        try:
+            outcome, _, pair = await _launch(router)
+            assert pair.leg.sent.is_set() and not pair.warm  # a new connection: waited for until on the wire
+            await asyncio.wait_for(pair.leg.task, 5)
+            router.finish(outcome)
+            assert client.warm(workers[0]) is not waits_again  # the connection went back to the pool
+            outcome, _, pair = await _launch(router)
+            assert pair.warm is not waits_again  # warm: not waited for, only given the loop's next turns
+            assert pair.leg.sent.is_set()  # in which it went out
+            assert not client.warm(workers[0])  # the pooled connection is that leg's now
+            await asyncio.wait_for(pair.leg.task, 5)
+            assert pair.leg.status == 200 and pair.failure is None
+            router.finish(outcome)
+        finally:
+            await router.stop()
+    assert len(prefill.bodies) == 4
+
+
+async def test_a_prefill_worker_that_died_is_cold_again_and_its_refusal_retries_the_pair(
+    servers: dict[str, tuple[_Recorder, int]],
+) -> None:
+    survivor, survivor_port = servers["prefill"]
+    _, decode_port = servers["decode"]
+    doomed, port = _Recorder(), free_port()
+    runner = web.AppRunner(doomed.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    dead = _worker("dead", port, "prefill")
+    workers = [dead, _worker("p", survivor_port, "prefill"), _worker("d", decode_port, "decode")]
+    router = _router(workers)
+    _hold(router, "dead", 4)  # the best cache is on the worker about to die: it is tried first
+    try:
+        outcome, _, pair = await _launch(router)
+        await asyncio.wait_for(pair.leg.task, 5)
+        router.finish(outcome)
+        assert outcome.prefill is not None and outcome.prefill.worker is dead and router.prefill_client.warm(dead)
+        await runner.cleanup()  # the worker dies: its end closes the pooled connection
+        await asyncio.sleep(0.05)
+        assert not router.prefill_client.warm(dead)
+        outcome, body, pair = await _launch(router)  # cold: waited for, refused, a new pair before Envoy hears
+        assert outcome.prefill is not None and outcome.prefill.worker.id == "p" and not dead.healthy
+        await asyncio.wait_for(pair.leg.task, 5)
+        assert survivor.bodies[-1]["bootstrap_room"] == orjson.loads(body)["bootstrap_room"]
+        router.finish(outcome)
+    finally:
+        await router.stop()
+        await runner.cleanup()
+
+
 async def test_a_failed_prefill_leg_aborts_the_decode_side_by_rid(servers: dict[str, tuple[_Recorder, int]]) -> None:
     prefill, prefill_port = servers["prefill"]
     decode, decode_port = servers["decode"]
