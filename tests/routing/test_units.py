@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -553,6 +554,69 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
         ]
         decision = _select(policy, _request(3200, keys=[5]), _candidates(workers, [188, 0], loads))
         assert decision.reason == expected, (utilization, decision.scores)
+
+
+def _light_fleet_with_a_busy_holder(options: dict[str, Any], cached_blocks: int = 0, busy: int = 1) -> Decision:
+    """Three measured, lightly used workers: w0 holds 3,000 of a 3,200-token prompt behind ~0.19 s of the
+    router's own cold sends; w1 and w2 hold nothing and have ``cached_blocks`` of a 24k-token pool filled;
+    w2 also has a queue when ``busy`` is 2."""
+    workers = _workers(3)
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", options))
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
+    for w, ld in zip(workers, loads):
+        model = policy.cost_model(w)
+        model.windows, model.utilization = 1, 0.1  # measured itself: busy a tenth of the time
+        policy.on_load(w, ld)
+    holder = policy.cost_model(workers[0])
+    holder.sent(1800, 0, now)
+    holder.sent(1800, 0, now)
+    if busy == 2:
+        policy.cost_model(workers[2]).sent(1800, 0, now)
+    candidates = _candidates(workers, [188, 0, 0], loads)
+    for c in candidates[1:]:
+        c.cached_blocks = cached_blocks
+    return policy.select(_request(3200, keys=[5]), candidates)
+
+
+def test_an_idle_worker_with_room_on_a_light_fleet_takes_a_hit_whose_holder_is_busy() -> None:
+    """Its seconds delay no queue and evict nothing: priced at the fleet's mean, not the least price."""
+    decision = _light_fleet_with_a_busy_holder({})
+    assert decision.reason == "prefix-spill" and decision.ranked[0].id != "w0", decision.scores
+    assert decision.scores["w1"]["work_price"] < 0.2
+    assert decision.scores["w0"]["work_price"] == 1.0  # the holder has a queue: the least price stands
+    # Priced at the least price everywhere (before this option), the request waits behind the holder's queue.
+    fixed = _light_fleet_with_a_busy_holder({"idle_fleet_price": False})
+    assert fixed.reason == "prefix-hit", fixed.scores
+    assert fixed.scores["w1"]["ttft_s"] < fixed.scores["w0"]["ttft_s"]  # although the idle worker is sooner
+
+
+def test_an_idle_worker_whose_cache_is_full_keeps_the_least_price() -> None:
+    """Recomputing into a full cache pushes another prefix out: that second is not cheap."""
+    decision = _light_fleet_with_a_busy_holder({}, cached_blocks=24576 // 16)
+    assert decision.reason == "prefix-hit", decision.scores
+    assert decision.scores["w1"]["work_price"] == 1.0
+
+
+def test_an_idle_worker_of_a_mostly_busy_fleet_keeps_the_least_price() -> None:
+    """Two of three workers have a queue: the idle one is only momentarily idle, its seconds are not free."""
+    decision = _light_fleet_with_a_busy_holder({}, busy=2)
+    assert decision.reason == "prefix-hit", decision.scores
+    assert decision.scores["w1"]["work_price"] == 1.0
+
+
+def test_the_fleet_price_is_the_measured_workers_mean_and_forgets_a_removed_worker() -> None:
+    workers = _workers(3)
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": "utilization"}))
+    assert policy.fleet_price() == math.inf  # nobody measured: idle workers keep the least price
+    for w, utilization in zip(workers, (0.5, 0.2, 0.0)):
+        model = policy.cost_model(w)
+        model.utilization = utilization
+        model.windows = 1 if utilization else 0  # w2 has not measured a window: not in the mean
+        policy.on_load(w, WorkerLoad(polled_at=time.monotonic()))
+    assert policy.fleet_price() == pytest.approx((1.0 + 0.25) / 2)
+    policy.remove_worker("w0")
+    assert policy.fleet_price() == pytest.approx(0.25)
 
 
 def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:

@@ -27,8 +27,14 @@ is busy spills to an idle worker (replication, as Preble does). As the fleet nea
 second becomes expensive, requests stay with the workers that hold their prefixes, and total work
 stays as low as the cache allows: the "death spiral on misses" cannot start, because moving a
 prefix off its holder only pays when the holder's queue is longer than the recomputation times its
-price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together even on an idle
-fleet.
+price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together on a busy fleet.
+On a lightly loaded fleet (fewer than ``idle_fleet_busy_share`` of the candidates have anything of the
+router's queued), on a worker that is idle now and whose cache has room for the new tokens (nothing
+evicted), the least price is instead the fleet's own mean price when that is lower
+(``idle_fleet_price``): such a worker's second delays no queue and pushes out no prefix, so a request
+whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
+fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
+a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -88,6 +94,19 @@ class PrefixAwareOptions(PolicyOptions):
         1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
     )
     max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
+    idle_fleet_price: bool = Field(
+        True,
+        description="On a lightly loaded fleet, on a worker with nothing queued and cache room for the new tokens, "
+        "the least price is the fleet's mean price of a second of prefill when that is below min_work_price "
+        "(False: min_work_price everywhere).",
+    )
+    idle_fleet_busy_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="The fleet counts as lightly loaded (for idle_fleet_price) while fewer than this share of the "
+        "candidates have anything of the router's queued.",
+    )
     eviction_weight: float = Field(
         0.0,
         ge=0,
@@ -126,6 +145,10 @@ class PrefixAwarePolicy(Policy):
         self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self.book = InFlightBook()  # what the router sent each worker and has not seen finish
+        # Each measured worker's mean requests delayed per second of prefill (its price before the bounds),
+        # and their sum: the fleet's mean price, kept as a running sum so a report costs O(1).
+        self._queued: dict[str, float] = {}
+        self._queued_sum = 0.0
         self._turn = 0
 
     def _new_model(self) -> WorkerCostModel:
@@ -155,19 +178,38 @@ class PrefixAwarePolicy(Policy):
         was, and the second turn left it). Workers behind one router usually run one model on one kind of
         GPU; a fleet that mixes them is told apart after each worker's first measured window.
         """
-        self.cost_model(worker).observe(load)
+        model = self.cost_model(worker)
+        model.observe(load)
+        if model.windows:
+            queued = self._queued_of(model)
+            self._queued_sum += queued - self._queued.get(worker.id, 0.0)
+            self._queued[worker.id] = queued
+
+    def _queued_of(self, cost: WorkerCostModel) -> float:
+        """How many requests a second of prefill on this worker delays (``work_price``), before the bounds."""
+        rho = min(cost.utilization, 0.999)
+        if self.opts.work_price == "concurrency":
+            return cost.concurrency
+        if self.opts.work_price == "lesser":
+            return min(rho / (1.0 - rho), cost.concurrency)
+        return rho / (1.0 - rho)
+
+    def fleet_price(self) -> float:
+        """The measured workers' mean of ``_queued_of`` (infinite while none has measured itself)."""
+        return self._queued_sum / len(self._queued) if self._queued else math.inf
 
     def remove_worker(self, worker_id: str) -> None:
         model = self.costs.pop(worker_id, None)
         if model is not None:
             self.fleet.remove(model)
         self._traffic.pop(worker_id, None)
+        self._queued_sum -= self._queued.pop(worker_id, 0.0)
         self.book.forget(worker_id)
 
-    def predict(self, request: RoutingRequest, c: Candidate, now: float) -> dict[str, float]:
+    def predict(self, request: RoutingRequest, c: Candidate, now: float, light: bool = False) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
-        Reads the learned state and changes nothing.
+        ``light``: the fleet counts as lightly loaded (``light_fleet``). Reads the learned state and changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
@@ -190,12 +232,6 @@ class PrefixAwarePolicy(Policy):
         # A request that arrives during a decode step waits for its end: half a step on average.
         step_wait = cost.decode.step_seconds(running) / 2
         rho = min(cost.utilization, 0.999)
-        queued = rho / (1.0 - rho)
-        if opts.work_price == "concurrency":
-            queued = cost.concurrency
-        elif opts.work_price == "lesser":
-            queued = min(queued, cost.concurrency)
-        price = min(max(queued, opts.min_work_price), opts.max_work_price)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
         # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
         # evicted one costs that many recomputations later.
@@ -206,6 +242,12 @@ class PrefixAwarePolicy(Policy):
             # (SGLang reserves for their decodes): new tokens there push cached ones out.
             room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
             evicted = min(float(new), max(0.0, new - room))
+        # An idle worker with cache room in a lightly loaded fleet: its seconds delay no queue and push out
+        # no prefix, so they cost what the fleet's average delays (below saturation, less than the least price).
+        least = opts.min_work_price
+        if light and queue <= 0 and evicted <= 0:
+            least = min(least, self.fleet_price())
+        price = min(max(self._queued_of(cost), least), opts.max_work_price)
         reuse = min(cost.reuse, 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
         memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
@@ -230,7 +272,8 @@ class PrefixAwarePolicy(Policy):
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = self.clock()
-        figures = {c.worker.id: self.predict(request, c, now) for c in candidates}
+        light = self.light_fleet(candidates, now)
+        figures = {c.worker.id: self.predict(request, c, now, light) for c in candidates}
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
@@ -248,6 +291,19 @@ class PrefixAwarePolicy(Policy):
         if winner.index_state != "synced" and winner.matched_blocks:
             reason += "-own-record"
         return Decision(ranked=[c.worker for c in ranked], reason=reason, scores=figures)
+
+    def light_fleet(self, candidates: list[Candidate], now: float) -> bool:
+        """Whether idle workers' least price may fall (``idle_fleet_price``): few candidates have a queue.
+
+        The router's own account of each worker's queue, not its utilisation: on a fleet past the knee the
+        measured utilisation and the fleet's mean price can be as low as below it (hits are cheap), but most
+        workers have something waiting, and a request spilled onto the one that is momentarily idle costs
+        the holder's followers their cache (16 workers, multi-turn, 1.3 x knee: mean 147 vs 121 ms).
+        """
+        if not self.opts.idle_fleet_price or not candidates:
+            return False
+        busy = sum(1 for c in candidates if (self.costs.get(c.worker.id) or self._unseen).queued_seconds(now) > 0)
+        return busy < self.opts.idle_fleet_busy_share * len(candidates)
 
     def _break_tie(self, request: RoutingRequest, tied: list[Candidate]) -> Candidate:
         keys = request.block_keys
