@@ -40,6 +40,7 @@ from benchmarks.cluster import Cluster, ClusterError, ClusterSpec
 from benchmarks.contenders import create_contender
 from benchmarks.metrics import Summary
 from benchmarks.oracle import oracle_hit_rate
+from benchmarks.report import ms_with_interval
 from benchmarks.workloads import (
     TraceError,
     TraceWindow,
@@ -53,7 +54,17 @@ from benchmarks.workloads import (
     trace_workload,
 )
 
-__all__ = ["FLEETS", "LOADS", "WORKLOADS", "Fleet", "MatrixOptions", "load_matrix", "run_matrix", "save_matrix"]
+__all__ = [
+    "DEFAULT_FLEETS",
+    "FLEETS",
+    "LOADS",
+    "WORKLOADS",
+    "Fleet",
+    "MatrixOptions",
+    "load_matrix",
+    "run_matrix",
+    "save_matrix",
+]
 
 SLO_GPU_S = 2.0  # MLPerf server-scenario TTFT limit (Llama-3.1-8B, Llama-2-70B)
 LOADS = (0.5, 0.8, 1.0, 1.3)
@@ -77,8 +88,13 @@ FLEETS: dict[str, Fleet] = {
         Fleet("4x8b-h100", "llama-3.1-8b-h100", 4, 0.25, 24576),
         Fleet("4x70b-tp4-h200", "llama-3.1-70b-tp4-h200", 4, 0.5, 24576),
         Fleet("2x8b-h100+2x8b-a100", "llama-3.1-8b-h100,llama-3.1-8b-a100", 4, 0.25, 24576),
+        # The real-time confirmation at 8 workers (issue 22): the same GPUs, twice the fleet.
+        Fleet("8x8b-h100", "llama-3.1-8b-h100", 8, 0.25, 24576),
+        Fleet("4x8b-h100+4x8b-a100", "llama-3.1-8b-h100,llama-3.1-8b-a100", 8, 0.25, 24576),
     )
 }
+# What --matrix runs without --matrix-fleets: the 4-worker fleets (the 8-worker ones are asked for by name).
+DEFAULT_FLEETS = ("4x8b-h100", "4x70b-tp4-h200", "2x8b-h100+2x8b-a100")
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake-conversation.jsonl"
 
@@ -270,8 +286,15 @@ def cell_figures(
     def p99(s: Summary) -> float:
         return s.ttft_s["p99"]
 
-    best50, best99 = _best(peers, p50), _best(peers, p99)
+    def mean(s: Summary) -> float:
+        return s.ttft_s["mean"]
+
+    best50, best99, best_mean = _best(peers, p50), _best(peers, p99), _best(peers, mean)
     goodput = {s.name: _goodput(ttfts.get(s.name, []), s.duration_s, slo) for s in summaries}
+    peer_goodput = [
+        (goodput[s.name], s.name) for s in peers if s.start_error is None and math.isfinite(goodput[s.name])
+    ]
+    best_good = max(peer_goodput) if peer_goodput else (math.nan, None)
 
     def ratio(a: Summary | None, b: Summary | None, f: Callable[[Summary], float]) -> float:
         return f(a) / f(b) if a is not None and b is not None and f(b) > 0 else math.nan
@@ -282,6 +305,12 @@ def cell_figures(
         "best_peer_p99": best99.name if best99 else None,
         "p50_vs_best_peer": ratio(mine, best50, p50),
         "p99_vs_best_peer": ratio(mine, best99, p99),
+        "best_peer_mean": best_mean.name if best_mean else None,
+        "mean_vs_best_peer": ratio(mine, best_mean, mean),
+        "best_peer_goodput": best_good[1],
+        "goodput_vs_best_peer": goodput[mine.name] / best_good[0]
+        if mine is not None and math.isfinite(best_good[0]) and best_good[0] > 0
+        else math.nan,
         "p50_vs_rr": ratio(mine, rr, p50),
         "p99_vs_rr": ratio(mine, rr, p99),
         "hit_vs_oracle": (mine.hit_rate / oracle) if mine is not None and oracle > 0 else math.nan,
@@ -441,21 +470,31 @@ def _fmt_ratio(value: Any) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}"
 
 
+def _ms_row(row: dict[str, Any], q: str) -> str:
+    """A contender's TTFT ``q`` in ms, with its 95% bootstrap interval where the run recorded one."""
+    value = (row.get("ttft_s") or {}).get(q)
+    interval = (row.get("ttft_ci95_s") or {}).get(q)
+    return ms_with_interval(math.nan if value is None else float(value), interval)
+
+
 def matrix_markdown(data: dict[str, Any]) -> str:
-    """One table per fleet: a row per workload and load, ours against the best peer and round robin."""
+    """One table per fleet: a row per workload and load, ours against the best peer and round robin; then,
+    per cell, every contender's row with the 95% bootstrap intervals of its TTFT p50, p99 and mean."""
     lines: list[str] = []
     for fleet in data["fleets"]:
         lines += [
             f"### {fleet}",
             "",
-            "| workload | load x knee (req/s) | ours p50 / p99 ms | best peer p50 / p99 ms | p50 vs best peer "
-            "| p99 vs best peer | p50 / p99 vs RR | hit / oracle | max/mean | goodput ours / best peer (req/s) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| workload | load x knee (req/s) | ours p50 / p99 / mean ms | best peer p50 / p99 / mean ms "
+            "| p50 / p99 / mean vs best peer | p50 / p99 vs RR | hit / oracle | max/mean "
+            "| goodput ours / best peer (req/s) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
+        details: list[str] = []
         for workload in data["workloads"]:
             knee = data["knees"].get(f"{fleet}/{workload}", {})
             if "error" in knee:
-                lines.append(f"| {workload} | - | no knee: {knee['error']} | | | | | | | |")
+                lines.append(f"| {workload} | - | no knee: {knee['error']} | | | | | | |")
                 continue
             for load in data["loads"]:
                 cell = data["cells"].get(f"{fleet}/{workload}/{load:g}")
@@ -463,40 +502,76 @@ def matrix_markdown(data: dict[str, Any]) -> str:
                     continue
                 rows = {c["name"]: c for c in cell["contenders"]}
                 mine = rows.get(cell["ours"], {})
-                b50 = rows.get(cell["best_peer_p50"] or "", {})
-                b99 = rows.get(cell["best_peer_p99"] or "", {})
+                peer = {q: rows.get(cell.get(f"best_peer_{q}") or "", {}) for q in ("p50", "p99", "mean")}
 
                 def ms(row: dict[str, Any], q: str) -> str:
                     v = (row.get("ttft_s") or {}).get(q)
                     return "-" if v is None else f"{v * 1000:.0f}"
 
                 goodput = cell["goodput"]
-                best_good = max(
-                    (v for k, v in goodput.items() if k not in (cell["ours"], ROUND_ROBIN) and v is not None),
-                    default=None,
-                )
+                best_good = goodput.get(cell.get("best_peer_goodput") or "")
                 lines.append(
-                    f"| {workload} | {load:g} ({cell['rate']:.2f}) | {ms(mine, 'p50')} / {ms(mine, 'p99')} "
-                    f"| {ms(b50, 'p50')} ({cell['best_peer_p50']}) / {ms(b99, 'p99')} ({cell['best_peer_p99']}) "
-                    f"| {_fmt_ratio(cell['p50_vs_best_peer'])} | {_fmt_ratio(cell['p99_vs_best_peer'])} "
+                    f"| {workload} | {load:g} ({cell['rate']:.2f}) "
+                    f"| {ms(mine, 'p50')} / {ms(mine, 'p99')} / {ms(mine, 'mean')} "
+                    f"| {ms(peer['p50'], 'p50')} ({cell['best_peer_p50']}) / {ms(peer['p99'], 'p99')} "
+                    f"({cell['best_peer_p99']}) / {ms(peer['mean'], 'mean')} ({cell.get('best_peer_mean')}) "
+                    f"| {_fmt_ratio(cell['p50_vs_best_peer'])} / {_fmt_ratio(cell['p99_vs_best_peer'])} "
+                    f"/ {_fmt_ratio(cell.get('mean_vs_best_peer'))} "
                     f"| {_fmt_ratio(cell['p50_vs_rr'])} / {_fmt_ratio(cell['p99_vs_rr'])} "
                     f"| {_fmt_ratio(cell['hit_vs_oracle'])} | {_fmt_ratio(cell['max_mean'])} "
                     f"| {_fmt_ratio(goodput.get(cell['ours']))} / {_fmt_ratio(best_good)} |"
                 )
-        lines.append("")
+                details += _cell_contenders(f"{fleet}/{workload}/{load:g}", cell)
+        lines += [""] + details
     misses = [key for key, c in data["cells"].items() if not _meets(c)]
     lines.append(
-        f"Cells meeting every target (p50 <= best peer, p99 <= 0.85 x best peer, hit >= 0.95 x oracle): "
-        f"{len(data['cells']) - len(misses)} of {len(data['cells'])}."
+        f"Cells meeting every target (p50 and mean <= best peer, p99 <= 0.85 x best peer, hit >= 0.95 x oracle, "
+        f"goodput >= best peer): {len(data['cells']) - len(misses)} of {len(data['cells'])}."
     )
     if misses:
         lines.append("Missed: " + ", ".join(misses) + ".")
     return "\n".join(lines) + "\n"
 
 
+def _cell_contenders(key: str, cell: dict[str, Any]) -> list[str]:
+    """Every contender of one cell, with the 95% bootstrap intervals; one that did not start says why."""
+    oracle = cell.get("oracle_hit_rate")
+    lines = [
+        f"**{key}** ({cell['rate']:.2f} req/s; pooled-cache oracle hit rate {_fmt_ratio(oracle)}; "
+        f"goodput SLO {cell['slo_s']:.0f} s)",
+        "",
+        "| contender | requests | errors | TTFT p50 ms [95% CI] | TTFT p99 ms [95% CI] | TTFT mean ms [95% CI] "
+        "| hit / oracle | max/mean | goodput req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in cell["contenders"]:
+        if row.get("start_error"):
+            reason = str(row["start_error"])[:200].replace("|", "/")
+            lines.append(f"| {row['name']} | did not start: {reason} | | | | | | | |")
+            continue
+        hit = row.get("hit_rate")
+        lines.append(
+            f"| {row['name']} | {row.get('requests')} | {row.get('errors')} | {_ms_row(row, 'p50')} "
+            f"| {_ms_row(row, 'p99')} | {_ms_row(row, 'mean')} "
+            f"| {_fmt_ratio(hit / oracle if hit is not None and oracle else None)} "
+            f"| {_fmt_ratio(row.get('max_mean_requests'))} | {_fmt_ratio(cell['goodput'].get(row['name']))} |"
+        )
+    return lines + [""]
+
+
 def _meets(cell: dict[str, Any]) -> bool:
+    """Issue 22's done-means for one cell (a figure that could not be measured counts as a miss)."""
     p50, p99, hit = cell.get("p50_vs_best_peer"), cell.get("p99_vs_best_peer"), cell.get("hit_vs_oracle")
-    return (p50 is not None and p50 <= 1.0) and (p99 is not None and p99 <= 0.85) and (hit is not None and hit >= 0.95)
+    mean = cell.get("mean_vs_best_peer")
+    goodput = cell.get("goodput") or {}
+    ours_good, best_good = goodput.get(cell.get("ours") or ""), goodput.get(cell.get("best_peer_goodput") or "")
+    return (
+        (p50 is not None and p50 <= 1.0)
+        and (mean is not None and mean <= 1.0)
+        and (p99 is not None and p99 <= 0.85)
+        and (hit is not None and hit >= 0.95)
+        and (best_good is None or (ours_good is not None and ours_good >= best_good))
+    )
 
 
 def plot_heatmap(data: dict[str, Any], path: Path) -> Path | None:
@@ -553,7 +628,11 @@ def add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(f"{x:g}" for x in LOADS),
         help="Offered loads as multiples of round robin's knee, comma-separated.",
     )
-    g.add_argument("--matrix-fleets", default=",".join(FLEETS), help=f"Comma-separated subset of: {', '.join(FLEETS)}.")
+    g.add_argument(
+        "--matrix-fleets",
+        default=",".join(DEFAULT_FLEETS),
+        help=f"Comma-separated subset of: {', '.join(FLEETS)}.",
+    )
     g.add_argument("--matrix-requests", type=int, default=160, help="Requests per run (each cell and contender).")
     g.add_argument(
         "--matrix-max-rate",

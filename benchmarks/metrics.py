@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "BOOTSTRAP_CONFIDENCE",
+    "BOOTSTRAP_RESAMPLES",
     "FleetFigures",
     "RequestResult",
     "Summary",
+    "bootstrap_intervals",
     "distribution",
     "failed",
     "max_over_mean",
@@ -38,11 +42,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]; NaN for no values."""
     if not values:
         return math.nan
-    data = sorted(values)
-    pos = (len(data) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    return _sorted_percentile(sorted(values), q)
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:
@@ -53,6 +53,50 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
         "p99": percentile(values, 99),
         "mean": sum(values) / len(values) if values else math.nan,
     }
+
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_CONFIDENCE = 0.95
+
+
+def _nan_interval() -> list[float]:
+    return [math.nan, math.nan]
+
+
+def bootstrap_intervals(
+    values: Sequence[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = BOOTSTRAP_CONFIDENCE,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Percentile-bootstrap confidence intervals ``[low, high]`` of the p50, p99 and mean of ``values``.
+
+    Why: one run's p99 of a few hundred requests rests on its handful of slowest requests, so two
+    contenders' p99s are only told apart when their intervals say so. Each resample draws
+    ``len(values)`` values with replacement (a fixed ``seed``: the same run prints the same
+    interval); the interval is the resampled statistics' central ``confidence`` share. NaN
+    intervals for fewer than two values (nothing to resample).
+    """
+    if len(values) < 2:
+        return {"p50": _nan_interval(), "p99": _nan_interval(), "mean": _nan_interval()}
+    rng = random.Random(seed)
+    data = list(values)
+    n = len(data)
+    stats: dict[str, list[float]] = {"p50": [], "p99": [], "mean": []}
+    for _ in range(resamples):
+        sample = sorted(rng.choices(data, k=n))
+        stats["p50"].append(_sorted_percentile(sample, 50))
+        stats["p99"].append(_sorted_percentile(sample, 99))
+        stats["mean"].append(sum(sample) / n)
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    return {name: [percentile(xs, tail), percentile(xs, 100.0 - tail)] for name, xs in stats.items()}
+
+
+def _sorted_percentile(data: Sequence[float], q: float) -> float:
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 @dataclass
@@ -104,6 +148,8 @@ class Summary:
     fleet: FleetFigures | None = None  # what the workers counted (tokens by tier, GPU seconds), if they said
     # Time per output token after the first, per request: (e2e - TTFT) / (output tokens - 1), its mean ITL.
     tpot_s: dict[str, float] = field(default_factory=lambda: distribution([]))
+    # 95% percentile-bootstrap intervals [low, high] of the TTFT p50, p99 and mean (``bootstrap_intervals``).
+    ttft_ci_s: dict[str, list[float]] = field(default_factory=lambda: bootstrap_intervals([]))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -122,6 +168,7 @@ class Summary:
             "start_error": self.start_error,
             "fleet": self.fleet.to_json() if self.fleet is not None else None,
             "tpot_s": self.tpot_s,
+            "ttft_ci95_s": self.ttft_ci_s,
         }
 
 
@@ -175,6 +222,7 @@ def summarize(
         duration_s=duration,
         error_samples=samples,
         tpot_s=distribution(tpots),
+        ttft_ci_s=bootstrap_intervals(ttfts),
     )
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "BenchReport",
     "TieredReport",
     "markdown_table",
+    "ms_with_interval",
     "plot_ttft_cdf",
     "plot_ttft_vs_load",
     "tiered_table",
@@ -131,8 +132,15 @@ def _ms(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value * 1000:.0f}"
 
 
+def ms_with_interval(value: float, interval: Sequence[float] | None) -> str:
+    """``1764 [1500-2100]``: a figure in ms with its 95% bootstrap interval (just the figure without one)."""
+    if not interval or len(interval) != 2 or not all(v is not None and math.isfinite(v) for v in interval):
+        return _ms(value)
+    return f"{_ms(value)} [{_ms(interval[0])}-{_ms(interval[1])}]"
+
+
 def markdown_table(report: BenchReport) -> str:
-    """One table per offered load; ratios < 1 mean faster than the reference."""
+    """One table per offered load; ratios < 1 mean faster than the reference; [low-high]: 95% bootstrap CIs."""
     lines: list[str] = []
     if report.setup.get("engine") == "sglang-cpu":
         lines += [
@@ -147,7 +155,8 @@ def markdown_table(report: BenchReport) -> str:
         lines += [
             f"**{report.workload}, {title}** (pooled-cache oracle hit rate {_fmt(oracle)})",
             "",
-            "| contender | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms "
+            "| contender | requests | errors | TTFT p50 ms [95% CI] | TTFT p90 ms | TTFT p99 ms [95% CI] "
+            "| TTFT mean ms [95% CI] "
             "| e2e p50 ms | e2e p99 ms | out tok/s | hit rate | hit / oracle | max/mean req "
             "| p50 / RR | p99 / RR | p50 / sgl | p99 / sgl |",
             "|" + "---|" * 17,
@@ -159,8 +168,10 @@ def markdown_table(report: BenchReport) -> str:
             r = _ratios(s, report.summaries)
             rr, sgl = r["vs_round_robin"] or {}, r["vs_sgl_router"] or {}
             lines.append(
-                f"| {s.name} | {s.requests} | {s.errors} | {_ms(s.ttft_s['p50'])} | {_ms(s.ttft_s['p90'])} "
-                f"| {_ms(s.ttft_s['p99'])} | {_ms(s.ttft_s['mean'])} | {_ms(s.e2e_s['p50'])} | {_ms(s.e2e_s['p99'])} "
+                f"| {s.name} | {s.requests} | {s.errors} | {ms_with_interval(s.ttft_s['p50'], s.ttft_ci_s['p50'])} "
+                f"| {_ms(s.ttft_s['p90'])} | {ms_with_interval(s.ttft_s['p99'], s.ttft_ci_s['p99'])} "
+                f"| {ms_with_interval(s.ttft_s['mean'], s.ttft_ci_s['mean'])} "
+                f"| {_ms(s.e2e_s['p50'])} | {_ms(s.e2e_s['p99'])} "
                 f"| {_fmt(s.output_tok_s, 0)} | {_fmt(s.hit_rate)} | {_fmt(_ratio(s.hit_rate, oracle), 2)} "
                 f"| {_fmt(s.max_mean_requests, 2)} | {_fmt(rr.get('ttft_p50'), 2)} | {_fmt(rr.get('ttft_p99'), 2)} "
                 f"| {_fmt(sgl.get('ttft_p50'), 2)} | {_fmt(sgl.get('ttft_p99'), 2)} |"

@@ -56,3 +56,23 @@ def test_dynamo_routes_repeated_prefixes_to_their_holders(tmp_path: Path) -> Non
     assert sum(dynamo["requests_per_worker"].values()) == 12
     # Its indexer sees the workers' events: shared system prompts are found where round robin scatters them.
     assert dynamo["hit_rate"] > rr["hit_rate"]
+
+
+def test_dynamo_without_its_package_is_a_row_saying_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def hide_dynamo(name: str, package: str | None = None) -> object:
+        return None if name == "dynamo" or name.startswith("dynamo.") else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", hide_dynamo)
+    out = tmp_path / "results.json"
+    argv = ["bench", "--contenders", "envoy-rr,dynamo", "--workers", "2", "--gsp-groups", "2"]
+    argv += ["--gsp-prompts-per-group", "2", "--gsp-system-len", "64", "--gsp-question-len", "8", "--output-len", "2"]
+    assert cli_main(argv + ["--rate", "8", "--speedup", "5", "--json", str(out), "--no-progress"]) == 0
+    rows = {c["name"]: c for c in json.loads(out.read_text())["contenders"]}
+    assert rows["envoy-rr"]["start_error"] is None and rows["envoy-rr"]["requests"] == 4
+    reason = rows["dynamo"]["start_error"]
+    assert reason is not None and "not installed" in reason and "ai-dynamo-runtime" in reason
+    assert rows["dynamo"]["requests"] == 0 and rows["dynamo"]["ttft_s"]["p50"] is None

@@ -77,6 +77,8 @@ def test_cell_compares_ours_with_the_best_peer_per_metric() -> None:
     assert cell["p50_vs_best_peer"] == pytest.approx(0.75) and cell["p99_vs_best_peer"] == pytest.approx(0.75)
     assert cell["p50_vs_rr"] == pytest.approx(0.3) and cell["hit_vs_oracle"] == pytest.approx(0.95)
     assert cell["goodput"]["ours:prefix-aware"] == pytest.approx(9.0) and cell["goodput"]["smg"] == pytest.approx(5.0)
+    assert cell["best_peer_mean"] == "smg" and cell["mean_vs_best_peer"] == pytest.approx(1.65 / 2.25)
+    assert cell["best_peer_goodput"] == "smg" and cell["goodput_vs_best_peer"] == pytest.approx(9.0 / 5.0)
 
 
 def test_report_counts_the_cells_that_meet_the_targets(tmp_path: Path) -> None:
@@ -104,8 +106,14 @@ def test_report_counts_the_cells_that_meet_the_targets(tmp_path: Path) -> None:
         "cells": {"4x8b-h100/gsp/0.5": good, "4x8b-h100/gsp/1.3": bad},
     }
     text = matrix_markdown(data)
-    assert "| gsp | 0.5 (2.00) | 400 / 3000 |" in text
+    assert "| gsp | 0.5 (2.00) | 400 / 3000 / 1700 |" in text
     assert "1 of 2" in text and "Missed: 4x8b-h100/gsp/1.3." in text
+    assert "**4x8b-h100/gsp/0.5**" in text and "| smg | 100 | 0 | 500 | 4000 | 2250 |" in text
+    # Ours behind the best peer on mean TTFT or goodput alone misses the cell too.
+    slow_mean = dict(good, mean_vs_best_peer=1.1)
+    low_goodput = dict(good, goodput={"ours:prefix-aware": 1.0, "smg": 2.0}, best_peer_goodput="smg")
+    data["cells"] = {"4x8b-h100/gsp/0.5": slow_mean, "4x8b-h100/gsp/1.3": low_goodput}
+    assert "0 of 2" in matrix_markdown(data)
     path = plot_heatmap(data, tmp_path / "heat.png")
     assert path is not None and path.stat().st_size > 1000
 

@@ -6,13 +6,30 @@ import itertools
 import json
 import math
 import os
+import random
 from pathlib import Path
 
 import pytest
 
-from benchmarks.metrics import RequestResult, Summary, distribution, failed, max_over_mean, percentile, summarize
+from benchmarks.metrics import (
+    RequestResult,
+    Summary,
+    bootstrap_intervals,
+    distribution,
+    failed,
+    max_over_mean,
+    percentile,
+    summarize,
+)
 from benchmarks.oracle import PooledCache, oracle_hit_rate
-from benchmarks.report import BenchReport, markdown_table, plot_ttft_cdf, plot_ttft_vs_load, write_json
+from benchmarks.report import (
+    BenchReport,
+    markdown_table,
+    ms_with_interval,
+    plot_ttft_cdf,
+    plot_ttft_vs_load,
+    write_json,
+)
 from benchmarks.workloads import (
     TraceError,
     TraceWindow,
@@ -223,6 +240,32 @@ def test_percentiles_and_summary() -> None:
     assert s.ttft_s["p50"] == pytest.approx(0.2)
     assert s.error_samples == ["HTTP 503: x"]
     assert max_over_mean({"a": 3}, workers=3) == pytest.approx(3.0)  # idle workers count
+
+
+def test_bootstrap_intervals_cover_the_estimate_narrow_with_samples_and_repeat() -> None:
+    rng = random.Random(7)
+    small = [rng.expovariate(1.0) for _ in range(200)]
+    large = [rng.expovariate(1.0) for _ in range(2000)]
+    ci_small, ci_large = bootstrap_intervals(small), bootstrap_intervals(large)
+    for values, ci in ((small, ci_small), (large, ci_large)):
+        point = distribution(values)
+        for q in ("p50", "p99", "mean"):
+            low, high = ci[q]
+            assert low < point[q] < high, (q, low, point[q], high)
+    for q in ("p50", "p99", "mean"):  # ten times the samples: a clearly narrower interval
+        assert ci_large[q][1] - ci_large[q][0] < 0.6 * (ci_small[q][1] - ci_small[q][0]), q
+    # The exponential's true p99 (ln 100 = 4.6) and mean (1) lie inside the large sample's intervals.
+    assert ci_large["p99"][0] < math.log(100) < ci_large["p99"][1]
+    assert ci_large["mean"][0] < 1.0 < ci_large["mean"][1]
+    assert bootstrap_intervals(small) == ci_small  # fixed seed: the same run prints the same interval
+    assert bootstrap_intervals(small, seed=1) != ci_small
+    half = bootstrap_intervals(small, confidence=0.5)["p99"]
+    assert ci_small["p99"][0] <= half[0] < half[1] <= ci_small["p99"][1]
+    assert all(math.isnan(v) for v in bootstrap_intervals([1.0])["p99"])
+    s = summarize("x", 1.0, [RequestResult(index=i, sent_s=0.0, ttft_s=v, e2e_s=v) for i, v in enumerate(small)], {}, 1)
+    assert s.ttft_ci_s == ci_small and s.to_json()["ttft_ci95_s"] == ci_small
+    assert ms_with_interval(1.7641, [1.5, 2.1]) == "1764 [1500-2100]"
+    assert ms_with_interval(1.7641, [math.nan, math.nan]) == "1764"
 
 
 def test_report_table_json_and_plots(tmp_path: Path) -> None:
