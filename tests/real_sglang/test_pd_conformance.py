@@ -83,13 +83,18 @@ def run_pd_session(pd: PdFleet) -> PdSession:
     (ps, p), (ds, d) = send_pd(prefill, decode, "/v1/chat/completions", pd_body(chat, prefill), timeout=120)
     out.shapes["chat"] = ((ps, shape(p)), (ds, shape(d)))
     out.values["chat"] = (p["usage"], d["usage"], p["choices"][0]["finish_reason"], d["choices"][0]["finish_reason"])
-    body = pd_body(chat | {"stream": True}, prefill)
+    body = pd_body(chat | {"stream": True, "stream_options": {"include_usage": True}}, prefill)
     (ps, p), (ds, d) = send_pd(prefill, decode, "/v1/chat/completions", body, timeout=120)
     chunks = [[json.loads(e) for e in sse_events(raw) if e != "[DONE]"] for raw in (p, d)]
     out.shapes["streaming chat"] = ((ps, shape(chunks[0])), (ds, shape(chunks[1])))
+    # The token counts, from each half's closing usage chunk. Not the number of chunks with content: the chat
+    # samples at the server's default temperature, and a token whose text is not yet a whole character adds no
+    # content, so a real decode stream of 6 tokens carried 5 content chunks in one CI run and 6 in others.
     out.values["streaming chat"] = [
-        sum(1 for c in cs if c["choices"] and c["choices"][0]["delta"].get("content")) for cs in chunks
+        {k: cs[-1]["usage"][k] for k in ("prompt_tokens", "completion_tokens")} for cs in chunks
     ]
+    contents = [sum(1 for c in cs if c["choices"] and c["choices"][0]["delta"].get("content")) for cs in chunks]
+    out.values["streaming chat content chunks"] = contents[0] <= 1 and 1 <= contents[1] <= 6  # max_tokens
 
     for side, worker in (("prefill", prefill), ("decode", decode)):
         status, raw = http("POST", worker.url + "/generate", {"input_ids": PROMPT, "rid": "no-room"})
@@ -153,6 +158,7 @@ def test_token_counts_cached_tokens_and_the_first_token_agree(sessions: tuple[Pd
     real, sim = sessions
     for step in ("generate", "generate repeat", "chat", "streaming chat"):
         assert real.values[step] == sim.values[step], step
+    assert real.values["streaming chat content chunks"] is sim.values["streaming chat content chunks"] is True
     repeat = real.values["generate repeat"]
     assert repeat["decode"]["cached_tokens"] == repeat["prefill"]["cached_tokens"] == 144  # 9 of 10 pages
     assert repeat["decode continues prefill"] is True
