@@ -108,11 +108,11 @@ class PrefixAwareOptions(PolicyOptions):
         "candidates have anything of the router's queued.",
     )
     eviction_weight: float = Field(
-        0.0,
+        1.0,
         ge=0,
-        description="Weight of the future recomputation a full cache's eviction causes (0, the default: ignore "
-        "evictions; 1 charged them at the cache's average reuse, which overprices the least recently used "
-        "tokens an eviction gives up and cost the tail below saturation on the virtual fleet).",
+        description="Weight of the future recomputation a full cache's eviction causes, priced at the fleet's "
+        "mean reuse of cached tokens (0: ignore evictions; a new prefix then lands wherever its first "
+        "prefill is shortest, which on a mixed fleet fills the fast workers' caches and evicts).",
     )
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
@@ -149,6 +149,7 @@ class PrefixAwarePolicy(Policy):
         # and their sum: the fleet's mean price, kept as a running sum so a report costs O(1).
         self._queued: dict[str, float] = {}
         self._queued_sum = 0.0
+        self._reuse_sum = 0.0  # the sum of the cost models' reuse (the fleet's mean prices an eviction)
         self._turn = 0
 
     def _new_model(self) -> WorkerCostModel:
@@ -167,6 +168,7 @@ class PrefixAwarePolicy(Policy):
         model = self.costs.get(worker.id)
         if model is None:
             model = self.costs[worker.id] = self._new_model()
+            self._reuse_sum += model.reuse
         return model
 
     def on_load(self, worker: Worker, load: WorkerLoad) -> None:
@@ -194,6 +196,10 @@ class PrefixAwarePolicy(Policy):
             return min(rho / (1.0 - rho), cost.concurrency)
         return rho / (1.0 - rho)
 
+    def fleet_reuse(self) -> float:
+        """The mean over the workers' cost models of the share of prompt tokens sent there cached (a prior of 0.5)."""
+        return self._reuse_sum / len(self.costs) if self.costs else 0.5
+
     def fleet_price(self) -> float:
         """The measured workers' mean of ``_queued_of`` (infinite while none has measured itself)."""
         return self._queued_sum / len(self._queued) if self._queued else math.inf
@@ -202,6 +208,7 @@ class PrefixAwarePolicy(Policy):
         model = self.costs.pop(worker_id, None)
         if model is not None:
             self.fleet.remove(model)
+            self._reuse_sum -= model.reuse
         self._traffic.pop(worker_id, None)
         self._queued_sum -= self._queued.pop(worker_id, 0.0)
         self.book.forget(worker_id)
@@ -233,8 +240,9 @@ class PrefixAwarePolicy(Policy):
         step_wait = cost.decode.step_seconds(running) / 2
         rho = min(cost.utilization, 0.999)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
-        # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
-        # evicted one costs that many recomputations later.
+        # cached token is reused about reuse / (1 - reuse) times (hits per miss), so an evicted one costs
+        # that many recomputations later. The reuse is the fleet's mean, not this worker's: a worker that
+        # drew cold prompts would otherwise look cheap to evict on and draw more of them.
         capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
@@ -248,7 +256,7 @@ class PrefixAwarePolicy(Policy):
         if light and queue <= 0 and evicted <= 0:
             least = min(least, self.fleet_price())
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
-        reuse = min(cost.reuse, 0.95)
+        reuse = min(self.fleet_reuse(), 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
         memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
@@ -331,7 +339,10 @@ class PrefixAwarePolicy(Policy):
             return
         now = self.clock()
         new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
-        self.cost_model(worker).sent(new, cached, now)
+        model = self.cost_model(worker)
+        before = model.reuse
+        model.sent(new, cached, now)
+        self._reuse_sum += model.reuse - before
         self.book.booked(worker.id, id(request), new, cached, now)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
