@@ -282,6 +282,13 @@ class PrefixAwarePolicy(Policy):
         now = self.clock()
         light = self.light_fleet(candidates, now)
         figures = {c.worker.id: self.predict(request, c, now, light) for c in candidates}
+        # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
+        # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
+        unavoidable = min(f["eviction_s"] for f in figures.values())
+        if unavoidable > 0:
+            for f in figures.values():
+                f["eviction_s"] -= unavoidable
+                f["score"] -= f["work_price"] * unavoidable
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
