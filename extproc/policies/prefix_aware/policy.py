@@ -35,6 +35,10 @@ evicted), the least price is instead the fleet's own mean price when that is low
 whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
 fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
 a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
+Evictions are priced too (``eviction_weight``): the new tokens a full cache must push out, times the
+fleet's mean reuse of a cached token, beyond the least any candidate would push out. Without that a new
+prefix lands wherever its first prefill is shortest, and on a fleet of fast and slow GPUs every new
+system prompt went to the fast workers until their caches thrashed.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -110,9 +114,10 @@ class PrefixAwareOptions(PolicyOptions):
     eviction_weight: float = Field(
         1.0,
         ge=0,
-        description="Weight of the future recomputation a full cache's eviction causes, priced at the fleet's "
-        "mean reuse of cached tokens (0: ignore evictions; a new prefix then lands wherever its first "
-        "prefill is shortest, which on a mixed fleet fills the fast workers' caches and evicts).",
+        description="Weight of the future recomputation a full cache's avoidable evictions cause (beyond the "
+        "least any candidate causes), priced at the fleet's mean reuse of cached tokens (0: ignore evictions; "
+        "a new prefix then lands wherever its first prefill is shortest, which on a mixed fleet fills the fast "
+        "workers' caches and evicts).",
     )
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
