@@ -253,6 +253,21 @@ def test_only_the_evictions_a_choice_could_avoid_are_priced() -> None:
     assert all(decision.scores[w.id]["eviction_s"] == 0 for w in workers)  # all full: nothing to avoid
 
 
+def test_evictions_are_priced_only_where_a_new_prefix_is_placed() -> None:
+    """A prompt one worker holds goes to it or spills, priced by GPU time alone: no candidate pays evictions."""
+    policy = create_policy("prefix-aware")
+    holder, full, empty = _workers(3)
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in range(3)]
+    candidates = _candidates([holder, full, empty], [0, 0, 0], loads)
+    candidates[1].cached_blocks = 24576 * 8 // 10 // 16
+    cold = _select(policy, _request(4096, keys=[3]), candidates)
+    assert cold.scores[full.id]["eviction_s"] > 0  # placing a new prefix: the full cache pays
+    candidates[0].matched_blocks = 8  # now the holder has the prompt's first 128 tokens
+    held = _select(policy, _request(4096, keys=[3]), candidates)
+    assert all(held.scores[w.id]["eviction_s"] == 0 for w in (holder, full, empty))
+
+
 def test_an_eviction_is_priced_at_the_fleets_reuse_not_the_workers() -> None:
     """A worker that drew cold prompts (low reuse of its own) is no cheaper to evict on than one that drew hits."""
     policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))

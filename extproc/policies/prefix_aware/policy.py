@@ -35,10 +35,11 @@ evicted), the least price is instead the fleet's own mean price when that is low
 whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
 fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
 a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
-Evictions are priced too (``eviction_weight``): the new tokens a full cache must push out, times the
-fleet's mean reuse of a cached token, beyond the least any candidate would push out. Without that a new
-prefix lands wherever its first prefill is shortest, and on a fleet of fast and slow GPUs every new
-system prompt went to the fast workers until their caches thrashed.
+Where a new prefix is placed (no worker holds any of the prompt), evictions are priced too
+(``eviction_weight``): the new tokens a full cache must push out, times the fleet's mean reuse of a cached
+token, beyond the least any candidate would push out. Without that a new prefix lands wherever its first
+prefill is shortest, and on a fleet of fast and slow GPUs every new system prompt went to the fast workers
+until their caches thrashed.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -115,9 +116,9 @@ class PrefixAwareOptions(PolicyOptions):
         1.0,
         ge=0,
         description="Weight of the future recomputation a full cache's avoidable evictions cause (beyond the "
-        "least any candidate causes), priced at the fleet's mean reuse of cached tokens (0: ignore evictions; "
-        "a new prefix then lands wherever its first prefill is shortest, which on a mixed fleet fills the fast "
-        "workers' caches and evicts).",
+        "least any candidate causes) where a new prefix is placed, priced at the fleet's mean reuse of cached "
+        "tokens (0: ignore evictions; a new prefix then lands wherever its first prefill is shortest, which on "
+        "a mixed fleet fills the fast workers' caches and evicts).",
     )
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
@@ -218,10 +219,13 @@ class PrefixAwarePolicy(Policy):
         self._queued_sum -= self._queued.pop(worker_id, 0.0)
         self.book.forget(worker_id)
 
-    def predict(self, request: RoutingRequest, c: Candidate, now: float, light: bool = False) -> dict[str, float]:
+    def predict(
+        self, request: RoutingRequest, c: Candidate, now: float, light: bool = False, new_prefix: bool = True
+    ) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
-        ``light``: the fleet counts as lightly loaded (``light_fleet``). Reads the learned state and changes nothing.
+        ``light``: the fleet counts as lightly loaded (``light_fleet``); ``new_prefix``: no candidate holds any
+        of the prompt (only then are evictions priced). Reads the learned state and changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
@@ -262,7 +266,7 @@ class PrefixAwarePolicy(Policy):
             least = min(least, self.fleet_price())
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
         reuse = min(self.fleet_reuse(), 0.95)
-        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
+        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
         memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
@@ -286,7 +290,12 @@ class PrefixAwarePolicy(Policy):
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = self.clock()
         light = self.light_fleet(candidates, now)
-        figures = {c.worker.id: self.predict(request, c, now, light) for c in candidates}
+        # Evictions are priced only where a new prefix is placed (no candidate holds any of it): that choice
+        # decides where its followers go. For a prompt some worker holds, the choice is its holder or a spill,
+        # which the price of GPU time already governs; charging the spill's evictions too kept hits waiting
+        # behind cold prefills on their holders (virtual fleet: 4 workers docqa, 16 workers multi-turn).
+        new_prefix = not any(c.matched_blocks for c in candidates)
+        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix) for c in candidates}
         # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
         # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
         unavoidable = min(f["eviction_s"] for f in figures.values())
