@@ -273,7 +273,7 @@ def test_an_eviction_is_priced_at_the_fleets_reuse_not_the_workers() -> None:
     policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
     cold, warm, empty = _workers(3)
     for _ in range(30):
-        for worker, new, cached in ((cold, 2048, 0), (warm, 64, 2048)):
+        for worker, new, cached in ((cold, 2048.0, 0.0), (warm, 64.0, 2048.0)):
             scores = {worker.id: {"new_tokens": new, "cached_tokens": cached}}
             policy.on_routed(_request(64), Decision(ranked=[worker], reason="test", scores=scores))
     assert policy.costs[cold.id].reuse < 0.2 < 0.8 < policy.costs[warm.id].reuse
