@@ -213,8 +213,8 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
 
 
 def test_a_full_cache_costs_the_evictions_it_forces() -> None:
-    """With evictions priced, a cold prompt goes where storing it evicts nothing, even against the tie-break."""
-    policy = create_policy("prefix-aware", {"eviction_weight": 1.0})
+    """With evictions priced (the default), a cold prompt goes where it evicts nothing, even against the tie-break."""
+    policy = create_policy("prefix-aware")
     full, empty = _workers(2)
     now = time.monotonic()
     loads = [
@@ -231,6 +231,61 @@ def test_a_full_cache_costs_the_evictions_it_forces() -> None:
     decision = _select(policy, _request(4096, keys=[3]), candidates)
     assert decision.ranked[0] is empty
     assert decision.scores[full.id]["eviction_s"] > 0 == decision.scores[empty.id]["eviction_s"]
+
+
+def test_only_the_evictions_a_choice_could_avoid_are_priced() -> None:
+    """Where every cache is full a prompt evicts as much anywhere: only the excess over the least is charged."""
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    workers = _workers(3)
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
+    candidates = _candidates(workers, [0, 0, 0], loads)
+    full = 24576 * 8 // 10 // 16
+    for c, cached in zip(candidates, [full, full, full - 128]):  # the third has room for 2048 of the 4096 tokens
+        c.cached_blocks = cached
+    decision = _select(policy, _request(4096, keys=[3]), candidates)
+    ev = [decision.scores[w.id]["eviction_s"] for w in workers]
+    assert ev[2] == 0 < ev[0] == ev[1]  # the third's 2048 evicted tokens are the least: nobody is charged for them
+    assert decision.ranked[0] is workers[2]
+    for c in candidates[2:]:
+        c.cached_blocks = full
+    decision = _select(policy, _request(4096, keys=[3]), candidates)
+    assert all(decision.scores[w.id]["eviction_s"] == 0 for w in workers)  # all full: nothing to avoid
+
+
+def test_evictions_are_priced_only_where_a_new_prefix_is_placed() -> None:
+    """A prompt one worker holds goes to it or spills, priced by GPU time alone: no candidate pays evictions."""
+    policy = create_policy("prefix-aware")
+    holder, full, empty = _workers(3)
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in range(3)]
+    candidates = _candidates([holder, full, empty], [0, 0, 0], loads)
+    candidates[1].cached_blocks = 24576 * 8 // 10 // 16
+    cold = _select(policy, _request(4096, keys=[3]), candidates)
+    assert cold.scores[full.id]["eviction_s"] > 0  # placing a new prefix: the full cache pays
+    candidates[0].matched_blocks = 8  # now the holder has the prompt's first 128 tokens
+    held = _select(policy, _request(4096, keys=[3]), candidates)
+    assert all(held.scores[w.id]["eviction_s"] == 0 for w in (holder, full, empty))
+
+
+def test_an_eviction_is_priced_at_the_fleets_reuse_not_the_workers() -> None:
+    """A worker that drew cold prompts (low reuse of its own) is no cheaper to evict on than one that drew hits."""
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    cold, warm, empty = _workers(3)
+    for _ in range(30):
+        for worker, new, cached in ((cold, 2048.0, 0.0), (warm, 64.0, 2048.0)):
+            scores = {worker.id: {"new_tokens": new, "cached_tokens": cached}}
+            policy.on_routed(_request(64), Decision(ranked=[worker], reason="test", scores=scores))
+    assert policy.costs[cold.id].reuse < 0.2 < 0.8 < policy.costs[warm.id].reuse
+    assert policy.fleet_reuse() == pytest.approx((policy.costs[cold.id].reuse + policy.costs[warm.id].reuse) / 2)
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in range(3)]
+    candidates = _candidates([cold, warm, empty], [0, 0, 0], loads)
+    candidates[0].cached_blocks = candidates[1].cached_blocks = 24576 * 8 // 10 // 16
+    decision = _select(policy, _request(4096, keys=[3]), candidates)
+    assert decision.scores[cold.id]["eviction_s"] == decision.scores[warm.id]["eviction_s"] > 0
+    policy.remove_worker(cold.id)  # the one left keeps its own; the empty one, seen in its report, has the prior
+    assert policy.fleet_reuse() == pytest.approx((policy.costs[warm.id].reuse + policy.costs[empty.id].reuse) / 2)
 
 
 def test_bad_options_are_reported() -> None:

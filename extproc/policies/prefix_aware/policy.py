@@ -35,6 +35,11 @@ evicted), the least price is instead the fleet's own mean price when that is low
 whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
 fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
 a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
+Where a new prefix is placed (no worker holds any of the prompt), evictions are priced too
+(``eviction_weight``): the new tokens a full cache must push out, times the fleet's mean reuse of a cached
+token, beyond the least any candidate would push out. Without that a new prefix lands wherever its first
+prefill is shortest, and on a fleet of fast and slow GPUs every new system prompt went to the fast workers
+until their caches thrashed.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -108,11 +113,12 @@ class PrefixAwareOptions(PolicyOptions):
         "candidates have anything of the router's queued.",
     )
     eviction_weight: float = Field(
-        0.0,
+        1.0,
         ge=0,
-        description="Weight of the future recomputation a full cache's eviction causes (0, the default: ignore "
-        "evictions; 1 charged them at the cache's average reuse, which overprices the least recently used "
-        "tokens an eviction gives up and cost the tail below saturation on the virtual fleet).",
+        description="Weight of the future recomputation a full cache's avoidable evictions cause (beyond the "
+        "least any candidate causes) where a new prefix is placed, priced at the fleet's mean reuse of cached "
+        "tokens (0: ignore evictions; a new prefix then lands wherever its first prefill is shortest, which on "
+        "a mixed fleet fills the fast workers' caches and evicts).",
     )
     cache_full_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
@@ -149,6 +155,7 @@ class PrefixAwarePolicy(Policy):
         # and their sum: the fleet's mean price, kept as a running sum so a report costs O(1).
         self._queued: dict[str, float] = {}
         self._queued_sum = 0.0
+        self._reuse_sum = 0.0  # the sum of the cost models' reuse (the fleet's mean prices an eviction)
         self._turn = 0
 
     def _new_model(self) -> WorkerCostModel:
@@ -167,6 +174,7 @@ class PrefixAwarePolicy(Policy):
         model = self.costs.get(worker.id)
         if model is None:
             model = self.costs[worker.id] = self._new_model()
+            self._reuse_sum += model.reuse
         return model
 
     def on_load(self, worker: Worker, load: WorkerLoad) -> None:
@@ -194,6 +202,10 @@ class PrefixAwarePolicy(Policy):
             return min(rho / (1.0 - rho), cost.concurrency)
         return rho / (1.0 - rho)
 
+    def fleet_reuse(self) -> float:
+        """The mean over the workers' cost models of the share of prompt tokens sent there cached (a prior of 0.5)."""
+        return self._reuse_sum / len(self.costs) if self.costs else 0.5
+
     def fleet_price(self) -> float:
         """The measured workers' mean of ``_queued_of`` (infinite while none has measured itself)."""
         return self._queued_sum / len(self._queued) if self._queued else math.inf
@@ -202,14 +214,18 @@ class PrefixAwarePolicy(Policy):
         model = self.costs.pop(worker_id, None)
         if model is not None:
             self.fleet.remove(model)
+            self._reuse_sum -= model.reuse
         self._traffic.pop(worker_id, None)
         self._queued_sum -= self._queued.pop(worker_id, 0.0)
         self.book.forget(worker_id)
 
-    def predict(self, request: RoutingRequest, c: Candidate, now: float, light: bool = False) -> dict[str, float]:
+    def predict(
+        self, request: RoutingRequest, c: Candidate, now: float, light: bool = False, new_prefix: bool = True
+    ) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
-        ``light``: the fleet counts as lightly loaded (``light_fleet``). Reads the learned state and changes nothing.
+        ``light``: the fleet counts as lightly loaded (``light_fleet``); ``new_prefix``: no candidate holds any
+        of the prompt (only then are evictions priced). Reads the learned state and changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
@@ -233,8 +249,9 @@ class PrefixAwarePolicy(Policy):
         step_wait = cost.decode.step_seconds(running) / 2
         rho = min(cost.utilization, 0.999)
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
-        # cached token is reused about reuse / (1 - reuse) times (hits per miss of requests here), so an
-        # evicted one costs that many recomputations later.
+        # cached token is reused about reuse / (1 - reuse) times (hits per miss), so an evicted one costs
+        # that many recomputations later. The reuse is the fleet's mean, not this worker's: a worker that
+        # drew cold prompts would otherwise look cheap to evict on and draw more of them.
         capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
@@ -248,8 +265,8 @@ class PrefixAwarePolicy(Policy):
         if light and queue <= 0 and evicted <= 0:
             least = min(least, self.fleet_price())
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
-        reuse = min(cost.reuse, 0.95)
-        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted
+        reuse = min(self.fleet_reuse(), 0.95)
+        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
         memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
@@ -273,7 +290,19 @@ class PrefixAwarePolicy(Policy):
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = self.clock()
         light = self.light_fleet(candidates, now)
-        figures = {c.worker.id: self.predict(request, c, now, light) for c in candidates}
+        # Evictions are priced only where a new prefix is placed (no candidate holds any of it): that choice
+        # decides where its followers go. For a prompt some worker holds, the choice is its holder or a spill,
+        # which the price of GPU time already governs; charging the spill's evictions too kept hits waiting
+        # behind cold prefills on their holders (virtual fleet: 4 workers docqa, 16 workers multi-turn).
+        new_prefix = not any(c.matched_blocks for c in candidates)
+        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix) for c in candidates}
+        # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
+        # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
+        unavoidable = min(f["eviction_s"] for f in figures.values())
+        if unavoidable > 0:
+            for f in figures.values():
+                f["eviction_s"] -= unavoidable
+                f["score"] -= f["work_price"] * unavoidable
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
@@ -331,7 +360,10 @@ class PrefixAwarePolicy(Policy):
             return
         now = self.clock()
         new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
-        self.cost_model(worker).sent(new, cached, now)
+        model = self.cost_model(worker)
+        before = model.reuse
+        model.sent(new, cached, now)
+        self._reuse_sum += model.reuse - before
         self.book.booked(worker.id, id(request), new, cached, now)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
