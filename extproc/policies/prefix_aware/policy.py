@@ -285,7 +285,8 @@ class PrefixAwarePolicy(Policy):
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
         top = max(c.matched_blocks for c in candidates)
         tied = [c for c in candidates if score[c.worker.id] <= band]
-        if not top and self.opts.cold_tie_rel > self.opts.tie_rel:
+        held = any(c.matched_blocks or c.host_matched_blocks or c.shared_matched_blocks for c in candidates)
+        if not held and self.opts.cold_tie_rel > self.opts.tie_rel:
             tied = self._cold_ties(candidates, figures, tied)
         winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
         rest = sorted((c for c in candidates if c is not winner), key=lambda c: score[c.worker.id])
