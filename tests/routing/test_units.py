@@ -593,6 +593,69 @@ def test_each_worker_is_judged_by_its_own_learned_speed() -> None:
     assert decision.scores["w0"]["prefill_s"] > 3 * decision.scores["w1"]["prefill_s"]
 
 
+def _learned(policy: PrefixAwarePolicy, truth: dict[Worker, PrefillModel]) -> None:
+    """20 s of 1k-token prefills on idle workers, reported as SGLang's counters: each worker learns its speed."""
+    busy = dict.fromkeys(truth, 0.0)
+    tokens = dict.fromkeys(truth, 0)
+    for step in range(40):
+        now = step * 0.5
+        for worker, model in truth.items():
+            cost = policy.cost_model(worker)
+            new, cached = 1024 + 64 * (step % 5), 512 * (step % 3)
+            cost.sent(new, cached, now)
+            busy[worker] += model.seconds(new, cached)
+            tokens[worker] += new
+            cost.observe(
+                WorkerLoad(
+                    num_waiting_uncached_tokens=0,
+                    total_prefill_busy_us=int(busy[worker] * 1e6),
+                    total_prefill_uncached_tokens=tokens[worker],
+                    polled_at=now + 0.4,
+                )
+            )
+
+
+def _traffic(policy: Policy, worker: Worker, requests: int) -> None:
+    for _ in range(requests):
+        policy.on_routed(
+            _request(64),
+            Decision(ranked=[worker], reason="t", scores={worker.id: {"new_tokens": 0, "cached_tokens": 64}}),
+        )
+
+
+def test_a_cold_prompt_is_placed_by_balance_across_like_workers_measured_apart() -> None:
+    """Nobody holds the prompt, two like workers learned 10% apart: the one with less recent traffic takes it.
+
+    Measured under cache pressure on a simulated 2P2D fleet: noise of that size sent 40 of 66 cold prefixes
+    to one prefill worker. A worker 3x faster, or one with a queue, still wins (``cold_tie_rel`` band).
+    """
+    quick, slow = _workers(2)
+    prior = PrefillModel(0.02, 4e-5, 1e-9)
+    truth = {quick: prior, slow: PrefillModel(prior.c0 * 1.1, prior.a * 1.1, prior.b * 1.1)}
+    chosen = {}
+    for band in (0.0, 0.15):
+        policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", {"cold_tie_rel": band}))
+        _learned(policy, truth)
+        _traffic(policy, quick, 20)  # the quicker one took more of the fleet's traffic lately
+        decision = policy.select(_request(4096, keys=[5]), _candidates([quick, slow], [0, 0]))
+        assert decision.reason == "cold"
+        assert decision.scores[slow.id]["score"] > decision.scores[quick.id]["score"] * 1.05  # outside tie_rel
+        chosen[band] = decision.ranked[0]
+    assert chosen == {0.0: quick, 0.15: slow}
+    # a hit is not a cold placement: the holder keeps it whatever the traffic
+    hit = policy.select(_request(4096, keys=[5] * 256), _candidates([quick, slow], [200, 0]))
+    assert hit.ranked[0] is quick and hit.reason == "prefix-hit"
+    # the less busy worker waits for a queue: the measured queue is not noise, it stays out of the band
+    policy.cost_model(slow).sent(1024, 0, policy.clock())
+    queued = policy.select(_request(4096, keys=[6]), _candidates([quick, slow], [0, 0]))
+    assert queued.scores[slow.id]["queue_s"] > 0.003 and queued.ranked[0] is quick
+    # a worker 3x slower stays out of it too
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    _learned(policy, {quick: prior, slow: PrefillModel(prior.c0 * 3, prior.a * 3, prior.b * 3)})
+    _traffic(policy, quick, 20)
+    assert policy.select(_request(4096, keys=[7]), _candidates([quick, slow], [0, 0])).ranked[0] is quick
+
+
 def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
     """The same queue imbalance spills a hot prefix on an idle fleet but not on a saturated one."""
     workers = _workers(2)

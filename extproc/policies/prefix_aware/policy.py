@@ -125,6 +125,12 @@ class PrefixAwareOptions(PolicyOptions):
     )
     tie_abs_s: float = Field(0.003, ge=0, description="Scores within this many seconds of the best count as a tie.")
     tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
+    cold_tie_rel: float = Field(
+        0.15,
+        ge=0,
+        description="A request no candidate holds any block of: candidates within this fraction of the best score "
+        "and with no more queue than the best's (plus tie_abs_s) are a near-tie too (0: the tie_rel band only).",
+    )
     balance_window_s: float = Field(
         10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window."
     )
@@ -306,11 +312,14 @@ class PrefixAwarePolicy(Policy):
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
+        top = max(c.matched_blocks for c in candidates)
         tied = [c for c in candidates if score[c.worker.id] <= band]
+        held = any(c.matched_blocks or c.host_matched_blocks or c.shared_matched_blocks for c in candidates)
+        if not held and self.opts.cold_tie_rel > self.opts.tie_rel:
+            tied = self._cold_ties(candidates, figures, tied)
         winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
         rest = sorted((c for c in candidates if c is not winner), key=lambda c: score[c.worker.id])
         ranked = [winner, *rest]
-        top = max(c.matched_blocks for c in candidates)
         if winner.matched_blocks and winner.matched_blocks == top:
             reason = "prefix-hit"
         elif top:
@@ -320,6 +329,36 @@ class PrefixAwarePolicy(Policy):
         if winner.index_state != "synced" and winner.matched_blocks:
             reason += "-own-record"
         return Decision(ranked=[c.worker for c in ranked], reason=reason, scores=figures)
+
+    def _cold_ties(
+        self, candidates: list[Candidate], figures: dict[str, dict[str, float]], tied: list[Candidate]
+    ) -> list[Candidate]:
+        """A request nobody holds any of: ``tied`` and those within ``cold_tie_rel`` that wait no longer.
+
+        Such a request places a new prefix, and its followers go where it goes. What sets its candidates
+        apart is then their learned prefill speed, and like workers' learned constants differ by their
+        measurement noise (~10% between two identical simulated prefill workers under cache pressure,
+        2026-12-02): outside the ``tie_rel`` band the same worker took 40 of 66 cold requests, held more
+        prefixes than its cache and thrashed (docs/benchmarks.md, issue 19). The queue is measured, not
+        learned, so a candidate that would wait longer than the best stays out of the wider band.
+        """
+        o = self.opts
+        best = min(candidates, key=lambda c: figures[c.worker.id]["score"])
+        top = figures[best.worker.id]
+
+        def wait(f: dict[str, float]) -> float:
+            return f["queue_s"] + f["memory_wait_s"]
+
+        limit, band = wait(top) + o.tie_abs_s, top["score"] * (1.0 + o.cold_tie_rel)
+        inside = {c.worker.id for c in tied}
+        wider = [
+            c
+            for c in candidates
+            if c.worker.id not in inside
+            and figures[c.worker.id]["score"] <= band
+            and wait(figures[c.worker.id]) <= limit
+        ]
+        return tied + wider
 
     def light_fleet(self, candidates: list[Candidate], now: float) -> bool:
         """Whether idle workers' least price may fall (``idle_fleet_price``): few candidates have a queue.
