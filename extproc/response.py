@@ -87,6 +87,12 @@ def streamed_body(chunk: bytes, end_of_stream: bool, phase: str = "request_body"
     return pb.ProcessingResponse(request_body=body)
 
 
+# Plain destination replies (no extra header, no body) by (phase, endpoints): a fleet has few distinct
+# rankings of its primary and fallbacks, and each reply is otherwise rebuilt per request. Bounded.
+_ROUTE_CACHE: dict[tuple[str, tuple[str, ...]], pb.ProcessingResponse] = {}
+_ROUTE_CACHE_SIZE = 4096
+
+
 def route_response(
     endpoints: Sequence[str],
     extra_headers: Mapping[str, str] | None = None,
@@ -106,8 +112,27 @@ def route_response(
     request and in FULL_DUPLEX_STREAMED mode); Envoy applies header mutations only in the reply to
     the phase it is waiting on. ``body`` replaces a buffered body (with ``content-length`` set to its
     length, which Envoy requires); ``content_length`` sets that header in a headers reply whose
-    streamed body will be of another length than the client's.
+    streamed body will be of another length than the client's. Plain replies are built once and
+    reused (the caller never changes a reply).
     """
+    if extra_headers or body is not None or content_length is not None:
+        return _route_response(endpoints, extra_headers, phase, body, content_length)
+    key = (phase, tuple(endpoints))
+    reply = _ROUTE_CACHE.get(key)
+    if reply is None:
+        reply = _route_response(endpoints, None, phase, None, None)
+        if len(_ROUTE_CACHE) < _ROUTE_CACHE_SIZE:
+            _ROUTE_CACHE[key] = reply
+    return reply
+
+
+def _route_response(
+    endpoints: Sequence[str],
+    extra_headers: Mapping[str, str] | None,
+    phase: str,
+    body: bytes | None,
+    content_length: int | None,
+) -> pb.ProcessingResponse:
     set_headers = [
         base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=",".join(endpoints).encode()),
