@@ -169,3 +169,50 @@ def test_decode_step_regression_from_decode_moments() -> None:
         model.observe(WorkerLoad(decode_moments=tuple(moments), polled_at=poll * 0.5))
     assert model.decode.d0 == pytest.approx(0.007, rel=0.02)
     assert model.decode.d1 == pytest.approx(0.06e-3, rel=0.02)
+
+
+def _drive_two_routers(
+    mine: WorkerCostModel, theirs: WorkerCostModel, worker: FifoWorker, seconds: float, rng: random.Random
+) -> None:
+    """One worker behind two router replicas: each sees every load report but only its own sends.
+
+    The other replica places cold prompts here; this one sends the short hits that follow them
+    (half the requests, a few percent of the tokens): a replica's own mix says nothing of the other's.
+    """
+    now, next_poll = 0.0, 0.5
+    rate = 0.4 / worker.truth.seconds(1000, 2000)
+    while now < seconds:
+        now += rng.expovariate(rate)
+        while next_poll <= now:
+            report = worker.report(next_poll)
+            mine.observe(report)
+            theirs.observe(report)
+            next_poll += 0.5
+        new, cached, model = (64, 4096, mine) if rng.random() < 0.5 else (2048, 0, theirs)
+        model.sent(new, cached, now)
+        worker.submit(now, new, cached)
+
+
+def test_a_replica_does_not_fit_windows_of_work_another_replica_sent() -> None:
+    """Guessing the other replica's requests from one's own mix fits a wrong floor; such windows are skipped."""
+    truth = PrefillModel(0.015, 23e-6, 0.52e-9)
+    prior = PrefillModel(0.018, 27e-6, 0.6e-9)  # 15-20% off, as a prior for the right GPU class is
+    hit, cold = (64, 4096), (2048, 0)
+
+    def run(min_attributed_share: float) -> tuple[WorkerCostModel, WorkerCostModel]:
+        mine = WorkerCostModel(prior, DECODE_PRIOR, min_attributed_share=min_attributed_share)
+        theirs = WorkerCostModel(prior, DECODE_PRIOR, min_attributed_share=min_attributed_share)
+        _drive_two_routers(mine, theirs, FifoWorker(truth), 120.0, random.Random(3))
+        return mine, theirs
+
+    # Every window fitted: the other's 2048-token prompts were counted as this replica's 64-token
+    # requests, ~32 requests each, and the floor learned from them is far off (here too low; with the
+    # mixes the other way round, too high: a replica then avoids the worker the other one fills).
+    guessed, _ = run(0.0)
+    assert abs(guessed.prefill.seconds(*hit) / truth.seconds(*hit) - 1.0) > 0.5
+    mine, theirs = run(0.5)
+    assert mine.windows < guessed.windows / 2  # windows mostly the other's work are not fitted
+    assert mine.prefill.seconds(*hit) == pytest.approx(truth.seconds(*hit), rel=0.25)
+    assert theirs.windows > 50  # the replica that sent most of the work still learns (its windows hold a few
+    # of the other's hits, guessed: within 30%)
+    assert theirs.prefill.seconds(*cold) == pytest.approx(truth.seconds(*cold), rel=0.30)

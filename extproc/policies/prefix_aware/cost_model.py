@@ -120,6 +120,7 @@ class WorkerCostModel:
         memory_s: float = 10.0,
         prior_weight: float = 1.0,
         min_window_tokens: int = 256,
+        min_attributed_share: float = 0.5,
         utilization_window_s: float = 5.0,
         fleet: FleetMean | None = None,
     ) -> None:
@@ -127,6 +128,7 @@ class WorkerCostModel:
         self.decode_prior = decode_prior
         self.memory_s = memory_s
         self.min_window_tokens = min_window_tokens
+        self.min_attributed_share = min_attributed_share
         self.utilization_window_s = utilization_window_s
         self._scale = [1.0, 1.0, 1.0]  # learned constants = prior * scale
         # Forgotten sums of the relative-error least squares (normal equations), and the prior's weight
@@ -312,12 +314,21 @@ class WorkerCostModel:
                 self._drop_admitted(load)
             return  # too little work to measure yet: widen the window
         self._window_start = load
-        requests, attention = self._attribute(tokens)
+        requests, attention, unattributed = self._attribute(tokens)
         self._drop_admitted(load)
+        if unattributed > (1.0 - self.min_attributed_share) * tokens:
+            # Most of the window is work this router did not send (another replica's requests, or a
+            # misprediction): their count and attention are guessed from this router's own mean, and a
+            # fit on the guess drifts apart between replicas (each learns a worker it rarely uses as
+            # slow, and keeps avoiding it). The window is not fitted.
+            return
         self._fit(requests, float(tokens), attention, busy, load.polled_at)
 
-    def _attribute(self, tokens: float) -> tuple[float, float]:
-        """The requests (fractional) and attention work (L^2 + 2PL) behind ``tokens`` reported prefilled."""
+    def _attribute(self, tokens: float) -> tuple[float, float, float]:
+        """The requests (fractional) and attention work (L^2 + 2PL) behind ``tokens`` reported prefilled.
+
+        The third figure is the tokens that no request this router sent accounts for.
+        """
         requests = attention = 0.0
         remaining = tokens
         while remaining > 0 and self._sent:
@@ -335,7 +346,7 @@ class WorkerCostModel:
             mean = max(self._mean_new, 1.0)
             requests += remaining / mean
             attention += remaining * mean
-        return requests, attention
+        return requests, attention, max(remaining, 0.0)
 
     def _drop_admitted(self, load: WorkerLoad) -> None:
         """With nothing waiting at the report, every earlier send has been admitted: forget the rest."""

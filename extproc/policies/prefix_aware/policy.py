@@ -89,6 +89,13 @@ class PrefixAwareOptions(PolicyOptions):
     utilization_window_s: float = Field(
         5.0, gt=0, description="Time constant of the measured prefill utilisation that prices GPU time."
     )
+    min_attributed_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A worker's load window is fitted only if at least this share of its prefilled tokens are "
+        "requests this router sent (with several replicas, the rest are the others' and can only be guessed).",
+    )
     work_price: Literal["lesser", "concurrency", "utilization"] = Field(
         "lesser",
         description="What prices a second of prefill: rho / (1 - rho) of the worker's measured prefill "
@@ -171,6 +178,7 @@ class PrefixAwarePolicy(Policy):
             self._decode_prior,
             memory_s=o.memory_s,
             prior_weight=o.prior_weight,
+            min_attributed_share=o.min_attributed_share,
             utilization_window_s=o.utilization_window_s,
             fleet=self.fleet,
         )
