@@ -8,7 +8,8 @@ blocks, look them up, choose, trace), for chat prompts of about 1k / 8k / 32k to
 
 - cold: a prompt never seen before (nothing in the piece cache, no block in the index);
 - warm: a later turn of a conversation seen before (its document and earlier turns tokenized
-  already, their blocks held by one worker in the index, as its KV events would have reported).
+  already, their blocks held by one worker in the index, as its KV events would have reported);
+  the ``--samples`` conversations' turns arrive interleaved, as many users' do.
 
 Event ingestion sends real msgpack ``BlockStored`` batches (16 pages of 16 tokens each) from
 ``--workers`` ZMQ PUB sockets in a separate process to the router's subscribers and times how fast
@@ -86,7 +87,8 @@ def decision_latency(
         cold: list[float] = []
         warm: list[float] = []
         tokens = 0
-        for i in range(samples):
+        sessions: list[list[dict[str, str]]] = []
+        for _ in range(samples):
             doc = _document(rng, vocab, size)
             history = [
                 {"role": "system", "content": "You answer questions about the document."},
@@ -100,16 +102,18 @@ def decision_latency(
             tokens = len(outcome.request.token_ids or [])
             # The worker prefilled it and reported its blocks (what its KV events would have said).
             router.index.store(outcome.worker.id, outcome.request.block_keys)
-            history = [*history, {"role": "assistant", "content": "A summary."}]
-            for turn in range(3):
-                history = [*history, {"role": "user", "content": f"Question {turn} about paragraph {i}?"}]
-                parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=history)
+            sessions.append([*history, {"role": "assistant", "content": "A summary."}])
+        # Later turns interleaved across the sessions, as many users' conversations arrive.
+        for turn in range(3):
+            for i, history in enumerate(sessions):
+                history += [{"role": "user", "content": f"Question {turn} about paragraph {i}?"}]
+                parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=list(history))
                 start = time.perf_counter()
                 outcome = router.route(parsed)
                 warm.append(time.perf_counter() - start)
                 router.finish(outcome)
                 assert outcome.matched_blocks > 0
-                history = [*history, {"role": "assistant", "content": "An answer."}]
+                history += [{"role": "assistant", "content": "An answer."}]
         results.append((size, tokens, _percentiles(cold), _percentiles(warm)))
     return results
 

@@ -93,6 +93,35 @@ def test_key_cache_reuses_shared_prefixes_and_equals_block_keys() -> None:
     assert cache.keys(wide, 16, 3) == block_keys(wide, 16, 3)
 
 
+def test_key_cache_finds_each_sessions_own_turn_among_sessions_sharing_a_system_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Interleaved sessions over one system prompt: each turn hashes only the blocks its own last turn lacked."""
+    import extproc.key_cache as key_cache
+
+    hashed: list[int] = []
+
+    def counting(tokens: list[int], block_size: int, seed: int = 0, **kw: Any) -> list[int]:
+        keys = block_keys(tokens, block_size, seed, **kw)
+        hashed.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(key_cache, "block_keys", counting)
+    cache = key_cache.KeyCache(max_bytes=8 << 20)
+    rng = random.Random(9)
+    system = [rng.randrange(128_000) for _ in range(64 * 16)]
+    sessions = [system + [rng.randrange(128_000) for _ in range(200 * 16)] for _ in range(8)]
+    for _ in range(4):
+        for prompt in sessions:
+            shared = len(prompt) // 16
+            prompt += [rng.randrange(128_000) for _ in range(rng.randint(20, 100))]
+            hashed.clear()
+            assert cache.keys(prompt, 16, 0) == block_keys(prompt, 16, 0)
+            if shared > 64 + 200:  # a later turn: only the blocks past the previous turn are hashed
+                assert sum(hashed) == len(prompt) // 16 - shared
+    assert len(cache) == len(sessions)  # each turn replaced the one it extends
+
+
 def test_a_removal_event_overrides_the_routers_record_of_a_send() -> None:
     """Stored, then evicted within the record's lifetime (a full pool on real SGLang): the eviction wins."""
     clock = Clock()
