@@ -304,13 +304,15 @@ class BlockIndex:
             self._recent_fifo.setdefault(slot, deque()).append((now, keys))
             self._recent_count[slot] = self._recent_count.get(slot, 0) + len(keys)
             self.recent_total += len(keys)
-            # Bound the record like the confirmed entries: the largest worker's oldest decisions first.
+            # Bound the record like the confirmed entries: the largest worker's oldest decisions first. Keys a
+            # later decision sent again are that decision's now and stay (each key counts in the decision that
+            # last wrote it, so what is held never exceeds the count).
             while self.recent_total > self.max_recent:
                 largest = max(self._recent_count, key=self._recent_count.__getitem__)
                 fifo = self._recent_fifo[largest]
                 if not fifo or (largest == slot and len(fifo) <= 1):
                     break  # never drop the decision just recorded
-                self._pop_recent(largest, fifo, force=True)
+                self._pop_recent(largest, fifo)
 
     def unrecord_routed(self, worker_id: str, keys: Sequence[int]) -> None:
         """Take back the record of the latest decision that sent ``keys`` to the worker (Envoy served it elsewhere)."""
@@ -324,7 +326,7 @@ class BlockIndex:
                 if recorded is keys or list(recorded) == list(keys):
                     del fifo[position]
                     fifo.appendleft((stamp, recorded))
-                    self._pop_recent(slot, fifo, force=False)
+                    self._pop_recent(slot, fifo)
                     return
 
     def _expire(self, slot: int, now: float) -> None:
@@ -333,9 +335,9 @@ class BlockIndex:
             return
         horizon = now - max(self.config.fallback_ttl_s, self.config.speculative_ttl_s)
         while fifo and fifo[0][0] < horizon:
-            self._pop_recent(slot, fifo, force=False)
+            self._pop_recent(slot, fifo)
 
-    def _pop_recent(self, slot: int, fifo: deque[tuple[float, Sequence[int]]], force: bool) -> None:
+    def _pop_recent(self, slot: int, fifo: deque[tuple[float, Sequence[int]]]) -> None:
         stamp, keys = fifo.popleft()
         self._recent_count[slot] -= len(keys)
         self.recent_total -= len(keys)
@@ -343,7 +345,7 @@ class BlockIndex:
         for key in keys:
             entry = recent.get(key)
             # Only drop the entry this decision wrote; a later decision refreshed it otherwise.
-            if entry is not None and (force or entry.get(slot) == stamp):
+            if entry is not None and entry.get(slot) == stamp:
                 entry.pop(slot, None)
                 if not entry:
                     del recent[key]

@@ -176,6 +176,25 @@ def test_memory_is_bounded_across_the_fleet() -> None:
     assert index.memory() == {"index": 8 * BLOCK_BYTES, "speculative": index.recent_total * RECENT_BYTES}
 
 
+def test_the_records_bound_keeps_what_a_later_decision_sent_again() -> None:
+    """Dropping an old decision to make room leaves the keys a later decision refreshed (a session's next turn)."""
+    clock = Clock()
+    index = BlockIndex(clock=clock, max_recent=40)
+    turn = list(range(16 * 8))
+    first = block_keys(turn, 16)  # 8 blocks
+    index.record_routed("a", first)
+    clock.now += 0.1
+    second = block_keys(turn + list(range(1000, 1000 + 16 * 4)), 16)  # the next turn: the same 8 blocks and 4 more
+    index.record_routed("a", second)
+    for i in range(5):  # other sessions' decisions to other workers fill the record: the largest worker's oldest go
+        clock.now += 0.1
+        index.record_routed(f"b{i}", block_keys(list(range(5000 + 100 * i, 5000 + 100 * i + 16 * 5)), 16))
+    assert index.recent_total <= 40
+    assert len(index._recent_fifo[index._slot("a")]) == 1  # the first turn's decision was dropped
+    assert index.match(second, ["a"]) == {"a": 12}  # the second turn's record is whole
+    assert sum(len(v) for v in index._recent.values()) <= index.recent_total
+
+
 # -- prefix-aware -----------------------------------------------------------------------------------
 def test_prefill_cost_model_shape() -> None:
     opts = PrefixAwareOptions()
