@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -102,8 +103,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(kind: str, streams: int, body_bytes: int, messages: int) -> tuple[float, float]:
-    """(server CPU ms per stream, wall ms per stream) for ``streams`` sequential streams."""
+def measure(kind: str, streams: int, body_bytes: int, messages: int, lockstep: bool = False) -> tuple[float, float]:
+    """(server CPU ms per stream, wall ms per stream) for ``streams`` sequential streams.
+
+    ``lockstep``: each message is sent only once the last one's reply came, as Envoy does in
+    ``BUFFERED`` mode; otherwise all of a stream's messages go out at once.
+    """
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", kind, "--port", str(port)],
@@ -118,9 +123,21 @@ def measure(kind: str, streams: int, body_bytes: int, messages: int) -> tuple[fl
             stub = pb_grpc.ExternalProcessorStub(channel)
 
             def one() -> None:
-                replies: Iterator[pb.ProcessingResponse] = stub.Process(iter(batch))
-                for _ in replies:
-                    pass
+                if not lockstep:
+                    replies: Iterator[pb.ProcessingResponse] = stub.Process(iter(batch))
+                    for _ in replies:
+                        pass
+                    return
+                answered = threading.Semaphore(0)
+
+                def requests() -> Iterator[pb.ProcessingRequest]:
+                    for position, message in enumerate(batch):
+                        if position:
+                            answered.acquire()  # the reply to the message before
+                        yield message
+
+                for _ in stub.Process(requests()):
+                    answered.release()
 
             for _ in range(min(100, streams)):
                 one()  # connection, first calls
@@ -144,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", default="aio,sync", help=f"Comma-separated, of {', '.join(SERVERS)}.")
     parser.add_argument("--body-bytes", type=int, default=40_000, help="Body size (an 8k-token chat is ~40 kB).")
     parser.add_argument("--messages", type=int, choices=(1, 3), default=3, help="3: headers, body, response headers.")
+    parser.add_argument(
+        "--lockstep", action="store_true", help="Send each message only after the last one's reply, as Envoy does."
+    )
     parser.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -154,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in kinds if k not in SERVERS]
     if unknown or not kinds or args.streams < 1 or args.body_bytes < 0:
         parser.error(f"--servers takes {', '.join(SERVERS)}; --streams >= 1; --body-bytes >= 0")
-    print(f"do-nothing ext_proc server, {args.messages} message(s) a stream, body {args.body_bytes} B")
+    sending = "one after the other's reply" if args.lockstep else "all at once"
+    print(f"do-nothing ext_proc server, {args.messages} message(s) a stream ({sending}), body {args.body_bytes} B")
     print(f"{'server':>7} {'streams':>8} {'server CPU ms/stream':>21} {'wall ms/stream':>15}")
     for kind in kinds:
-        cpu, wall = measure(kind, args.streams, args.body_bytes, args.messages)
+        cpu, wall = measure(kind, args.streams, args.body_bytes, args.messages, args.lockstep)
         print(f"{kind:>7} {args.streams:>8} {cpu:>21.3f} {wall:>15.3f}")
     return 0
 
