@@ -53,7 +53,12 @@ def block_keys(
     span = pages * block_size
     head = tokens[:span]
     try:
-        data = array("I", head).tobytes() if sys.byteorder == "little" else struct.pack(f"<{span}I", *head)
+        if sys.byteorder != "little":
+            data = struct.pack(f"<{span}I", *head)
+        elif isinstance(head, array) and head.typecode == "I":
+            data = head.tobytes()  # the tokenizer's ids (extproc.tokenization): already u32
+        else:
+            data = array("I", head).tobytes()
         width = 4 * block_size
     except OverflowError:
         data = b""  # wide ids (or negative): page by page below

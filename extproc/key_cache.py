@@ -86,7 +86,9 @@ class KeyCache:
             return block_keys(tokens, block_size, seed, limit=limit)
         span = pages * block_size
         try:
-            data = array("I", tokens[:span]).tobytes()  # the same u32 LE bytes block_keys hashes
+            # The same u32 LE bytes block_keys hashes: the tokenizer's array("I") as it is, a list converted.
+            head = tokens[:span]
+            data = head.tobytes() if isinstance(head, array) and head.typecode == "I" else array("I", head).tobytes()
         except OverflowError:  # wide ids: block_keys has its own encoding for those
             return block_keys(tokens, block_size, seed, limit=limit)
         width = 4 * block_size

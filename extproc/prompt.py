@@ -9,7 +9,7 @@ touched afterwards, on the loop.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from extproc.blocks import chain_seed
@@ -30,7 +30,7 @@ Chain = tuple[int, str]  # (block size, model): workers sharing both share one k
 class PreparedPrompt:
     """Token ids, rendered text and key chains of one request, or why it could not be tokenized."""
 
-    tokens: list[int] | None = None
+    tokens: Sequence[int] | None = None  # an array("I") when tokenized here, the request's list for input_ids
     text: str = ""
     keys: dict[Chain, list[int]] = field(default_factory=dict)
     error: str | None = None
@@ -92,14 +92,14 @@ class PromptPreparer:
                 prompt.keys[chain] = self.chain(parsed, prompt.tokens, chain)
         return prompt
 
-    def chain(self, parsed: ParsedRequest, tokens: list[int], chain: Chain) -> list[int]:
+    def chain(self, parsed: ParsedRequest, tokens: Sequence[int], chain: Chain) -> list[int]:
         """The block keys of ``tokens`` for one (block size, model) chain, in the request's namespace."""
         size, model = chain
         return self._key_cache.keys(
             tokens, size, chain_seed(model, parsed.lora, parsed.cache_salt), limit=self._max_lookup_blocks
         )
 
-    def _tokens(self, parsed: ParsedRequest, budget: int | None) -> tuple[list[int] | None, str] | None:
+    def _tokens(self, parsed: ParsedRequest, budget: int | None) -> tuple[Sequence[int] | None, str] | None:
         """Token ids exactly as the worker will build them (and the rendered text for text policies)."""
         if parsed.input_ids is not None:
             if budget is not None and self.needs_tokens and len(parsed.input_ids) >= INLINE_TOKENS:
@@ -115,7 +115,5 @@ class PromptPreparer:
             text, special = parsed.prompt_text or "", True
         if not self.needs_tokens:
             return None, text
-        if budget is None:
-            return tokenizer.encode_text(text, add_special_tokens=special), text
-        tokens = tokenizer.encode_cached(text, special, budget)
+        tokens = tokenizer.encode_ids(text, special, budget)  # None: more than ``budget`` is new (never without one)
         return None if tokens is None else (tokens, text)

@@ -532,7 +532,7 @@ class Router:
     def _match(
         self,
         parsed: ParsedRequest,
-        tokens: list[int],
+        tokens: Sequence[int],
         chains: dict[Chain, list[int]],
         workers: list[Worker],
         shapes: list[WorkerLayout],

@@ -12,7 +12,7 @@ described) named by its ``Options`` class attribute, validated once here, in the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -42,7 +42,7 @@ class RoutingRequest:
     model: str
     path: str
     prompt_text: str = ""  # rendered prompt; character-based peer policies match on it
-    token_ids: list[int] | None = None
+    token_ids: Sequence[int] | None = None
     block_keys: list[int] = field(default_factory=list)  # full pages only (of the first candidate group)
     block_size: int = 16
     headers: Mapping[str, str] = field(default_factory=dict)

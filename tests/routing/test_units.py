@@ -437,7 +437,7 @@ def test_router_tokenizes_records_and_traces() -> None:
         headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
     )
     first = router.route(parsed)
-    assert first.request.token_ids == router.tokenizer_for("m").encode_chat(messages)
+    assert list(first.request.token_ids or []) == router.tokenizer_for("m").encode_chat(messages)
     assert first.worker.in_flight == 1
     header = first.upstream_headers["traceparent"]
     assert header.startswith("00-0af7651916cd43dd8448eb211c80319c-")  # joins the client's trace
