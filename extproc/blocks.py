@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["block_keys", "chain_seed"]
+__all__ = ["block_keys", "chain_seed", "u32_bytes"]
 
 _U64 = struct.Struct("<Q")
 
@@ -26,6 +26,18 @@ def chain_seed(model: str, lora: str | None = None, cache_salt: str | None = Non
     """The 64-bit seed of a key chain for one (model, LoRA, salt) namespace."""
     material = f"{model}\0{lora or ''}\0{cache_salt or ''}".encode()
     return xxhash.xxh3_64_intdigest(material)
+
+
+def u32_bytes(tokens: Sequence[int]) -> bytes:
+    """``tokens`` as u32 little-endian bytes, what a page's key hashes; OverflowError for ids outside u32."""
+    if sys.byteorder != "little":
+        try:
+            return struct.pack(f"<{len(tokens)}I", *tokens)
+        except struct.error as exc:
+            raise OverflowError(str(exc)) from exc
+    if isinstance(tokens, array) and tokens.typecode == "I":
+        return tokens.tobytes()  # the tokenizer's ids (extproc.tokenization): already u32
+    return array("I", tokens).tobytes()
 
 
 def _page_bytes(page: Sequence[int]) -> bytes:
@@ -53,12 +65,7 @@ def block_keys(
     span = pages * block_size
     head = tokens[:span]
     try:
-        if sys.byteorder != "little":
-            data = struct.pack(f"<{span}I", *head)
-        elif isinstance(head, array) and head.typecode == "I":
-            data = head.tobytes()  # the tokenizer's ids (extproc.tokenization): already u32
-        else:
-            data = array("I", head).tobytes()
+        data = u32_bytes(head)
         width = 4 * block_size
     except OverflowError:
         data = b""  # wide ids (or negative): page by page below

@@ -20,16 +20,14 @@ tokenize threads.
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
-from extproc.blocks import block_keys
+from extproc.blocks import block_keys, u32_bytes
 
 __all__ = ["KeyCache"]
 
@@ -82,13 +80,11 @@ class KeyCache:
         pages = len(tokens) // block_size
         if limit is not None:
             pages = min(pages, limit)
-        if pages == 0 or self.max_bytes <= 0 or sys.byteorder != "little":
+        if pages == 0 or self.max_bytes <= 0:
             return block_keys(tokens, block_size, seed, limit=limit)
         span = pages * block_size
         try:
-            # The same u32 LE bytes block_keys hashes: the tokenizer's array("I") as it is, a list converted.
-            head = tokens[:span]
-            data = head.tobytes() if isinstance(head, array) and head.typecode == "I" else array("I", head).tobytes()
+            data = u32_bytes(tokens[:span])  # the same bytes block_keys hashes
         except OverflowError:  # wide ids: block_keys has its own encoding for those
             return block_keys(tokens, block_size, seed, limit=limit)
         width = 4 * block_size

@@ -268,17 +268,6 @@ class ModelTokenizer:
                 return full[:i], full[i + len(bare) :]
         raise TokenizerLoadError(f"tokenizer {self.name!r}: cannot locate special tokens around a sequence")
 
-    def encode_cached(self, text: str, add_special_tokens: bool, max_uncached_chars: int) -> list[int] | None:
-        """``encode_text``, but only if at most ``max_uncached_chars`` of ``text`` miss the piece cache.
-
-        Returns None (having encoded nothing) when more is new: lets a caller on an event loop do
-        the cheap, warm case in place and hand a cold prompt to a thread.
-        """
-        if self._splitter is None:
-            return self.encode_whole(text, add_special_tokens) if len(text) <= max_uncached_chars else None
-        ids = self.encode_ids(text, add_special_tokens, max_uncached_chars)
-        return None if ids is None else ids.tolist()
-
     def _encode_pieces(self, text: str, max_uncached_chars: int | None = None) -> array[int] | None:
         assert self._splitter is not None
         pattern, added = self._splitter

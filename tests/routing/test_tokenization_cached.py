@@ -144,7 +144,7 @@ def test_piece_cache_equals_whole_text_encoding(which: str, chatml_dir: Path) ->
     assert fresh.cache_stats["hits"] > 100
 
 
-def test_encode_cached_is_exact_within_its_budget_and_refuses_beyond() -> None:
+def test_encode_ids_is_exact_within_its_budget_and_refuses_beyond() -> None:
     tok = load_tokenizer()
     fresh = ModelTokenizer(tok.name, tok.tokenizer, tok.chat_template, tok.special_tokens)
     rng = random.Random(11)
@@ -153,14 +153,15 @@ def test_encode_cached_is_exact_within_its_budget_and_refuses_beyond() -> None:
     def new_text(chars: int) -> str:
         return "".join(rng.choice(_ALPHABET) for _ in range(chars))
 
-    assert fresh.encode_cached(document, False, 1000) is None  # all of it new: refused, nothing cached
+    assert fresh.encode_ids(document, False, 1000) is None  # all of it new: refused, nothing cached
     assert fresh.cache_stats["chars"] == 0
     fresh.encode_text(document, False)  # now cached
     for _ in range(20):
         text = document + "<|eot_id|>" + new_text(rng.randint(0, 900))  # a new turn after the document
         for special in (False, True):
-            assert fresh.encode_cached(text, special, 1000) == fresh.encode_whole(text, special)
-        assert fresh.encode_cached(text + "<|eot_id|>" + new_text(1200), False, 1000) is None
+            ids = fresh.encode_ids(text, special, 1000)
+            assert ids is not None and ids.typecode == "I" and ids.tolist() == fresh.encode_whole(text, special)
+        assert fresh.encode_ids(text + "<|eot_id|>" + new_text(1200), False, 1000) is None
 
 
 def test_completion_prompts_match_transformers() -> None:
