@@ -73,11 +73,19 @@ def block_keys(
     pack = _U64.pack
     keys: list[int] = []
     prev = parent
-    for i in range(pages):
-        if data:
-            body = data[i * width : (i + 1) * width]
-        else:
+    if not data:
+        for i in range(pages):
             body = _page_bytes(tokens[i * block_size : (i + 1) * block_size])
-        prev = hash64(body if prev is None else pack(prev) + body, seed)
+            prev = hash64(body if prev is None else pack(prev) + body, seed)
+            keys.append(prev)
+        return keys
+    start = 0
+    if prev is None:  # a chain's root page has no parent key in front
+        prev = hash64(data[:width], seed)
         keys.append(prev)
+        start = width
+    append = keys.append
+    for offset in range(start, pages * width, width):  # the hot loop: no branch per page
+        prev = hash64(pack(prev) + data[offset : offset + width], seed)
+        append(prev)
     return keys

@@ -40,6 +40,21 @@ log = logging.getLogger(__name__)
 IndexState = Literal["synced", "unknown"]
 
 
+_TIER_BITS = {tier: 1 << position for position, tier in enumerate(("gpu", "host", "disk"))}
+_MEDIUM_TIER_BIT: dict[str | None, tuple[str, int]] = {}
+
+
+def _tier_bit(medium: str | None) -> tuple[str, int]:
+    """The index tier of an event's ``medium`` and its bit in the engine-hash map (memoized: per event)."""
+    found = _MEDIUM_TIER_BIT.get(medium)
+    if found is None:
+        tier = tier_of(medium)
+        found = (tier, _TIER_BITS[tier])
+        if len(_MEDIUM_TIER_BIT) < 64:  # media are a handful of names; never grow on garbage
+            _MEDIUM_TIER_BIT[medium] = found
+    return found
+
+
 @dataclass
 class ViewStats:
     """Counters of one view; read by ``extproc.telemetry`` at scrape time."""
@@ -254,8 +269,7 @@ class WorkerCacheView:
         )
         keys = block_keys(event.token_ids, event.block_size, self._seed(lora, event.cache_salt), parent=parent)
         self.block_size = event.block_size
-        tier = tier_of(event.medium)
-        bit = 1 << ("gpu", "host", "disk").index(tier)
+        tier, bit = _tier_bit(event.medium)
         own = self._own
         before = len(own)
         if own.keys().isdisjoint(event.block_hashes):  # the usual case: pages never seen before
@@ -278,8 +292,7 @@ class WorkerCacheView:
         self.stats.blocks_stored += len(stored)
 
     def _removed(self, event: BlockRemoved) -> None:
-        tier = tier_of(event.medium)
-        bit = 1 << ("gpu", "host", "disk").index(tier)
+        tier, bit = _tier_bit(event.medium)
         own = self._own
         pop = own.pop
         keys: list[int] = []
