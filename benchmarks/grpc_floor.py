@@ -11,6 +11,12 @@ buffered request (request headers, the body, response headers; or the body alone
 ``--messages 1``), one stream after another. The server's CPU time (from ``/proc``) over the
 measured streams, divided by their number, is the floor; the wall time per stream is printed too.
 The client is Python as well, so it measures the server, not Envoy's side of ext_proc.
+
+The same server, started with ``--serve aio --port P --endpoint IP:PORT``, is the ``floor`` gateway of
+``benchmarks.router_overhead --extproc-floor``: behind the real Envoy it answers the body with the
+router's own routing reply (``extproc.response.route_response``, to one fixed worker) and serves the
+gRPC health service, so what it adds to a request is what any Python ext_proc server adds before it
+decides anything.
 """
 
 from __future__ import annotations
@@ -39,9 +45,13 @@ _REPLIES = {
 
 
 class _AioProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, replies: dict[str, pb.ProcessingResponse]) -> None:
+        self.replies = replies
+
     async def Process(self, requests, context):  # type: ignore[no-untyped-def]  # noqa: N802 (gRPC's name)
+        replies = self.replies
         async for message in requests:
-            reply = _REPLIES.get(message.WhichOneof("request") or "")
+            reply = replies.get(message.WhichOneof("request") or "")
             if reply is not None:
                 yield reply
 
@@ -54,8 +64,11 @@ class _SyncProcessor(pb_grpc.ExternalProcessorServicer):
                 yield reply
 
 
-def _serve(kind: str, port: int) -> None:
-    """The server process: a do-nothing ext_proc on ``port``; prints ``ready`` once it listens."""
+def _serve(kind: str, port: int, endpoint: str | None = None) -> None:
+    """The server process: a do-nothing ext_proc on ``port``; prints ``ready`` once it listens.
+
+    ``endpoint`` (aio only): answer every body with the router's routing reply to that ``ip:port``.
+    """
     if kind == "sync":
         from concurrent import futures
 
@@ -68,10 +81,21 @@ def _serve(kind: str, port: int) -> None:
         return
 
     async def main() -> None:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        from extproc.response import route_response
+
+        replies = dict(_REPLIES)
+        if endpoint:
+            replies["request_body"] = route_response([endpoint])
         server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(_AioProcessor(), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(_AioProcessor(replies), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
+        for service in ("", "readiness"):  # what the probes ask (prefix_router.stack, host_throughput)
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         print("ready", flush=True)
         await server.wait_for_termination()
 
@@ -166,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        _serve(args.serve, args.port)
+        if args.endpoint and args.serve != "aio":
+            parser.error("--endpoint is served by the aio server only")
+        _serve(args.serve, args.port, args.endpoint)
         return 0
     kinds = [k.strip() for k in args.servers.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in SERVERS]

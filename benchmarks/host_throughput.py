@@ -8,7 +8,10 @@ case), ``--concurrency`` clients each send the next request as soon as the last 
 
 - ``envoy``: Envoy alone, least request, no ext_proc;
 - ``router xN``: Envoy + ext_proc + ``prefix-router serve --processes N`` (``envoy-config
-  --router-processes N``: Envoy balances the streams over the N processes).
+  --router-processes N``: Envoy balances the streams over the N processes);
+- ``floor`` (with ``--floor``): the same Envoy + ext_proc with a Python ext_proc server that decides
+  nothing (``benchmarks.grpc_floor``'s grpc.aio server, the router's routing reply to one worker):
+  the most a router written in Python behind ext_proc could reach on this host.
 
 Each gateway runs ``--seconds`` twice, in the order envoy, routers, envoy, routers, so a slow
 spell of a shared machine hits both alike; the ratio to Envoy alone is printed with the rate,
@@ -136,12 +139,23 @@ def _cpu_s(pids: Sequence[int]) -> float:
 class Gateway:
     """Envoy (and, with ``processes``, ``prefix-router serve --processes N``) on loopback."""
 
-    def __init__(self, envoy: str, worker_urls: Sequence[str], processes: int, workdir: Path) -> None:
+    def __init__(
+        self, envoy: str, worker_urls: Sequence[str], processes: int, workdir: Path, floor: bool = False
+    ) -> None:
         self.children: list[subprocess.Popen[bytes]] = []
         self.router_pid: int | None = None
         listen, admin = free_port(), free_port()
         extproc = None
-        if processes:
+        if floor:  # a do-nothing Python ext_proc in the router's place, every body to the first worker
+            port = free_port()
+            extproc = ("127.0.0.1", port)
+            worker = worker_urls[0].split("://", 1)[-1]
+            args = [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", "aio", "--port", str(port)]
+            self.children.append(
+                subprocess.Popen([*args, "--endpoint", worker], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+            self.router_pid = self.children[-1].pid
+        elif processes:
             port = _port_run(processes)
             extproc = ("127.0.0.1", port)
             args = [sys.executable, "-m", "prefix_router", "serve", "--processes", str(processes), "--port", str(port)]
@@ -164,7 +178,7 @@ class Gateway:
         self.url = f"http://127.0.0.1:{listen}"
         _wait(f"http://127.0.0.1:{admin}/ready")
         if extproc is not None:
-            _wait_router(extproc[1], processes)
+            _wait_router(extproc[1], max(processes, 1))
 
     def cpu_s(self, worker_pids: Sequence[int]) -> dict[str, float]:
         """CPU seconds used so far by each group of processes this gateway's requests go through."""
@@ -240,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="Seconds per gateway per round (two rounds).")
     parser.add_argument("--tokens", type=int, default=1024, help="Words in the shared document (the prompt size).")
     parser.add_argument("--workers", type=int, default=2, help="Instant sim workers behind every gateway.")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="Also measure 'floor': Envoy + a Python ext_proc server that decides nothing (a fixed routing reply).",
+    )
     args = parser.parse_args(argv)
     counts = [int(p) for p in args.processes.split(",") if p.strip()]
     if not counts or min(counts) < 1 or args.concurrency < 1 or args.seconds <= 0:
@@ -259,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="host-throughput-") as tmp:
             gateways["envoy"] = Gateway(envoy, [s.url for s in sims], 0, Path(tmp))
+            if args.floor:
+                gateways["floor"] = Gateway(envoy, [s.url for s in sims], 0, Path(tmp), floor=True)
             for n in counts:
                 gateways[f"router x{n}"] = Gateway(envoy, [s.url for s in sims], n, Path(tmp))
             for gateway in gateways.values():  # warm-up: connections, tokenizer, piece cache

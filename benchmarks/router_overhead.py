@@ -48,6 +48,7 @@ DEFAULT_POLICIES = ("round-robin", "prefix-aware")
 DEFAULT_PEERS = ("sgl-router",)
 CASES = ("cold", "warm")
 DIRECT = "envoy-direct"  # plain Envoy, least-request, no ext_proc: what every other gateway is compared to
+FLOOR = "floor:python-ext_proc"  # the real Envoy + a Python ext_proc server that decides nothing (--extproc-floor)
 BODY_MODES = ("buffered", "streamed")  # Envoy's ext_proc body mode: BUFFERED or FULL_DUPLEX_STREAMED
 _WORDS = [
     "alpha",
@@ -302,6 +303,7 @@ def measure_overhead(
     throughput_s: float = 5.0,
     throughput_concurrency: int = 16,
     body_modes: tuple[str, ...] = ("buffered",),
+    extproc_floor: bool = False,
 ) -> OverheadResult:
     """Start ``workers`` instant sim workers, envoy-direct, one gateway per policy and the peers; measure; stop."""
     import asyncio
@@ -330,6 +332,22 @@ def measure_overhead(
                     gateways[name] = routed.url
                     if routed.router_process is not None:
                         router_pids[name] = routed.router_process.pid
+            if extproc_floor:
+                # Our gateway's Envoy config and reply shape, the decision left out: every body goes to the
+                # first worker (``benchmarks.grpc_floor``'s server with the router's routing reply).
+                worker = urls[0].split("://", 1)[-1]
+                command = [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", "aio", "--port", "{port}"]
+                floor = stack.enter_context(
+                    GatewayStack(
+                        worker_urls=urls,
+                        router_command=[*command, "--endpoint", worker],
+                        upstream_host_header=False,
+                        metrics_port=None,
+                    )
+                )
+                gateways[FLOOR] = floor.url
+                if floor.router_process is not None:
+                    router_pids[FLOOR] = floor.router_process.pid
             peer_urls, peer_processes = _start_peers(peers, urls)
             gateways.update(peer_urls)
             clients = {name: _Client(url) for name, url in gateways.items()}
@@ -458,6 +476,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Envoy's ext_proc body mode of our gateways: buffered, streamed (FULL_DUPLEX_STREAMED), or both "
         "(one gateway per policy and mode; streamed ones are named 'ours:POLICY (streamed)').",
     )
+    g.add_argument(
+        "--extproc-floor",
+        action="store_true",
+        help=f"Also measure '{FLOOR}': the same Envoy gateway with a Python ext_proc server that decides "
+        "nothing (grpc.aio, a fixed routing reply): what any Python ext_proc adds before a decision.",
+    )
     g.add_argument("--seed", type=int, default=0, help="Seed of the prompt text.")
     g.add_argument("--json", type=Path, default=None, help="Write the rows and requests/s as JSON here.")
 
@@ -479,6 +503,7 @@ def main(args: argparse.Namespace) -> int:
             args.throughput_s,
             args.throughput_concurrency,
             args.body_modes,
+            args.extproc_floor,
         )
     except Exception as exc:  # a failed start names the part and quotes its log
         print(f"router_overhead: {exc}", file=sys.stderr)

@@ -174,6 +174,7 @@ class GatewayStack:
         config: Path | str | None = None,
         router: bool = True,
         router_args: Sequence[str] = (),
+        router_command: Sequence[str] | None = None,
         router_port: int = 0,
         metrics_port: int | None = 0,
         admin_port: int = 0,
@@ -219,6 +220,9 @@ class GatewayStack:
         self.config = Path(config) if config else None
         self.with_router = router
         self.router_args = list(router_args)
+        # A stand-in ext_proc server run instead of ``prefix-router serve`` (benchmarks measure a do-nothing
+        # one): its argv, "{port}" replaced by the router port; it must serve gRPC health like the router.
+        self.router_command = list(router_command) if router_command is not None else None
         self.router_port = router_port or free_port()
         self.metrics_port = (metrics_port or free_port()) if metrics_port is not None else None
         self.admin_port = admin_port or free_port()
@@ -482,6 +486,8 @@ class GatewayStack:
                     await asyncio.sleep(0.05)
 
     def _router_argv(self) -> list[str]:
+        if self.router_command is not None:
+            return [arg.replace("{port}", str(self.router_port)) for arg in self.router_command]
         argv = [
             sys.executable,
             "-m",

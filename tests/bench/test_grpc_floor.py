@@ -21,3 +21,24 @@ def test_unknown_servers_are_refused_with_a_usage_error(capsys: pytest.CaptureFi
         main(["--servers", "tonic"])
     assert exit_.value.code == 2
     assert "--servers takes aio, sync" in capsys.readouterr().err
+
+
+def test_the_floor_gateway_routes_every_request_to_its_fixed_worker_through_envoy(envoy_bin: str) -> None:
+    """``router_overhead --extproc-floor``'s gateway: the real Envoy, the do-nothing server in the router's place."""
+    import sys
+
+    from prefix_router.stack import GatewayStack
+    from tests.support.gateway_http import envoy_stats, post
+
+    with GatewayStack(sim_workers=2, sim_worker_options={"no_kv_events": True}, router=False) as workers:
+        urls = workers.worker_urls
+        target = urls[1].removeprefix("http://")
+        command = [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", "aio", "--port", "{port}"]
+        with GatewayStack(
+            worker_urls=urls, router_command=[*command, "--endpoint", target], metrics_port=None
+        ) as floor:
+            chat = {"model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+            served = {post(floor.url + "/v1/chat/completions", chat).headers["x-upstream-host"] for _ in range(6)}
+            picked = envoy_stats(floor.admin_url).get("cluster.prefix_router_picked.upstream_rq_total", 0)
+    assert served == {target}  # the fixed reply's worker, never Envoy's own pick
+    assert picked == 6  # by the router's reply (the picked route), not by fail-open
