@@ -112,6 +112,10 @@ class GatewaySpec:
     # Longest wait flow control may ask for (override_message_timeout while a request is queued). It
     # costs nothing until the router asks: the default covers flow_control.queue_ttl_s' default (30 s) + 1 s.
     max_message_timeout_ms: int | None = DEFAULT_MAX_MESSAGE_TIMEOUT_MS
+    # A prefill/decode fleet: a generation request the router did not pair (it is down, or slower than
+    # ``timeout_ms``) has no bootstrap fields, and every PD worker refuses it with a 400 that blames the
+    # client. Such requests are answered 503 at once instead (fail-open cannot serve them; a client retries a 503).
+    disaggregated: bool = False
 
     @property
     def buffer_limit_bytes(self) -> int:
@@ -424,7 +428,12 @@ def routes(spec: GatewaySpec) -> list[dict[str, Any]]:
     served = {"header": {"key": SERVED_KEY, "value": "%UPSTREAM_HOST%"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
     picked["response_headers_to_add"] = [*picked.get("response_headers_to_add", []), served]
     paths = "|".join(re.escape(p.lstrip("/")) for p in GENERATION_PATHS)
-    generation = {"name": "fail-open", "match": {"safe_regex": {"regex": f"^/({paths})$"}}, "route": failopen, **extra}
+    unrouted: dict[str, Any] = (
+        {"direct_response": {"status": 503, "body": {"inline_string": PD_UNROUTED_MESSAGE}}}
+        if spec.disaggregated
+        else {"route": failopen}
+    )
+    generation = {"name": "fail-open", "match": {"safe_regex": {"regex": f"^/({paths})$"}}, **unrouted, **extra}
     other = {
         "name": "pass-through",
         "match": {"prefix": "/"},
@@ -459,6 +468,13 @@ def _retry_policy(spec: GatewaySpec, other_host: bool) -> dict[str, Any]:
     return policy
 
 
+ROUTER_FAILED_MESSAGE = (
+    "the router (ext_proc) failed for this request and this gateway's body mode cannot go on without it: retry"
+)
+PD_UNROUTED_MESSAGE = (
+    "the router did not answer for this request (down, restarting or overloaded), and a prefill/decode fleet "
+    "cannot serve a generation request without it: retry"
+)
 METRICS_PATH = "/metrics"
 FLEET_METRICS_PATH = "/metrics/fleet"  # the router's metrics port: its own figures plus every worker's
 
@@ -495,12 +511,16 @@ def local_reply_config() -> dict[str, Any]:
     """Envoy's own error replies (its 413 past the buffer limit, 503 no healthy upstream...) as OpenAI JSON.
 
     The router's ImmediateResponses are local replies too; they already are OpenAI JSON and carry
-    the details ``prefix_router``, so the mappers leave them alone.
+    the details ``prefix_router``, so the mappers leave them alone. A failed ext_proc stream (the
+    router down, in a body mode where Envoy does not fail open: ``FULL_DUPLEX_STREAMED``) is
+    Envoy's bare 500 with no message; it becomes a 503 that says what failed, which a client retries.
     """
 
-    def mapper(condition: str, type_: str) -> dict[str, Any]:
+    def mapper(
+        condition: str, type_: str, message: str = "%LOCAL_REPLY_BODY%", status: int | None = None
+    ) -> dict[str, Any]:
         expression = f"!response.code_details.startsWith('prefix_router') && {condition}"
-        return {
+        rule: dict[str, Any] = {
             "filter": {
                 "extension_filter": {
                     "name": "envoy.access_loggers.extension_filters.cel",
@@ -511,14 +531,18 @@ def local_reply_config() -> dict[str, Any]:
                 }
             },
             "body_format_override": {
-                "json_format": {
-                    "error": {"message": "%LOCAL_REPLY_BODY%", "type": type_, "param": None, "code": "%RESPONSE_CODE%"}
-                }
+                "json_format": {"error": {"message": message, "type": type_, "param": None, "code": "%RESPONSE_CODE%"}}
             },
         }
+        if status is not None:
+            rule["status_code"] = status
+        return rule
 
     return {
         "mappers": [
+            mapper(
+                "response.code_details.startsWith('ext_proc_error')", "service_unavailable", ROUTER_FAILED_MESSAGE, 503
+            ),
             mapper("response.code < 500", "invalid_request_error"),
             mapper("response.code >= 500", "service_unavailable"),
         ]

@@ -124,6 +124,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "plus 1 s). Until the router asks, message_timeout (--timeout-ms) applies."
         ),
     )
+    parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help=(
+            "The workers are prefill/decode pairs: a generation request the router did not pair (it is down or "
+            "slower than --timeout-ms) is answered 503 at once, since a PD worker refuses one without bootstrap "
+            "fields (400); other paths still pass through."
+        ),
+    )
     parser.add_argument("-o", "--output", type=Path, help="Write to this file instead of stdout.")
 
 
@@ -152,6 +161,7 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         health_path=args.health_path,
         body_mode=args.body_mode,
         max_message_timeout_ms=args.max_message_timeout_ms,
+        disaggregated=args.disaggregated,
     )
 
 

@@ -544,6 +544,7 @@ class GatewayStack:
             tls_sni=self.tls_sni,
             body_mode=self.body_mode,
             max_message_timeout_ms=self.max_message_timeout_ms,
+            disaggregated=self.pd is not None,
         )
 
     async def _start_envoy(self, repick: bool = True) -> None:

@@ -318,6 +318,23 @@ def test_subset_hint_is_honoured_and_an_empty_one_is_503(stack: GatewayStack, tm
         process.wait(10)
 
 
+def test_with_the_router_down_buffered_fails_open_and_streamed_says_so_in_a_503(stack: GatewayStack) -> None:
+    import asyncio
+
+    asyncio.run(stack.stop_router())  # SIGKILL: the ext_proc stream cannot even start
+    try:
+        reply = post(stack.url + "/v1/chat/completions", CHAT)
+    finally:
+        asyncio.run(stack.start_router())
+    if stack.body_mode == "buffered":
+        assert reply.status == 200  # failure_mode_allow: served without the router
+    else:
+        # Envoy 1.40 does not fail open in FULL_DUPLEX_STREAMED: its bare 500 becomes a 503 that says why.
+        assert reply.status == 503, reply.body
+        assert "the router (ext_proc) failed" in reply.json()["error"]["message"]
+    _wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT).status == 200)
+
+
 # -- flow control behind the real Envoy ------------------------------------------------------------
 
 

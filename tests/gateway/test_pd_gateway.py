@@ -8,6 +8,8 @@ prefill worker comes last in each module run.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -144,6 +146,24 @@ def _queued_on(worker: Any) -> int:
         r["num_running_reqs"] + r["num_waiting_reqs"] + r["disaggregation"]["prefill_bootstrap_queue_reqs"]
         for r in loads
     )
+
+
+def test_a_request_the_router_did_not_pair_is_a_503_at_once_not_a_workers_400(stack: GatewayStack) -> None:
+    asyncio.run(stack.stop_router())  # SIGKILL: Envoy fails open at once
+    try:
+        began = time.monotonic()
+        reply = post(stack.url + "/generate", GENERATE, timeout=30)
+        elapsed = time.monotonic() - began
+    finally:
+        asyncio.run(stack.start_router())
+    # Fail-open would hand the body, without bootstrap fields, to a PD worker: SGLang's 400 blames the client.
+    # (FULL_DUPLEX_STREAMED never fails open: there Envoy's own 500 for the failed stream becomes the 503.)
+    assert reply.status == 503, reply.body
+    error = json.loads(reply.body)["error"]
+    expected = "prefill/decode fleet" if stack.body_mode == "buffered" else "the router (ext_proc) failed"
+    assert expected in error["message"] and error["type"] == "service_unavailable", error
+    assert elapsed < 3.0
+    _wait_until(lambda: post(stack.url + "/generate", GENERATE, timeout=30).status == 200, 20)
 
 
 def test_a_dead_decode_worker_stops_the_prefill_leg_it_was_paired_with(stack: GatewayStack) -> None:
