@@ -386,6 +386,10 @@ class BlockIndex:
             holders_get = self._holders_lookup((tier,) if isinstance(tier, str) else tuple(tier))
             fresh: list[float] | None = None  # per-slot record cutoffs, computed at the first record met
             recent_get = self._recent.get
+            if alive and not alive & (alive - 1):  # one worker asked about: its own walk from the start
+                slot = alive.bit_length() - 1
+                depth[worker_ids[slots.index(slot)]] = self._walk_one(keys, 0, slot, holders_get, now)
+                return depth
             for i, key in enumerate(keys):
                 mask = holders_get(key, 0) & alive
                 entry = recent_get(key) if mask != alive else None  # confirmed for all: skip the record
@@ -403,10 +407,37 @@ class BlockIndex:
                     alive = mask
                     if not alive:
                         break
+                    if not alive & (alive - 1):  # one worker left (the common case): a tighter walk for the rest
+                        slot = alive.bit_length() - 1
+                        depth[worker_ids[slots.index(slot)]] = self._walk_one(keys, i + 1, slot, holders_get, now)
+                        break
             else:
                 if alive:
                     _set_depths(depth, names or dict(zip(slots, worker_ids)), alive, len(keys))
             return depth
+
+    def _walk_one(
+        self, keys: Sequence[int], start: int, slot: int, holders_get: Callable[[int, int], int], now: float
+    ) -> int:
+        """The first index from ``start`` whose key ``slot`` holds neither confirmed nor in a fresh record.
+
+        ``match`` with one worker left, decision for decision the same: one bit to test instead of a
+        mask to carry, and the record read for that slot alone.
+        """
+        bit = 1 << slot
+        cut = now - (self.config.speculative_ttl_s if self._synced >> slot & 1 else self.config.fallback_ttl_s)
+        recent_get = self._recent.get
+        end = len(keys)
+        for i in range(start, end):
+            key = keys[i]
+            if not holders_get(key, 0) & bit:
+                entry = recent_get(key)
+                if entry is None:
+                    return i
+                stamp = entry.get(slot)
+                if stamp is None or stamp <= cut:
+                    return i
+        return end
 
     def _slots_of(self, worker_ids: Sequence[str]) -> list[int]:
         """The slots of ``worker_ids`` (made for ids not seen before)."""

@@ -69,6 +69,47 @@ def test_match_walks_the_prompt_until_no_worker_matches() -> None:
     assert index.match(keys, ["b"]) == {"b": 0}
 
 
+def _walked_depth(index: BlockIndex, keys: Sequence[int], worker: str, tiers: Sequence[str], now: float) -> int:
+    """One worker's depth by the definition: leading keys confirmed in a tier or in a fresh record for it."""
+    slot = index.slot(worker)
+    synced = index._synced >> slot & 1
+    cut = now - (index.config.speculative_ttl_s if synced else index.config.fallback_ttl_s)
+    for i, key in enumerate(keys):
+        confirmed = any(index._tiers[t].holders.get(key, 0) >> slot & 1 for t in tiers)
+        stamp = index._recent.get(key, {}).get(slot)
+        if not confirmed and (stamp is None or stamp <= cut):
+            return i
+    return len(keys)
+
+
+def test_match_equals_each_workers_own_walk_over_random_stores_removals_and_records() -> None:
+    rng = random.Random(5)
+    clock = [0.0]
+    index = BlockIndex(IndexConfig(speculative_ttl_s=2.0, fallback_ttl_s=5.0), clock=lambda: clock[0])
+    workers = [f"w{i}" for i in range(6)]
+    prompts = [block_keys([rng.randrange(50) for _ in range(16 * 24)], 16) for _ in range(5)]
+    for step in range(600):
+        clock[0] += rng.random() * 0.3
+        worker, prompt = rng.choice(workers), rng.choice(prompts)
+        cut = rng.randrange(len(prompt) + 1)
+        action = rng.randrange(6)
+        if action == 0:
+            index.store(worker, prompt[:cut], rng.choice(["gpu", "host"]))
+        elif action == 1:
+            index.remove(worker, prompt[rng.randrange(cut + 1) : cut], rng.choice(["gpu", "host"]))
+        elif action == 2:
+            index.record_routed(worker, prompt[:cut])
+        elif action == 3:
+            index.set_unknown(worker, rng.random() < 0.5)
+        asked = rng.sample(workers, rng.randrange(1, len(workers) + 1))
+        tiers = rng.choice([("gpu",), ("gpu", "host")])
+        keys = rng.choice(prompts)
+        got = index.match(keys, asked, tiers[0] if len(tiers) == 1 else tiers)
+        assert list(got) == asked
+        for w in asked:  # match expires stale records first; the walk reads what it left
+            assert got[w] == _walked_depth(index, keys, w, tiers, clock[0]), (step, w)
+
+
 def test_tiers_are_kept_apart() -> None:
     index = BlockIndex()
     keys = block_keys(list(range(64)), 16)
