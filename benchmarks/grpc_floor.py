@@ -102,6 +102,21 @@ def _serve(kind: str, port: int, endpoint: str | None = None) -> None:
     asyncio.run(main())
 
 
+def floor_command(port: int | str, endpoint: str) -> list[str]:
+    """The argv of the floor gateway's server: the aio server on ``port``, every body routed to ``endpoint``."""
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.grpc_floor",
+        "--serve",
+        "aio",
+        "--port",
+        str(port),
+        "--endpoint",
+        endpoint,
+    ]
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()

@@ -149,11 +149,10 @@ class Gateway:
         if floor:  # a do-nothing Python ext_proc in the router's place, every body to the first worker
             port = free_port()
             extproc = ("127.0.0.1", port)
-            worker = worker_urls[0].split("://", 1)[-1]
-            args = [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", "aio", "--port", str(port)]
-            self.children.append(
-                subprocess.Popen([*args, "--endpoint", worker], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
+            from benchmarks.grpc_floor import floor_command
+
+            command = floor_command(port, worker_urls[0].split("://", 1)[-1])
+            self.children.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.router_pid = self.children[-1].pid
         elif processes:
             port = _port_run(processes)

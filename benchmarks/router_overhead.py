@@ -335,12 +335,12 @@ def measure_overhead(
             if extproc_floor:
                 # Our gateway's Envoy config and reply shape, the decision left out: every body goes to the
                 # first worker (``benchmarks.grpc_floor``'s server with the router's routing reply).
-                worker = urls[0].split("://", 1)[-1]
-                command = [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", "aio", "--port", "{port}"]
+                from benchmarks.grpc_floor import floor_command
+
                 floor = stack.enter_context(
                     GatewayStack(
                         worker_urls=urls,
-                        router_command=[*command, "--endpoint", worker],
+                        router_command=floor_command("{port}", urls[0].split("://", 1)[-1]),
                         upstream_host_header=False,
                         metrics_port=None,
                     )

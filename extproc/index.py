@@ -425,7 +425,7 @@ class BlockIndex:
         mask to carry, and the record read for that slot alone.
         """
         bit = 1 << slot
-        cut = now - (self.config.speculative_ttl_s if self._synced >> slot & 1 else self.config.fallback_ttl_s)
+        cut = self._fresh_cutoff(slot, now)
         recent_get = self._recent.get
         end = len(keys)
         for i in range(start, end):
@@ -478,12 +478,14 @@ class BlockIndex:
         Slots not asked about never match. Computed once per lookup, outside the per-key loop (the hot part).
         """
         fresh = [float("inf")] * (len(self._slots) + len(self._free))
-        spec_cut = now - self.config.speculative_ttl_s
-        fallback_cut = now - self.config.fallback_ttl_s
-        synced = self._synced
         for slot in slots:
-            fresh[slot] = spec_cut if synced >> slot & 1 else fallback_cut
+            fresh[slot] = self._fresh_cutoff(slot, now)
         return fresh
+
+    def _fresh_cutoff(self, slot: int, now: float) -> float:
+        """The oldest record time still fresh for one slot: events in sync keep it briefly, unknown ones longer."""
+        ttl = self.config.speculative_ttl_s if self._synced >> slot & 1 else self.config.fallback_ttl_s
+        return now - ttl
 
     def match_tiers(
         self, keys: Sequence[int], worker_ids: Sequence[str], groups: Mapping[str, str | None] | None = None

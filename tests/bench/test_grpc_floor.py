@@ -25,18 +25,14 @@ def test_unknown_servers_are_refused_with_a_usage_error(capsys: pytest.CaptureFi
 
 def test_the_floor_gateway_routes_every_request_to_its_fixed_worker_through_envoy(envoy_bin: str) -> None:
     """``router_overhead --extproc-floor``'s gateway: the real Envoy, the do-nothing server in the router's place."""
-    import sys
-
+    from benchmarks.grpc_floor import floor_command
     from prefix_router.stack import GatewayStack
     from tests.support.gateway_http import envoy_stats, post
 
     with GatewayStack(sim_workers=2, sim_worker_options={"no_kv_events": True}, router=False) as workers:
         urls = workers.worker_urls
         target = urls[1].removeprefix("http://")
-        command = [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", "aio", "--port", "{port}"]
-        with GatewayStack(
-            worker_urls=urls, router_command=[*command, "--endpoint", target], metrics_port=None
-        ) as floor:
+        with GatewayStack(worker_urls=urls, router_command=floor_command("{port}", target), metrics_port=None) as floor:
             chat = {"model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
             served = {post(floor.url + "/v1/chat/completions", chat).headers["x-upstream-host"] for _ in range(6)}
             picked = envoy_stats(floor.admin_url).get("cluster.prefix_router_picked.upstream_rq_total", 0)
