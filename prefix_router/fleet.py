@@ -13,7 +13,7 @@ outlives the process that started it. On any failure the workers already started
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,7 @@ from sglang_workers.sim.launch import SimOption
 __all__ = ["ENGINES", "Engine", "PdFleet", "WorkerProcess", "WorkerStartError", "start_fleet", "start_pd_fleet"]
 
 ENGINES: tuple[Engine, ...] = ("sim", "sglang-cpu")
-PORT_RACE_ATTEMPTS = 3  # a sim worker that lost a port to another process is started again on new ports
+PORT_RACE_ATTEMPTS = 3  # a worker that lost a port to another process is started again on new ports
 
 
 def start_fleet(
@@ -137,6 +137,17 @@ def _start_sim(
     def spawn(i: int) -> WorkerProcess:
         return spawn_sim_worker(per_worker[i], host=host, env=env, grpc=grpc, startup_timeout_s=timeout)
 
+    return _spawn_ready(n, spawn, ready=wait_ready)
+
+
+def _spawn_ready(n: int, spawn: Callable[[int], WorkerProcess], *, ready: bool = True) -> list[WorkerProcess]:
+    """Spawn ``n`` workers at once, then wait for each; on any failure stop them all and raise.
+
+    A worker picks its free ports before it binds them, and a real SGLang worker binds its HTTP port only at the
+    end of a minute-long start, while it and its neighbours bind ports of their own: a worker that lost a port
+    that way (``address already in use`` in its log) is started again, on new ports, up to
+    ``PORT_RACE_ATTEMPTS`` times in all.
+    """
     workers: list[WorkerProcess] = []
     try:
         for i in range(n):
@@ -144,10 +155,10 @@ def _start_sim(
         for i in range(n):
             for attempt in range(PORT_RACE_ATTEMPTS):
                 try:
-                    workers[i].wait_ready(ready=wait_ready)
+                    workers[i].wait_ready(ready=ready)
                     break
                 except WorkerStartError as exc:  # wait_ready stopped it
-                    if attempt == PORT_RACE_ATTEMPTS - 1 or "in use" not in str(exc).lower():
+                    if attempt == PORT_RACE_ATTEMPTS - 1 or not exc.port_lost:
                         raise
                     workers[i] = spawn(i)
     except BaseException:
@@ -179,29 +190,21 @@ def _start_cpu(
     if disaggregation_mode != "null" and install.pd_problems():
         raise WorkerStartError(f"a real PD worker cannot start: {'; '.join(install.pd_problems())}")
     extra = [*(["--random-seed", str(seed)] if seed is not None else []), *extra_args]
-    workers: list[WorkerProcess] = []
-    try:
-        for _ in range(n):
-            workers.append(
-                spawn_cpu_worker(
-                    install,
-                    host=host,
-                    page_size=page_size,
-                    max_total_tokens=capacity_tokens,
-                    extra=extra,
-                    log_dir=log_dir,
-                    env=dict(env or {}),
-                    startup_timeout_s=STARTUP_TIMEOUT_S if startup_timeout is None else startup_timeout,
-                    disaggregation_mode=disaggregation_mode,
-                )
-            )
-        for worker in workers:
-            worker.wait_ready()
-    except BaseException:
-        for worker in workers:
-            worker.stop()
-        raise
-    return workers
+
+    def spawn(_: int) -> WorkerProcess:
+        return spawn_cpu_worker(
+            install,
+            host=host,
+            page_size=page_size,
+            max_total_tokens=capacity_tokens,
+            extra=extra,
+            log_dir=log_dir,
+            env=dict(env or {}),
+            startup_timeout_s=STARTUP_TIMEOUT_S if startup_timeout is None else startup_timeout,
+            disaggregation_mode=disaggregation_mode,
+        )
+
+    return _spawn_ready(n, spawn)
 
 
 @dataclass

@@ -38,7 +38,16 @@ PARENT_ENV = "PREFIX_ROUTER_WORKER_PARENT"  # read (and removed) by guard/sitecu
 
 
 class WorkerStartError(RuntimeError):
-    """A worker process failed to start (exited, or not ready in time); the message carries the end of its log."""
+    """A worker process failed to start (exited, or not ready in time); the message carries the end of its log.
+
+    ``port_lost`` says its log (the whole of it, not only the end quoted) reports a port already in use: a worker
+    picks free ports before it binds them, so another process can take one in between, and a fresh start on new
+    ports is then the cure.
+    """
+
+    def __init__(self, message: str, *, port_lost: bool = False) -> None:
+        super().__init__(message)
+        self.port_lost = port_lost
 
 
 @dataclass(frozen=True)
@@ -178,10 +187,11 @@ class WorkerProcess:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if not self.alive():
-                tail = self.log()[-3000:]
+                log = self.log()
                 self.stop()
                 raise WorkerStartError(
-                    f"{self.engine} worker exited with status {self.process.returncode} while starting:\n{tail}"
+                    f"{self.engine} worker exited with status {self.process.returncode} while starting:\n{log[-3000:]}",
+                    port_lost=_reports_port_in_use(log),
                 )
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
@@ -193,9 +203,11 @@ class WorkerProcess:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(self.launch.ready_poll_s)
-        tail = self.log()[-3000:]
+        log = self.log()
         self.stop()
-        raise WorkerStartError(f"{self.engine} worker not ready after {limit:.0f}s:\n{tail}")
+        raise WorkerStartError(
+            f"{self.engine} worker not ready after {limit:.0f}s:\n{log[-3000:]}", port_lost=_reports_port_in_use(log)
+        )
 
     def _grpc_listening(self) -> bool:
         """The gRPC port accepts connections (the simulator opens it just after HTTP); True without one."""
@@ -250,3 +262,9 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _reports_port_in_use(log: str) -> bool:
+    """The log says a bind failed on a taken port (uvicorn, ZMQ and gRPC each word it their own way)."""
+    text = log.lower()
+    return "address already in use" in text or "errno 98" in text or "is in use" in text
