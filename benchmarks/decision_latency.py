@@ -27,6 +27,7 @@ import asyncio
 import multiprocessing as mp
 import random
 import statistics
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -118,7 +119,21 @@ def decision_latency(
     return results
 
 
-def _publisher(ports: list[int], batches: int, pages: int, full_cache: bool, ready: Any, go: Any) -> None:
+def _stamped(payload: bytes, ts: float) -> bytes:
+    """``payload`` with its batch timestamp set to ``ts``: the time a paced publisher sends it.
+
+    The batches are packed before the run (packing costs the publisher more than sending), as
+    ``[float64 ts, events, rank]``: a fixarray header, the float's marker, its 8 bytes; those 8 are replaced.
+    """
+    return payload[:2] + _TS.pack(ts) + payload[10:]
+
+
+_TS = struct.Struct(">d")
+
+
+def _publisher(
+    ports: list[int], batches: int, pages: int, full_cache: bool, rate: float | None, ready: Any, go: Any, span: Any
+) -> None:
     import msgpack
     import zmq
 
@@ -131,8 +146,10 @@ def _publisher(ports: list[int], batches: int, pages: int, full_cache: bool, rea
         sock.bind(f"tcp://127.0.0.1:{port}")
         socks.append(sock)
     payloads: list[list[bytes]] = []
+    sizes: list[list[int]] = []  # blocks (stored + removed) per batch
     for _ in ports:
         out = [msgpack.packb([time.time(), [{"type": "AllBlocksCleared"}], 0])]
+        blocks = [0]
         parent = None
         stored: list[list[int]] = []
         for b in range(batches):
@@ -151,21 +168,41 @@ def _publisher(ports: list[int], batches: int, pages: int, full_cache: bool, rea
             if full_cache and b >= FULL_AFTER:
                 events.append({"type": "BlockRemoved", "block_hashes": stored[b - FULL_AFTER], "medium": "GPU"})
             stored.append(hashes)
-            out.append(msgpack.packb([time.time(), events, 0]))
+            # A float ts always: ``_stamped`` overwrites it in place.
+            out.append(msgpack.packb([float(time.time()), events, 0], use_single_float=False))
+            blocks.append(pages * len(events))
             parent = hashes[-1] if b % 8 else None  # chains of 8 batches, then a new root
         payloads.append(out)
+        sizes.append(blocks)
     ready.set()
     go.wait()
+    start = time.time()
+    sent = 0
     for seq in range(batches + 1):
         for w, sock in enumerate(socks):
-            sock.send_multipart([b"", seq.to_bytes(8, "big"), payloads[w][seq]])
+            payload = payloads[w][seq]
+            if rate is not None:
+                # On schedule: the batch leaves once the blocks before it have had their time at ``rate``
+                # (sleeping only for gaps above a millisecond: a paced stream is a steady one, not a precise one).
+                due = start + sent / rate
+                now = time.time()
+                if due - now > 0.001:
+                    time.sleep(due - now)
+                payload = _stamped(payload, time.time())
+            sent += sizes[w][seq]
+            sock.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+    span.value = time.time() - start
     time.sleep(2.0)
     ctx.destroy(linger=0)
 
 
 @dataclass(frozen=True)
 class Ingestion:
-    """One ingestion run: blocks stored and removed by the streams, how long, the router's CPU, the index after."""
+    """One ingestion run: blocks stored and removed by the streams, how long, the router's CPU, the index after.
+
+    A paced run (``rate`` set) also has the publishers' own sending time and the lag of the batches the
+    router applied (``lags_s``: publish to applied, one sample per stream per poll of the views).
+    """
 
     stored: int
     removed: int
@@ -173,6 +210,9 @@ class Ingestion:
     seconds: float
     cpu_s: float  # this process's CPU seconds over the run (subscribers, decoding, index; every thread)
     held: int  # entries the index holds at the end
+    rate: float | None = None  # offered blocks/s (stored + removed), all publishers together; None: flat out
+    sent_s: float = 0.0  # how long the publishers took to send everything
+    lags_s: tuple[float, ...] = ()
 
     @property
     def blocks(self) -> int:
@@ -182,12 +222,33 @@ class Ingestion:
     def exact(self) -> bool:
         return self.held == self.expected_held
 
+    @property
+    def cores(self) -> float:
+        """The router's CPU seconds per wall second over the run: its share of a core the stream costs."""
+        return self.cpu_s / self.seconds if self.seconds else 0.0
 
-async def event_ingestion(workers: int, total_blocks: int, full_cache: bool = False) -> Ingestion:
+    def lag_ms(self, quantile: float) -> float:
+        """A quantile of the applied batches' publish-to-apply lag, in ms (0 without samples)."""
+        if not self.lags_s:
+            return 0.0
+        ordered = sorted(self.lags_s)
+        return ordered[min(len(ordered) - 1, round(quantile * (len(ordered) - 1)))] * 1000
+
+
+async def event_ingestion(
+    workers: int, total_blocks: int, full_cache: bool = False, rate: float | None = None
+) -> Ingestion:
     """Publish ``total_blocks`` stored blocks from ``workers`` publishers (and as many removals, less the
-    first ``FULL_AFTER`` batches', with ``full_cache``) and time how fast the index absorbs them."""
+    first ``FULL_AFTER`` batches', with ``full_cache``) and time how fast the index absorbs them.
+
+    Flat out by default (the router's ceiling); with ``rate`` the publishers send on a schedule of
+    ``rate`` blocks per second (stored and removed, all together), as a busy fleet does, and the run
+    reports whether the router keeps up: how far behind the publishers its index is, and its CPU share.
+    """
     from extproc.addresses import free_ports
 
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be positive blocks per second")
     pages = 16
     batches = max(1, total_blocks // (workers * pages))
     ports = free_ports(workers)
@@ -205,34 +266,43 @@ async def event_ingestion(workers: int, total_blocks: int, full_cache: bool = Fa
     http = WorkerHttp()  # unused: every worker names its publisher, so nothing is discovered over HTTP
     hub = EventHub(EventsConfig(discovery_interval_s=3600), WorkerRegistry(fleet), index, http)
     ctx = mp.get_context("spawn")
-    ready, go = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_publisher, args=(ports, batches, pages, full_cache, ready, go), daemon=True)
+    ready, go, span = ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
+    proc = ctx.Process(target=_publisher, args=(ports, batches, pages, full_cache, rate, ready, go, span), daemon=True)
     proc.start()
     await asyncio.get_running_loop().run_in_executor(None, ready.wait)
     await hub.start()
     await asyncio.sleep(1.0)  # subscriptions established (ZMQ slow joiner)
     expected_stored = workers * batches * pages
     expected_removed = workers * max(0, batches - FULL_AFTER) * pages if full_cache else 0
+    views = [v for per_worker in hub.views.values() for v in per_worker]
+    seen = [v.stats.batches for v in views]
+    lags: list[float] = []
     go.set()
     start, cpu_start = time.perf_counter(), time.process_time()
 
     def counted() -> tuple[int, int]:
-        views = [v for per_worker in hub.views.values() for v in per_worker]
         return sum(v.stats.blocks_stored for v in views), sum(v.stats.blocks_removed for v in views)
 
     def done() -> bool:
         stored, removed = counted()
         return stored >= expected_stored and removed >= expected_removed
 
-    deadline = start + 120
+    deadline = start + 120 + (expected_stored + expected_removed) / (rate or float("inf"))
     while not done() and time.perf_counter() < deadline:
         await asyncio.sleep(0.005)
+        if rate is not None:  # the lag of each stream's latest batch, if it applied one since the last look
+            for i, view in enumerate(views):
+                if view.stats.batches != seen[i]:
+                    seen[i] = view.stats.batches
+                    lags.append(view.stats.lag_s)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     stored, removed = counted()
     held = index.blocks_total
     await hub.stop()
     proc.join(5)
-    return Ingestion(stored, removed, expected_stored - expected_removed, elapsed, cpu, held)
+    return Ingestion(
+        stored, removed, expected_stored - expected_removed, elapsed, cpu, held, rate, span.value, tuple(lags)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ import time
 import tracemalloc
 from typing import Any
 
-from benchmarks.decision_latency import decision_latency, event_ingestion
+from benchmarks.decision_latency import Ingestion, decision_latency, event_ingestion
 from extproc.config import EventsConfig, HealthConfig, IndexConfig, LoadConfig, PolicyConfig, RouterConfig
 from extproc.index import BlockIndex
 from extproc.memory import MemoryPlan
@@ -100,11 +100,38 @@ def print_ingestion(fleets: list[int], total_blocks: int, full_cache: bool = Fal
         before = _rss_bytes()
         run = asyncio.run(event_ingestion(fleet, total_blocks, full_cache))
         grown = _rss_bytes() - before
-        exact = "yes" if run.exact else f"no ({run.held} held, {run.expected_held} expected)"
         per_million = grown / max(run.stored, 1) * 1e6 / 2**20
         print(
             f"{fleet:>10} {run.stored:>9,} {run.removed:>9,} {run.seconds:>8.2f} {run.blocks / run.seconds:>10,.0f} "
-            f"{run.blocks / max(run.cpu_s, 1e-9):>10,.0f} {exact:>6} {per_million:>19.0f}"
+            f"{run.blocks / max(run.cpu_s, 1e-9):>10,.0f} {_exact(run):>6} {per_million:>19.0f}"
+        )
+
+
+def _exact(run: Ingestion) -> str:
+    return "yes" if run.exact else f"no ({run.held} held, {run.expected_held} expected)"
+
+
+def print_paced_ingestion(fleets: list[int], seconds: float, per_worker: float, full_cache: bool) -> None:
+    """The same streams sent on a busy fleet's schedule: does the router keep up, and at what CPU share."""
+    removed = ", half of them removals once a cache is full" if full_cache else ""
+    print(
+        f"\n== KV event ingestion at a busy fleet's rate: {per_worker:,.0f} blocks/s per publisher{removed}, "
+        f"~{seconds:g} s per fleet"
+    )
+    print(
+        f"{'publishers':>10} {'offered/s':>10} {'sent/s':>10} {'applied/s':>10} {'seconds':>8} {'router cores':>12} "
+        f"{'lag p50 ms':>10} {'lag p99 ms':>10} {'lag max ms':>10} {'exact':>6}"
+    )
+    for fleet in fleets:
+        gc.collect()
+        rate = per_worker * fleet
+        stored = round(rate * seconds / (2 if full_cache else 1))  # a full cache removes a block per block stored
+        run = asyncio.run(event_ingestion(fleet, stored, full_cache, rate=rate))
+        sent = run.blocks / run.sent_s if run.sent_s else 0.0
+        print(
+            f"{fleet:>10} {rate:>10,.0f} {sent:>10,.0f} {run.blocks / run.seconds:>10,.0f} {run.seconds:>8.2f} "
+            f"{run.cores:>12.2f} {run.lag_ms(0.5):>10.1f} {run.lag_ms(0.99):>10.1f} {run.lag_ms(1.0):>10.1f} "
+            f"{_exact(run):>6}"
         )
 
 
@@ -256,6 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         help="Ingestion as a full cache sends it: every batch after a worker's 8th also removes an older one.",
     )
     parser.add_argument(
+        "--paced-rate",
+        type=float,
+        default=None,
+        metavar="BLOCKS_PER_S",
+        help=(
+            "Also run ingestion paced: each publisher sends this many blocks a second (stored and removed "
+            "together; 1600 is the busy worker docs/benchmarks.md derives) and the run reports the lag."
+        ),
+    )
+    parser.add_argument(
+        "--paced-seconds", type=float, default=5.0, help="How long each paced ingestion run sends (with --paced-rate)."
+    )
+    parser.add_argument(
         "--memory-blocks", type=int, default=1_000_000, help="Blocks stored for the index memory figure."
     )
     parser.add_argument("--poll-seconds", type=float, default=10.0, help="How long the pollers run per fleet.")
@@ -277,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fleets takes comma-separated integers, not {args.fleets!r}")
     parts = {p.strip() for p in args.parts.split(",")}
     unknown = parts - {"decisions", "ingestion", "memory", "pollers"}
+    if args.paced_rate is not None and args.paced_rate <= 0:
+        parser.error(f"--paced-rate must be a positive number of blocks per second, not {args.paced_rate}")
+    if args.paced_seconds <= 0:
+        parser.error(f"--paced-seconds must be positive, not {args.paced_seconds}")
     if unknown or not fleets or min(fleets) < 1:
         parser.error(f"bad --parts {sorted(unknown)} or --fleets {args.fleets!r}")
     print(f"fleets {fleets}, {os.cpu_count()} CPUs, shortlist policy.max_candidates={args.max_candidates}")
@@ -284,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print_decisions(fleets, args.samples, args.max_candidates)
     if "ingestion" in parts:
         print_ingestion(fleets, args.event_blocks, args.full_cache)
+        if args.paced_rate is not None:
+            print_paced_ingestion(fleets, args.paced_seconds, args.paced_rate, args.full_cache)
     if "memory" in parts:
         print_memory(fleets, args.memory_blocks)
     if "pollers" in parts:

@@ -60,7 +60,14 @@ async def replay(
 
 
 class EventSubscriber:
-    """One SUB socket (plus replay on demand) feeding one ``WorkerCacheView``."""
+    """One SUB socket (plus replay on demand) feeding one ``WorkerCacheView``.
+
+    Batches are applied in the event loop's reader callback of the socket's file descriptor, as they
+    come: no task switch, future or poller registration per batch (``zmq.asyncio``'s poller adds and
+    removes its descriptors on every call, which at a busy fleet's thousands of small batches a second
+    cost more than applying them). The ``run`` task does only what waits: replays, reconnects, the
+    first catch-up. While a replay is under way the socket is not read; what arrives waits in it.
+    """
 
     def __init__(
         self,
@@ -76,6 +83,10 @@ class EventSubscriber:
         self.config = config
         self.ctx = ctx
         self.connected = asyncio.Event()
+        # For ``run``: a seq to replay from (a gap), or None (the socket (re)connected).
+        self._work: asyncio.Queue[int | None] = asyncio.Queue()
+        self._plain: zmq.Socket[bytes] | None = None  # a blocking-API view of the SUB socket
+        self._reading = False  # the reader callback is registered (not while a replay is under way)
 
     async def run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -84,58 +95,106 @@ class EventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(self.endpoint)
-        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # see ``_drain``
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        self._plain = zmq.Socket.shadow(sub.underlying)
+        plain_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        loop = asyncio.get_running_loop()
+        monitor_fd = plain_monitor.fileno()
+        loop.add_reader(monitor_fd, self._on_monitor, plain_monitor)
+        self._resume()
+        loop.call_soon(self._on_monitor, plain_monitor)  # the descriptors signal edges: read what came before
         try:
             while True:
                 # Until the first batch is in, keep asking the replay socket: a worker that just
                 # (re)started may not have bound it, or published anything, when we connected.
                 catching_up = self.view.last_seq is None and self.replay_endpoint is not None
-                ready = dict(await poller.poll(self.config.replay_timeout_s * 1000 if catching_up else None))
-                if not ready and catching_up and self.connected.is_set():
-                    await self._repair(0)
-                if sub in ready:
-                    # Everything queued from the old connection first, then the reconnect (below).
-                    await self._drain(plain)
-                if monitor in ready:
-                    await monitor.recv_multipart()
-                    # (Re)connected: the publisher may have restarted or batches were lost while we
-                    # were away. Start over from what its replay buffer holds.
-                    if self.view.last_seq is not None:
-                        self.view.resync()
-                    if self.replay_endpoint:
-                        await self._repair(0)
-                    self.connected.set()
+                try:
+                    if catching_up:
+                        start = await asyncio.wait_for(self._work.get(), self.config.replay_timeout_s)
+                    else:
+                        start = await self._work.get()
+                except TimeoutError:
+                    if self.connected.is_set():
+                        await self._repair_paused(0)
+                    continue
+                if start is not None:
+                    await self._repair_paused(start)
+                    continue
+                # (Re)connected: the publisher may have restarted or batches were lost while we
+                # were away. Start over from what its replay buffer holds.
+                if self.view.last_seq is not None:
+                    self.view.resync()
+                if self.replay_endpoint:
+                    await self._repair_paused(0)
+                self.connected.set()
         finally:
+            self._pause()
+            loop.remove_reader(monitor_fd)
+            self._plain = None
             sub.disable_monitor()
             monitor.close(0)
             sub.close()
 
-    async def _drain(self, plain: zmq.Socket[bytes]) -> None:
-        """Apply every batch queued on the SUB socket, through ``plain``, a blocking-API view of it.
+    def _pause(self) -> None:
+        if self._reading and self._plain is not None:
+            asyncio.get_running_loop().remove_reader(self._plain.fileno())
+            self._reading = False
 
-        The asyncio socket wraps each receive in a future (~tens of us): at thousands of batches a
-        second that was most of the ingestion cost. The poller has said the socket is readable, so
-        non-blocking receives on the plain socket read what is queued; every ``DRAIN_BATCHES`` the
-        loop is given a turn, so a flood from one worker never stalls decisions or other streams.
-        """
-        applied = 0
+    def _resume(self) -> None:
+        if not self._reading and self._plain is not None:
+            loop = asyncio.get_running_loop()
+            loop.add_reader(self._plain.fileno(), self._drain)
+            self._reading = True
+            loop.call_soon(self._drain)  # batches that arrived while paused signalled no new edge
+
+    async def _repair_paused(self, start: int) -> None:
+        """A replay from ``start`` with the live stream held back, then reading resumes."""
+        self._pause()
+        try:
+            await self._repair(start)
+        finally:
+            self._resume()
+
+    def _on_monitor(self, plain_monitor: zmq.Socket[bytes]) -> None:
+        """The monitor socket is readable: each connect event goes to ``run``."""
         while True:
+            try:
+                plain_monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed under us on shutdown
+                return
+            self._drain()  # everything queued from the old connection first, then the reconnect
+            self._work.put_nowait(None)
+
+    def _drain(self) -> None:
+        """Apply every batch queued on the SUB socket (the reader callback; non-blocking receives).
+
+        Every ``DRAIN_BATCHES`` the loop is given a turn, so a flood from one worker never stalls
+        decisions or other streams. A gap pauses reading and hands the replay to ``run``.
+        """
+        plain = self._plain
+        if not self._reading or plain is None:
+            return
+        for _ in range(DRAIN_BATCHES):
             try:
                 frames = plain.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            except zmq.ZMQError:  # closed under us on shutdown
+                return
             if len(frames) < 2:
                 continue
-            seq, payload = decode_seq(frames[-2]), frames[-1]
-            start = self.view.ingest(seq, payload)
+            try:
+                start = self.view.ingest(decode_seq(frames[-2]), frames[-1])
+            except Exception:  # a bug, not bad input (that is a decode error, handled by the view)
+                log.exception("worker %s: applying a KV-event batch failed; resyncing", self.view.worker_id)
+                self.view.resync()
+                continue
             if start is not None:
-                await self._repair(start)
-            applied += 1
-            if applied % DRAIN_BATCHES == 0:
-                await asyncio.sleep(0)
+                self._pause()
+                self._work.put_nowait(start)
+                return
+        asyncio.get_running_loop().call_soon(self._drain)
 
     async def _repair(self, start: int) -> None:
         entries = None
