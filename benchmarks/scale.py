@@ -2,6 +2,7 @@
 
     python -m benchmarks.scale                         # 16, 64, 256 workers; ~10 min on 2 cores
     python -m benchmarks.scale --fleets 16,256 --samples 10 --event-blocks 200000
+    python -m benchmarks.scale --parts ingestion --fleets 16,256 --full-cache --paced-rate 1600
 
 Prints, per fleet size (figures, not a test):
 
@@ -17,6 +18,9 @@ Prints, per fleet size (figures, not a test):
   router's process (the figure a shared machine does not move), and whether the index then holds
   exactly the blocks stored and not removed (``exact``), with the process's resident-memory growth
   per million blocks stored (index entries plus the engine-hash maps of the event streams);
+- **paced ingestion** (with ``--paced-rate N``): the same streams sent on a schedule of N blocks a
+  second per publisher (1600: a busy worker, docs/benchmarks.md), as a busy fleet sends them: the
+  rate the router applies, its CPU per wall second, and the publish-to-apply lag of its batches;
 - **memory per worker**: what the router holds per worker that is not a cache block (registry entry,
   load report, cost model, index slot), measured with ``tracemalloc``, and the index entries per
   million blocks; with the default 256 MiB budget, how many blocks that leaves per worker;
