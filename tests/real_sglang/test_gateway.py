@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import zmq
 
+from extproc.policies.prefix_aware import PrefixAwareOptions
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import envoy_host_healthy, post, request, stream_lines
 from tests.support.real_sglang import restart_cpu_worker
@@ -383,6 +384,11 @@ def test_a_restarted_worker_is_reset_and_relearned(stack: GatewayStack, sglang_c
     # Re-learned: a new prompt sent there is in the index again, and the gateway routes to it.
     post(target.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
     wait_until(lambda: index_blocks(stack, target) >= pages, what="re-learned entries")
+    # Those direct requests kept the new process busy (cold kernels: seconds), and the router prices a second of
+    # prefill on a recently busy worker by its measured utilisation (a moving average over
+    # ``utilization_window_s``): right after them it may rightly spill the prompt to the idle worker (one CI run
+    # did: 'prefix-spill'). Two windows of idleness let that average fall back, as it would between real bursts.
+    time.sleep(2 * PrefixAwareOptions().utilization_window_s)
     before = decision_counts(stack)
     reply = post(stack.url + "/generate", {"model": MODEL, "input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
     why = {k: v - before.get(k, 0.0) for k, v in decision_counts(stack).items() if v != before.get(k, 0.0)}
