@@ -159,9 +159,7 @@ class EventSubscriber:
         while True:
             try:
                 plain_monitor.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # closed under us on shutdown
+            except zmq.ZMQError:  # zmq.Again: nothing more queued (or the socket closed under us on shutdown)
                 return
             self._drain()  # everything queued from the old connection first, then the reconnect
             self._work.put_nowait(None)
@@ -178,9 +176,7 @@ class EventSubscriber:
         for _ in range(DRAIN_BATCHES):
             try:
                 frames = plain.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:  # closed under us on shutdown
+            except zmq.ZMQError:  # zmq.Again: the socket is empty (or it closed under us on shutdown)
                 return
             if len(frames) < 2:
                 continue
