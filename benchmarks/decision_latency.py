@@ -29,6 +29,7 @@ import random
 import statistics
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +64,14 @@ def _document(rng: random.Random, vocab: list[str], tokens: int) -> str:
     return "\n\n".join(paragraphs)
 
 
+def _nearest_rank(ordered: Sequence[float], quantile: float) -> float:
+    """The nearest-rank quantile of sorted values (the figure every table of this module reports)."""
+    return ordered[min(len(ordered) - 1, round(quantile * (len(ordered) - 1)))]
+
+
 def _percentiles(values: list[float]) -> tuple[float, float]:
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return statistics.median(ordered) * 1000, p99 * 1000
+    return statistics.median(ordered) * 1000, _nearest_rank(ordered, 0.99) * 1000
 
 
 def decision_latency(
@@ -231,8 +236,7 @@ class Ingestion:
         """A quantile of the applied batches' publish-to-apply lag, in ms (0 without samples)."""
         if not self.lags_s:
             return 0.0
-        ordered = sorted(self.lags_s)
-        return ordered[min(len(ordered) - 1, round(quantile * (len(ordered) - 1)))] * 1000
+        return _nearest_rank(sorted(self.lags_s), quantile) * 1000
 
 
 async def event_ingestion(

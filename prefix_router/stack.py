@@ -44,6 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import envoy_config
 from extproc.addresses import LOOPBACK, free_port, split_host_port
 from extproc.envoy_config import GatewaySpec
+from sglang_workers.process import reports_port_in_use
 
 __all__ = ["CrashLoopError", "GatewayStack", "StackError", "find_envoy"]
 
@@ -614,7 +615,7 @@ class GatewayStack:
         deadline = time.monotonic() + self.startup_timeout_s
         while not await ready():
             if child.process.poll() is not None:
-                if "in use" in child.tail().lower():
+                if reports_port_in_use(child.tail()):
                     raise _PortTakenError(what)
                 raise StackError(f"{what} exited with status {child.process.returncode}:\n{child.tail()}")
             if time.monotonic() > deadline:

@@ -191,7 +191,7 @@ class WorkerProcess:
                 self.stop()
                 raise WorkerStartError(
                     f"{self.engine} worker exited with status {self.process.returncode} while starting:\n{log[-3000:]}",
-                    port_lost=_reports_port_in_use(log),
+                    port_lost=reports_port_in_use(log),
                 )
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
@@ -206,7 +206,7 @@ class WorkerProcess:
         log = self.log()
         self.stop()
         raise WorkerStartError(
-            f"{self.engine} worker not ready after {limit:.0f}s:\n{log[-3000:]}", port_lost=_reports_port_in_use(log)
+            f"{self.engine} worker not ready after {limit:.0f}s:\n{log[-3000:]}", port_lost=reports_port_in_use(log)
         )
 
     def _grpc_listening(self) -> bool:
@@ -264,7 +264,7 @@ class WorkerProcess:
         self.stop()
 
 
-def _reports_port_in_use(log: str) -> bool:
+def reports_port_in_use(log: str) -> bool:
     """The log says a bind failed on a taken port (uvicorn, ZMQ and gRPC each word it their own way)."""
     text = log.lower()
     return "address already in use" in text or "errno 98" in text or "is in use" in text

@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from prefix_router import fleet
-from sglang_workers.process import WorkerProcess, WorkerStartError, _reports_port_in_use
+from sglang_workers.process import WorkerProcess, WorkerStartError, reports_port_in_use
 from sglang_workers.sim import launch
 
 
@@ -27,7 +27,7 @@ from sglang_workers.sim import launch
     ],
 )
 def test_reports_port_in_use(log: str, lost: bool) -> None:
-    assert _reports_port_in_use(log) is lost
+    assert reports_port_in_use(log) is lost
 
 
 def test_worker_that_lost_its_port_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
