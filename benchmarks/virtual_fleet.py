@@ -208,6 +208,7 @@ async def _run(
             model="default",
             messages=request.messages,
             headers={"x-session-id": request.session or ""},
+            max_new_tokens=request.max_tokens,
         )
         sent = loop.time()
         tokens = prompts[request.index]

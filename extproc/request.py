@@ -56,6 +56,7 @@ class ParsedRequest:
     input_ids: list[int] | None = None  # token ids given by the client
     max_token_id: int | None = None  # the largest id of every prompt in the body (all batch items)
     stream: bool = False
+    max_new_tokens: int | None = None  # the output the client allows (None: the body names none)
     lora: str | None = None
     cache_salt: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # lower-cased request headers
@@ -147,6 +148,25 @@ def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
         raise RequestError(400, "'text' must be a string", param="text")
 
 
+def _max_new_tokens(data: dict[str, Any], kind: RequestKind) -> int | None:
+    """The output limit the body gives (OpenAI's names, or SGLang's ``sampling_params.max_new_tokens``).
+
+    Only read, never checked: the worker answers a bad value itself. The router counts it as KV room the
+    request may fill (``InFlightBook``).
+    """
+    names: tuple[str, ...]
+    if kind == "generate":
+        params = data.get("sampling_params")
+        names, source = ("max_new_tokens",), params if isinstance(params, dict) else {}
+    else:
+        names, source = ("max_completion_tokens", "max_tokens"), data
+    for name in names:
+        value = source.get(name)
+        if type(value) is int and value >= 0:
+            return value
+    return None
+
+
 _PARSERS = {"chat": _parse_chat, "completion": _parse_completion, "generate": _parse_generate}
 
 
@@ -176,6 +196,7 @@ def parse_request(
     _PARSERS[kind](data, parsed)
     parsed.model = _optional_str(data, "model")
     parsed.stream = data.get("stream") is True
+    parsed.max_new_tokens = _max_new_tokens(data, kind)
     parsed.lora = _optional_str(data, "lora_path") or _optional_str(data, "lora")
     parsed.cache_salt = _optional_str(data, "cache_salt")
     return parsed

@@ -437,6 +437,7 @@ class Router:
             headers=parsed.headers,
             lora=parsed.lora,
             cache_salt=parsed.cache_salt,
+            max_new_tokens=parsed.max_new_tokens,
         )
         decision = policy.select(request, candidates)
         chosen = decision.ranked[0]

@@ -48,6 +48,7 @@ class RoutingRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     lora: str | None = None
     cache_salt: str | None = None
+    max_new_tokens: int | None = None  # the body's output limit (None: not given)
 
     @property
     def prompt_tokens(self) -> int:

@@ -31,6 +31,34 @@ def test_chat() -> None:
 
 
 @pytest.mark.parametrize(
+    ("kind", "body", "limit"),
+    [
+        ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}', 32),
+        (
+            "chat",
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8, "max_tokens": 32}',
+            8,
+        ),  # the newer name wins
+        ("chat", b'{"messages": [{"role": "user", "content": "hi"}]}', None),
+        (
+            "chat",
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "32"}',
+            None,
+        ),  # not ours to refuse: the worker answers it
+        ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}', None),
+        ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', None),
+        ("completion", b'{"prompt": "a", "max_tokens": 16}', 16),
+        ("generate", b'{"text": "a", "sampling_params": {"max_new_tokens": 64}}', 64),
+        ("generate", b'{"text": "a", "max_tokens": 64}', None),  # /generate reads sampling_params only
+        ("generate", b'{"text": "a", "sampling_params": 3}', None),
+    ],
+)
+def test_the_output_limit_is_read_where_each_api_puts_it(kind: str, body: bytes, limit: int | None) -> None:
+    path = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "generate": "/generate"}[kind]
+    assert parse_request(kind, path, body).max_new_tokens == limit  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     ("body", "text", "ids"),
     [
         (b'{"prompt": "hello"}', "hello", None),

@@ -3,8 +3,14 @@
 Load reports arrive every half second; a burst routed in between is invisible to them. The router
 itself knows every request it sent and when its stream ended, so per worker it keeps:
 
-- the KV tokens its open requests hold (their uncached tokens, plus their longest shared prefix once:
-  requests that share a prefix share its pages), and
+- the KV tokens its open requests hold: their prompts' pages, each page once however many open requests
+  share it (a worker's radix cache stores a shared prefix once), plus their output: what each has
+  written (the share of a residence it has been open, times its ``max_tokens`` clipped as SGLang clips
+  its estimate) and what SGLang reserves for the rest (``_RESERVE_RATIO`` of it). A request is admitted
+  when its new tokens and its whole clipped output fit beside that. Outputs count because a worker
+  running many short prompts on a few hot prefixes fills its pool with decodes (virtual fleet, 4
+  workers, hot-burst, 0.5 x knee, seed 1: 150 requests running on the hot prefixes' holder, the next
+  ones waited 0.8 s for room while the prompts alone were predicted to fit), and
 - how long a request stays there (route to end of stream, exponentially averaged): its residence.
 
 A worker's KV pool bounds how many requests it runs at once. A request whose tokens do not fit waits
@@ -16,12 +22,16 @@ prefill-queue figure shows it: on a memory-bound worker the queue waits for memo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["InFlightBook"]
 
 _RESIDENCE_SMOOTHING = 0.1  # weight of each finished request in the residence average
-_FORGET_AFTER_S = 900.0  # a booking never released this long (its stream's end was lost) no longer counts
+_FORGET_AFTER_S = 900.0
+# SGLang (0.5.23) reserves a running request's remaining output times ``new_token_ratio``, which decays to
+# ``min_new_token_ratio`` (0.1 at the default schedule conservativeness) while nothing is retracted.
+_RESERVE_RATIO = 0.1  # a booking never released this long (its stream's end was lost) no longer counts
 
 
 @dataclass
@@ -29,17 +39,65 @@ class _Open:
     new: float
     cached: float
     at: float
+    keys: Sequence[int] = ()  # its prompt's full blocks (pages shared with other open requests count once)
+    tail: float = 0.0  # its prompt tokens past the last full block
+    output: float = 0.0  # the output it may write (its clipped max_tokens)
 
 
 @dataclass
 class _WorkerBook:
     open: dict[int, _Open] = field(default_factory=dict)  # id of the RoutingRequest -> what it holds
     residence_s: float | None = None  # mean route-to-finish time (None: nothing finished yet)
+    pages: dict[int, int] = field(default_factory=dict)  # block key -> open requests holding it
+    block_size: int = 16
+    # Tokens outside ``pages``: prompt tails and the new tokens of requests booked without keys (whose
+    # cached prefixes are taken as one shared prefix, the longest).
+    unpaged: float = 0.0
+    outputs: float = 0.0  # the open requests' outputs, in full
 
-    def held_tokens(self) -> float:
+    def hold(self, entry: _Open) -> None:
+        self.outputs += entry.output
+        if not entry.keys:
+            self.unpaged += entry.new + entry.tail
+            return
+        pages = self.pages
+        for key in entry.keys:
+            pages[key] = pages.get(key, 0) + 1
+        self.unpaged += entry.tail
+
+    def let_go(self, entry: _Open) -> None:
+        self.outputs -= entry.output
+        if not entry.keys:
+            self.unpaged -= entry.new + entry.tail
+            return
+        pages = self.pages
+        for key in entry.keys:
+            count = pages.get(key, 0) - 1
+            if count > 0:
+                pages[key] = count
+            else:
+                pages.pop(key, None)
+        self.unpaged -= entry.tail
+
+    def held_tokens(self, now: float | None = None) -> float:
+        """Prompt pages, plus each open request's output: what it has written and SGLang's reserve for the rest.
+
+        Written is taken as the share of a residence it has been open (``now``; all of it without a
+        clock or a residence); the rest is reserved at SGLang's floor ratio, where its estimate settles.
+        """
         if not self.open:
             return 0.0
-        return sum(o.new for o in self.open.values()) + max(o.cached for o in self.open.values())
+        unkeyed = max((o.cached for o in self.open.values() if not o.keys), default=0.0)
+        prompts = len(self.pages) * self.block_size + max(self.unpaged, 0.0) + unkeyed
+        residence = self.residence_s
+        if now is None or not residence or self.outputs <= 0:
+            return prompts + max(self.outputs, 0.0)
+        outputs = 0.0
+        for o in self.open.values():
+            if o.output:
+                written = min(1.0, max(0.0, now - o.at) / residence)
+                outputs += o.output * (written + (1.0 - written) * _RESERVE_RATIO)
+        return prompts + outputs
 
 
 class InFlightBook:
@@ -48,13 +106,30 @@ class InFlightBook:
     def __init__(self) -> None:
         self._workers: dict[str, _WorkerBook] = {}
 
-    def booked(self, worker_id: str, request_id: int, new_tokens: float, cached_tokens: float, now: float) -> None:
+    def booked(
+        self,
+        worker_id: str,
+        request_id: int,
+        new_tokens: float,
+        cached_tokens: float,
+        now: float,
+        keys: Sequence[int] = (),
+        block_size: int = 16,
+        output_tokens: float = 0.0,
+    ) -> None:
         book = self._workers.setdefault(worker_id, _WorkerBook())
+        book.block_size = block_size
         if book.open:
             oldest = next(iter(book.open))  # dicts keep insertion order: the oldest booking first
             if now - book.open[oldest].at > _FORGET_AFTER_S:
-                del book.open[oldest]
-        book.open[request_id] = _Open(new_tokens, cached_tokens, now)
+                book.let_go(book.open.pop(oldest))
+        tail = max(0.0, new_tokens + cached_tokens - len(keys) * block_size) if keys else 0.0
+        entry = _Open(new_tokens, cached_tokens, now, keys, tail, output_tokens)
+        previous = book.open.pop(request_id, None)
+        if previous is not None:
+            book.let_go(previous)
+        book.open[request_id] = entry
+        book.hold(entry)
 
     def released(self, worker_id: str, request_id: int, now: float) -> None:
         book = self._workers.get(worker_id)
@@ -63,6 +138,7 @@ class InFlightBook:
         entry = book.open.pop(request_id, None)
         if entry is None:
             return
+        book.let_go(entry)
         stay = max(0.0, now - entry.at)
         book.residence_s = (
             stay if book.residence_s is None else book.residence_s + _RESIDENCE_SMOOTHING * (stay - book.residence_s)
@@ -75,12 +151,24 @@ class InFlightBook:
         book = self._workers.get(worker_id)
         return book.residence_s if book is not None else None
 
-    def held_tokens(self, worker_id: str) -> float:
+    def held_tokens(self, worker_id: str, now: float | None = None) -> float:
+        """KV tokens the router's open requests hold on the worker (outputs in full without ``now``)."""
         book = self._workers.get(worker_id)
-        return book.held_tokens() if book is not None else 0.0
+        return book.held_tokens(now) if book is not None else 0.0
 
-    def memory_wait_s(self, worker_id: str, new_tokens: float, cached_tokens: float, capacity: int | None) -> float:
-        """Seconds a request of these tokens would wait for KV room on the worker (0: it fits now)."""
+    def memory_wait_s(
+        self,
+        worker_id: str,
+        new_tokens: float,
+        cached_tokens: float,
+        capacity: int | None,
+        output_tokens: float = 0.0,
+        now: float | None = None,
+    ) -> float:
+        """Seconds a request of these tokens would wait for KV room on the worker (0: it fits now).
+
+        SGLang admits a request when its new tokens and its whole (clipped) output fit.
+        """
         book = self._workers.get(worker_id)
         if book is None or not book.open or not capacity:
             return 0.0
@@ -89,9 +177,10 @@ class InFlightBook:
             residence = self._fleet_residence()
             if residence is None:
                 return 0.0
-        held = book.held_tokens()
+        held = book.held_tokens(now)
         shared = max(o.cached for o in book.open.values())
-        need = new_tokens + max(0.0, cached_tokens - shared)  # a prefix open requests hold is locked already
+        # A prefix open requests hold is locked already.
+        need = new_tokens + output_tokens + max(0.0, cached_tokens - shared)
         excess = held + need - capacity
         if excess <= 0:
             return 0.0

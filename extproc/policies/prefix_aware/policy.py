@@ -66,6 +66,10 @@ from extproc.sync.workers import Worker
 
 __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
 
+# SGLang (0.5.23) estimates a request's output as at most this many tokens when it reserves KV room for it
+# (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION).
+_OUTPUT_CLIP = 4096
+
 
 class PrefixAwareOptions(PolicyOptions):
     """Constants of the ``prefix-aware`` policy.
@@ -281,7 +285,8 @@ class PrefixAwarePolicy(Policy):
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
         reuse = min(self.fleet_reuse(), 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
-        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity)
+        output = min(request.max_new_tokens, _OUTPUT_CLIP) if request.max_new_tokens is not None else 0
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
@@ -411,7 +416,8 @@ class PrefixAwarePolicy(Policy):
         before = model.reuse
         model.sent(new, cached, now)
         self._reuse_sum += model.reuse - before
-        self.book.booked(worker.id, id(request), new, cached, now)
+        output = min(request.max_new_tokens, _OUTPUT_CLIP) if request.max_new_tokens is not None else 0
+        self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size, output)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
