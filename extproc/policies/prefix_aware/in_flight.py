@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 __all__ = ["InFlightBook"]
 
 _RESIDENCE_SMOOTHING = 0.1  # weight of each finished request in the residence average
-_FORGET_AFTER_S = 900.0
-# SGLang (0.5.23) reserves a running request's remaining output times ``new_token_ratio``, which decays to
-# ``min_new_token_ratio`` (0.1 at the default schedule conservativeness) while nothing is retracted.
-_RESERVE_RATIO = 0.1  # a booking never released this long (its stream's end was lost) no longer counts
+_FORGET_AFTER_S = 900.0  # a booking never released this long (its stream's end was lost) no longer counts
+# SGLang (0.5.23) reserves a running request's remaining output times ``new_token_ratio``, which decays while
+# nothing is retracted to its floor, 0.7 x 0.14 (about 0.1) at the default schedule conservativeness.
+_RESERVE_RATIO = 0.1
 
 
 @dataclass
