@@ -71,6 +71,12 @@ __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
 _OUTPUT_CLIP = 4096
 
 
+def _output_of(request: RoutingRequest) -> int:
+    """The output a request may write, as SGLang estimates it when it reserves KV room (0: none named)."""
+    limit = request.max_new_tokens
+    return min(limit, _OUTPUT_CLIP) if limit is not None else 0
+
+
 class PrefixAwareOptions(PolicyOptions):
     """Constants of the ``prefix-aware`` policy.
 
@@ -285,7 +291,7 @@ class PrefixAwarePolicy(Policy):
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
         reuse = min(self.fleet_reuse(), 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
-        output = min(request.max_new_tokens, _OUTPUT_CLIP) if request.max_new_tokens is not None else 0
+        output = _output_of(request)
         memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
@@ -416,7 +422,7 @@ class PrefixAwarePolicy(Policy):
         before = model.reuse
         model.sent(new, cached, now)
         self._reuse_sum += model.reuse - before
-        output = min(request.max_new_tokens, _OUTPUT_CLIP) if request.max_new_tokens is not None else 0
+        output = _output_of(request)
         self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size, output)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
 
