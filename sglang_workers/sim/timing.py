@@ -1,7 +1,8 @@
 """How long a simulated step takes on real hardware: named profiles of a two-part timing model.
 
 The model is the one simulators such as DistServe's and Dynamo's mocker use, which matches the
-published H100/H200 figures collected in ``docs/sim-worker.md``:
+published H100/H200 figures collected in ``docs/sim-worker.md`` and what ``benchmarks/gpu_timing.py``
+measured on an H200 (the ``llama-3.1-8b-h200`` profile is that measurement):
 
 * a prefill batch whose requests compute ``L`` new tokens each on ``P`` cached ones takes
   ``c0 + sum(a*L + b*(L*L + 2*P*L))``: a linear part (weights: 2 x params FLOPs per token) and an
@@ -127,15 +128,19 @@ PROFILES: dict[str, TimingProfile] = {
             graph_gb=0.5,
             **_LLAMA_8B_PCIE5,
         ),
+        # Measured on an H200 (benchmarks/data/gpu-timing-h200-run*.json, benchmarks/gpu_timing.py,
+        # 2026-12-04): a, d0, d1, d2 are the fitted GPU times; c0 is the eager (launch-bound) floor
+        # measured there (15.3 ms; 5.8 ms of it GPU time), as SGLang launches prefill eagerly; b stays
+        # FlashAttention-3's, which SGLang runs on Hopper: PyTorch's FlashAttention-2 measured 0.91 ns.
         TimingProfile(
             "llama-3.1-8b-h200",
             "Llama-3.1-8B BF16 on 1x H200 141GB",
             c0=0.015,
-            a=22e-6,
+            a=23.4e-6,
             b=0.50e-9,
-            d0=0.006,
-            d1=0.05e-3,
-            d2=34e-9,
+            d0=0.0063,
+            d1=0.019e-3,
+            d2=37.6e-9,
             kv_pool_tokens=915_000,
             gpu_name="NVIDIA H200",
             weight_gb=14.96,
