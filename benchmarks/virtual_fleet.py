@@ -197,6 +197,8 @@ async def _run(
             for worker in workers:
                 load = parse_loads({"loads": [schedulers[worker.id].load()]})
                 if load is not None:
+                    # What the router reads from the worker's /metrics beside /v1/loads (parse_prefill_passes).
+                    load.total_prefill_batches = schedulers[worker.id].stats.prefill_batches
                     router.loads.set(worker, load)
             await asyncio.sleep(poll_interval_s)
 

@@ -256,6 +256,16 @@ class LoadConfig(Section):
 
     poll_interval_s: float = Field(0.5, description="How often /v1/loads (or /metrics) is polled per worker.")
     timeout_s: float = Field(1.0, description="HTTP timeout of one load poll.")
+    read_prefill_batches: bool = Field(
+        True,
+        description=(
+            "With each /v1/loads poll, also read the worker's count of prefill batches from /metrics "
+            "(SGLang's sglang:cuda_graph_passes_total, prefill modes; needs --enable-metrics). The prefix-aware "
+            "policy then learns its prefill floor per batch, as the GPU pays it, instead of per request (a worker "
+            "that batched a burst would otherwise look faster per token than it is). A worker whose /metrics has "
+            "no usable count three polls in a row is not asked again for five minutes."
+        ),
+    )
     tier_poll_interval_s: float = Field(
         2.0,
         ge=0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from extproc.config import LoadConfig
 from extproc.sync.http import Poller, WorkerHttp
 from extproc.sync.workers import Worker, WorkerRegistry
 
-__all__ = ["LoadTracker", "WorkerLoad", "parse_loads", "parse_metrics"]
+__all__ = ["LoadTracker", "WorkerLoad", "parse_loads", "parse_metrics", "parse_prefill_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class WorkerLoad:
     # Cumulative since the worker started: uncached tokens prefilled, and time spent in prefill steps.
     total_prefill_uncached_tokens: int | None = None
     total_prefill_busy_us: int | None = None
+    # Cumulative prefill batches (forward passes) from /metrics (``parse_prefill_passes``), read beside /v1/loads.
+    total_prefill_batches: int | None = None
     # Cumulative decode-step moments: (steps, sum batch, sum step_us, sum batch^2, sum batch*step_us).
     decode_moments: tuple[float, ...] | None = None
     # The rest of what 0.5.23 reports (None: not reported), so that nothing it says is lost on the way.
@@ -188,6 +191,46 @@ def parse_metrics(text: str) -> WorkerLoad | None:
     )
 
 
+_PASSES_SAMPLE = "sglang:cuda_graph_passes_total{"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_PASSES_GIVE_UP = 3  # polls in a row without a usable count: the worker does not export it ...
+_PASSES_RETRY_S = 300.0  # ... so it is not asked again for this long
+
+
+def parse_prefill_passes(text: str) -> dict[str, int]:
+    """How many prefill batches a worker has run since it started, per DP rank, from its ``/metrics`` page.
+
+    SGLang 0.5.23 counts every prefill batch's forward pass in ``sglang:cuda_graph_passes_total``
+    with ``mode="prefill_cuda_graph"`` or ``"prefill_none"`` (``observability/metrics_collector.py``,
+    ``metrics_reporter.report_prefill_stats``), one series per reporting scheduler, labelled
+    ``dp_rank`` where there are DP ranks. Under ``--enable-metrics-for-all-schedulers`` every TP rank
+    of a DP rank reports the same batches, so a rank's count is its largest series. Keyed by the
+    ``dp_rank`` label ("" where there is none); empty: no such series (an older release, metrics off).
+    Only the sample lines of that one family are read.
+    """
+    series: dict[tuple[tuple[str, str], ...], float] = {}
+    start = 0
+    while (at := text.find(_PASSES_SAMPLE, start)) >= 0:
+        end = text.find("\n", at)
+        end = len(text) if end < 0 else end
+        start = end
+        labels_text, _, tail = text[at + len(_PASSES_SAMPLE) : end].rpartition("}")
+        labels = dict(_LABEL.findall(labels_text))
+        if not labels.get("mode", "").startswith("prefill"):
+            continue
+        try:
+            value = float(tail.split()[0])
+        except (ValueError, IndexError):
+            continue
+        key = tuple(sorted((k, v) for k, v in labels.items() if k != "mode"))
+        series[key] = series.get(key, 0.0) + value
+    per_rank: dict[str, float] = {}
+    for key, value in series.items():
+        rank = dict(key).get("dp_rank", "")
+        per_rank[rank] = max(per_rank.get(rank, 0.0), value)
+    return {rank: int(value) for rank, value in per_rank.items()}
+
+
 def _refused(exc: BaseException) -> bool:
     """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
     return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
@@ -207,6 +250,8 @@ class LoadTracker:
         self.listeners: list[Callable[[Worker, WorkerLoad], None]] = []
         self._loads: dict[str, tuple[float, WorkerLoad]] = {}
         self._path: dict[str, str] = {}
+        self._passes_misses: dict[str, int] = {}  # polls in a row without a usable prefill-batch count
+        self._passes_retry_at: dict[str, float] = {}  # not asked for the count again before then
         self._poller = Poller("load-poller", config.poll_interval_s, self.poll_once)
 
     def get(self, worker: Worker) -> WorkerLoad | None:
@@ -240,6 +285,45 @@ class LoadTracker:
 
     async def _poll(self, worker: Worker) -> None:
         known = self._path.get(worker.id)
+        # A worker that reports its prefill counters (/v1/loads) is also asked, at the same moment, how many
+        # prefill batches it has run, so the two snapshots bound the same window.
+        if known == _LOAD_PATHS[0] and self.config.read_prefill_batches and self._asks_passes(worker):
+            load, passes = await asyncio.gather(self._fetch_load(worker, known), self._fetch_prefill_passes(worker))
+            # Every DP rank the load sums must have its count (else batches and busy time would not match).
+            if load is not None and passes and len(passes) == max(load.ranks, 1):
+                load.total_prefill_batches = sum(passes.values())
+                self._passes_misses[worker.id] = 0
+            elif load is not None:
+                misses = self._passes_misses.get(worker.id, 0) + 1
+                self._passes_misses[worker.id] = misses
+                if misses >= _PASSES_GIVE_UP:
+                    self._passes_retry_at[worker.id] = self.clock() + _PASSES_RETRY_S
+        else:
+            load = await self._fetch_load(worker, known)
+        if load is not None:
+            self.set(worker, load)
+
+    def _asks_passes(self, worker: Worker) -> bool:
+        retry_at = self._passes_retry_at.get(worker.id)
+        if retry_at is None:
+            return True
+        if self.clock() < retry_at:
+            return False
+        del self._passes_retry_at[worker.id]  # try again (metrics switched on, a new release)
+        self._passes_misses[worker.id] = 0
+        return True
+
+    async def _fetch_prefill_passes(self, worker: Worker) -> dict[str, int]:
+        passes: dict[str, int] = {}
+        try:
+            async with self.http.get(worker.url + "/metrics", self.config.timeout_s) as resp:
+                if resp.status == 200:
+                    passes = parse_prefill_passes(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass  # down or slow: the load poll says which; this window goes without the count
+        return passes
+
+    async def _fetch_load(self, worker: Worker, known: str | None) -> WorkerLoad | None:
         for path in (known,) if known else _LOAD_PATHS:
             try:
                 async with self.http.get(worker.url + path, self.config.timeout_s) as resp:
@@ -254,12 +338,12 @@ class LoadTracker:
                     # Nothing listens there any more: stop choosing it now rather than at the next
                     # failed /health (the health checker brings it back once it answers again).
                     self.registry.mark_unreachable(worker, "connection refused")
-                    return
+                    return None
                 if known:
-                    return  # worker down: health checks handle that; keep the path
+                    return None  # worker down: health checks handle that; keep the path
                 continue
             if load is not None:
                 self._path[worker.id] = path
-                self.set(worker, load)
-                return
+                return load
         self._path.pop(worker.id, None)
+        return None

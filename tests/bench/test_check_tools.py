@@ -1,9 +1,10 @@
-"""Benchmark check tools: replicas' view drift from real /metrics text, and the decision digest."""
+"""Benchmark check tools: replicas' view drift from real /metrics text, the decision digest, the poll cost."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from benchmarks.replica_drift import drift, gpu_blocks
@@ -49,3 +50,13 @@ def test_the_decision_digest_is_reproducible_and_sees_a_changed_decision() -> No
     assert decision_digest.digest(64, 40) == decision_digest.digest(64, 40)  # what makes two commits comparable
     # Scoring all 256 workers instead of the shortlist of 16 decides differently, and the digest says so.
     assert decision_digest.digest(256, 40) != decision_digest.digest(256, 40, max_candidates=1_000_000)
+
+
+def test_the_poll_cost_tool_times_both_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import poll_cost
+
+    assert poll_cost.main(["--workers", "1", "--polls", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("/v1/loads only: ") and "(prefill batches)" in lines[1]
+    with pytest.raises(SystemExit):
+        poll_cost.main(["--polls", "0"])

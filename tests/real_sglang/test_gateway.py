@@ -282,7 +282,8 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
         tracker = LoadTracker(LoadConfig(), WorkerRegistry([router_view]), http)
         await tracker.start()
         try:
-            await tracker.poll_once()
+            await tracker.poll_once()  # finds /v1/loads
+            await tracker.poll_once()  # reads the prefill-batch count from /metrics beside it
             first = tracker.get(router_view)
             ids = list(range(5000, 5000 + 20 * PAGE + 1))
             await asyncio.to_thread(
@@ -307,6 +308,9 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
     tokens = after.total_prefill_uncached_tokens - before.total_prefill_uncached_tokens
     busy_us = after.total_prefill_busy_us - before.total_prefill_busy_us
     assert tokens >= 20 * PAGE and busy_us > 0
+    # ... and so did the prefill batches, read from /metrics beside it (sglang:cuda_graph_passes_total).
+    assert after.total_prefill_batches is not None and before.total_prefill_batches is not None
+    assert after.total_prefill_batches - before.total_prefill_batches >= 1
 
 
 def test_streaming_passes_through_unbuffered(stack: GatewayStack) -> None:

@@ -216,3 +216,107 @@ def test_a_replica_does_not_fit_windows_of_work_another_replica_sent() -> None:
     assert theirs.windows > 50  # the replica that sent most of the work still learns (its windows hold a few
     # of the other's hits, guessed: within 30%)
     assert theirs.prefill.seconds(*cold) == pytest.approx(truth.seconds(*cold), rel=0.30)
+
+
+@dataclass
+class BatchingWorker:
+    """SGLang's continuous batching: what waits when a prefill batch ends is admitted as the next batch.
+
+    A batch takes ``c0 + sum(a*L + b*(L^2 + 2*P*L))``: the floor once per batch, as the GPU pays it
+    (docs/sim-worker.md: eight 64-token requests in one forward take 18 ms on an H200, one takes 7).
+    ``counts``: the report carries the worker's prefill-batch count (SGLang's /metrics), or not.
+    """
+
+    truth: PrefillModel
+    counts: bool = True
+    running: list[tuple[int, int]] = field(default_factory=list)
+    waiting: list[tuple[int, int]] = field(default_factory=list)
+    batch_end: float = 0.0
+    busy_s: float = 0.0
+    tokens: int = 0
+    batches: int = 0
+
+    def _duration(self, batch: list[tuple[int, int]]) -> float:
+        t = self.truth
+        return t.c0 + sum(t.a * n + t.b * (n * n + 2 * p * n) for n, p in batch)
+
+    def advance(self, now: float) -> None:
+        while self.running and self.batch_end <= now:
+            self.busy_s += self._duration(self.running)
+            self.tokens += sum(n for n, _ in self.running)
+            self.batches += 1
+            start, self.running, self.waiting = self.batch_end, self.waiting, []
+            self.batch_end = start + self._duration(self.running)
+
+    def submit(self, now: float, new: int, cached: int) -> None:
+        self.advance(now)
+        if self.running:
+            self.waiting.append((new, cached))
+        else:
+            self.running, self.batch_end = [(new, cached)], now + self._duration([(new, cached)])
+
+    def report(self, now: float) -> WorkerLoad:
+        self.advance(now)
+        return WorkerLoad(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_uncached_tokens=sum(n for n, _ in self.waiting),
+            total_prefill_uncached_tokens=self.tokens,
+            total_prefill_busy_us=int(self.busy_s * 1e6),
+            total_prefill_batches=self.batches if self.counts else None,
+            polled_at=now,
+        )
+
+
+def _drive_bursts(model: WorkerCostModel, worker: BatchingWorker, seconds: float, rng: random.Random) -> None:
+    """Bursts of a few siblings (one cold prompt's followers, hits) between single cold prompts."""
+    now, next_poll = 0.0, 0.5
+    while now < seconds:
+        now += rng.expovariate(6.0)
+        while next_poll <= now:
+            model.observe(worker.report(next_poll))
+            next_poll += 0.5
+        burst = [(2048, 0)] if rng.random() < 0.3 else [(84, 2048)] * rng.randint(2, 8)
+        for i, (new, cached) in enumerate(burst):
+            at = now + 0.002 * i
+            model.sent(new, cached, at)
+            worker.submit(at, new, cached)
+
+
+def test_the_floor_is_learned_per_batch_where_the_worker_counts_its_batches() -> None:
+    """Counted per request, bursts batched together fit a floor that leaves too little per token."""
+    truth = PrefillModel(0.015, 23e-6, 0.52e-9)
+    prior = PrefillModel(0.02, 30e-6, 0.6e-9)
+    per_batch = WorkerCostModel(prior, DECODE_PRIOR)
+    _drive_bursts(per_batch, BatchingWorker(truth), 120.0, random.Random(7))
+    per_request = WorkerCostModel(prior, DECODE_PRIOR)
+    _drive_bursts(per_request, BatchingWorker(truth, counts=False), 120.0, random.Random(7))
+    assert per_batch.floor_per_batch and not per_request.floor_per_batch
+    assert per_batch.windows > 50 and per_request.windows > 50
+    cold, hit = (2048, 0), (84, 2048)
+    for prompt in (cold, hit):
+        assert per_batch.prefill.seconds(*prompt) == pytest.approx(truth.seconds(*prompt), rel=0.05)
+    assert per_batch.prefill.c0 == pytest.approx(truth.c0, rel=0.15)
+    # Per request, the same reports fit a floor of a few ms: a hit alone is predicted at half its time.
+    assert per_request.prefill.c0 < 0.5 * truth.c0
+    assert per_request.prefill.seconds(*hit) < 0.6 * truth.seconds(*hit)
+
+
+def test_a_request_sent_while_a_batch_forms_joins_it_without_a_floor_of_its_own() -> None:
+    truth = PrefillModel(0.015, 23e-6, 0.52e-9)
+    model = WorkerCostModel(truth, DECODE_PRIOR)
+    worker = BatchingWorker(truth)
+    for poll in range(1, 4):  # two windows with the batch count: the floor is now a batch's
+        model.sent(2048, 0, poll - 0.9)
+        worker.submit(poll - 0.9, 2048, 0)
+        model.observe(worker.report(float(poll)))
+    assert model.floor_per_batch
+    model.sent(2048, 0, 4.0)  # runs at once
+    assert not model.joins_forming_batch(4.0)
+    first = model.sent(2048, 0, 4.001)  # waits behind it: opens the next batch, pays its floor
+    assert first == pytest.approx(truth.seconds(2048, 0))
+    assert model.joins_forming_batch(4.002)
+    joined = model.sent(84, 2048, 4.002)  # joins that batch: no floor of its own
+    assert joined == pytest.approx(truth.seconds(84, 2048) - truth.c0)
+    assert model.queued_seconds(4.002) == pytest.approx(2 * truth.seconds(2048, 0) + joined - 0.002, rel=0.01)
+    assert not model.joins_forming_batch(4.0 + truth.seconds(2048, 0) + 0.001)  # that batch has started

@@ -13,11 +13,19 @@ from two sources every time its load report changes:
   it predicted for each. Attributing the reported tokens to those requests first in, first out
   (SGLang's default schedule) gives each window's request count and attention work.
 
-A least-squares fit of ``busy = c0*requests + a*tokens + b*attention`` over those windows, in
+A least-squares fit of ``busy = c0*batches + a*tokens + b*attention`` over those windows, in
 relative errors, forgotten over ``memory_s`` (a worker that gets slower or faster is tracked within
 tens of seconds), regularized toward the priors (a direction the traffic does not excite keeps the
 prior's value) and kept non-negative, gives the constants. It works in units of the prior (each
 constant is the prior times a learned scale), so the three features are of one magnitude.
+
+The floor ``c0`` is paid once per prefill batch (one forward pass, however many requests it holds:
+eight 64-token requests in one batch take 18 ms on an H200, one alone 7 ms; docs/sim-worker.md). A
+worker whose ``/metrics`` counts its prefill batches (``sglang:cuda_graph_passes_total``, read beside
+``/v1/loads``) is fitted on that count; then a request sent while a batch is forming behind the
+running one joins it and is priced without a floor of its own. Without the count, each request is
+counted as a batch of its own: a burst prefilled in fewer batches than requests then fits a floor
+that leaves too little per token (a 2k-token cold prefill predicted at a third of its time).
 
 The same reports give the worker's prefill utilisation (busy time per wall second, averaged over
 ``utilization_window_s``), its decode step time against batch size (from ``decode_moments``, the
@@ -159,6 +167,11 @@ class WorkerCostModel:
         # Until this worker has measured a window it is judged by its fleet's measured mean, for its
         # prefill and its queue alike; once it has, its own constants join that mean.
         self.fleet = fleet
+        # Set once the worker reports its prefill batches: ``c0`` is then a batch's floor (else a request's).
+        self.floor_per_batch = False
+        # When the batch now forming (requests waiting behind the running prefill) starts: a request sent
+        # before then joins it. None: nothing is forming; the next request that finds a queue opens one.
+        self._forming_until: float | None = None
 
     # -- the learned figures ----------------------------------------------------------------------
     @property
@@ -181,6 +194,10 @@ class WorkerCostModel:
     def queued_seconds(self, now: float) -> float:
         """Prefill work queued on the worker now: its last report plus what was sent since, drained in real time."""
         return max(0.0, self._queue_level - (now - self._queue_clock))
+
+    def joins_forming_batch(self, now: float) -> bool:
+        """A request sent now joins the batch waiting behind the running one, so it adds no floor of its own."""
+        return self.floor_per_batch and self._forming_until is not None and now < self._forming_until
 
     def idle(self) -> None:
         """The router has nothing in flight there: nothing of its own is queued (others' work may be)."""
@@ -206,6 +223,9 @@ class WorkerCostModel:
             tokens = load.num_waiting_uncached_tokens
             share = tokens * others / waiting if tokens is not None else others * self._mean_new
             level += model.c0 * others + model.a * share + model.b * share * share / others
+        if self.floor_per_batch and waiting > 1:
+            level -= model.c0 * (waiting - 1)  # what waits now is admitted as one batch: one floor
+        waiting_work = level
         recent: list[_Sent] = []
         for sent in reversed(self._sent):  # newest first; only the few sent during the poll are newer
             if sent.at <= load.polled_at:
@@ -218,6 +238,8 @@ class WorkerCostModel:
             own_account = self.queued_seconds(load.polled_at) - sum(sent.seconds for sent in recent)
             level = max(level, own_account)
         self._queue_level, self._queue_clock = level, load.polled_at
+        # The waiting requests start once what runs now is done; until then a new one joins them.
+        self._forming_until = load.polled_at + (level - waiting_work) if waiting else None
         for sent in reversed(recent):
             self._enqueue(sent.seconds, sent.at)
 
@@ -229,6 +251,12 @@ class WorkerCostModel:
     def sent(self, new_tokens: int, cached_tokens: int, now: float) -> float:
         """The router sent the worker a request predicted to prefill these tokens; returns its predicted seconds."""
         seconds = self.prefill.seconds(new_tokens, cached_tokens)
+        if self.floor_per_batch and seconds > 0:
+            if self.joins_forming_batch(now):
+                seconds = max(0.0, seconds - self.prefill.c0)
+            else:  # it opens the next batch: starting once the queue drains (now, if there is none)
+                queued = self.queued_seconds(now)
+                self._forming_until = now + queued if queued > 0 else None
         self._enqueue(seconds, now)
         if new_tokens + cached_tokens > 0:
             self.reuse += 0.05 * (cached_tokens / (new_tokens + cached_tokens) - self.reuse)
@@ -322,7 +350,15 @@ class WorkerCostModel:
             # fit on the guess drifts apart between replicas (each learns a worker it rarely uses as
             # slow, and keeps avoiding it). The window is not fitted.
             return
-        self._fit(requests, float(tokens), attention, busy, load.polled_at)
+        batches = _delta(start.total_prefill_batches, load.total_prefill_batches)
+        if batches is not None:
+            self.floor_per_batch = True
+            floors = float(batches)
+        elif self.floor_per_batch:
+            return  # the count is missing at one end: this window's requests are not its batches
+        else:
+            floors = requests
+        self._fit(floors, float(tokens), attention, busy, load.polled_at)
 
     def _attribute(self, tokens: float) -> tuple[float, float, float]:
         """The requests (fractional) and attention work (L^2 + 2PL) behind ``tokens`` reported prefilled.
@@ -354,8 +390,10 @@ class WorkerCostModel:
             while self._sent and self._sent[0].at < load.polled_at:
                 self._sent.popleft()
 
-    def _fit(self, requests: float, tokens: float, attention: float, busy: float, now: float) -> None:
-        """Refit ``busy = scale . (c0*requests, a*tokens, b*attention)`` with this window added.
+    def _fit(self, floors: float, tokens: float, attention: float, busy: float, now: float) -> None:
+        """Refit ``busy = scale . (c0*floors, a*tokens, b*attention)`` with this window added.
+
+        ``floors``: the window's prefill batches where the worker counts them, else its requests.
 
         Least squares of relative errors (a window of 5 ms counts as much as one of 5 s, so a fast
         worker is fitted as well as a slow one), forgotten with time constant ``memory_s`` (whatever
@@ -365,7 +403,7 @@ class WorkerCostModel:
         """
         if busy <= 0:
             return
-        x = [self.prior.c0 * requests / busy, self.prior.a * tokens / busy, self.prior.b * attention / busy]
+        x = [self.prior.c0 * floors / busy, self.prior.a * tokens / busy, self.prior.b * attention / busy]
         lam = math.exp(-(now - self._fitted_at) / self.memory_s) if self._fitted_at is not None else 1.0
         self._fitted_at = now
         for i in range(3):
@@ -398,6 +436,13 @@ class WorkerCostModel:
         self._decode = DecodeModel(
             self._decode.d0 + blend * (d0 - self._decode.d0), self._decode.d1 + blend * (d1 - self._decode.d1)
         )
+
+
+def _delta(before: int | None, after: int | None) -> int | None:
+    """How much a cumulative counter grew between two reports (None: missing, or it went back)."""
+    if before is None or after is None or after < before:
+        return None
+    return after - before
 
 
 def _solve3(m: list[list[float]], v: list[float], free: list[int]) -> dict[int, float] | None:

@@ -6,12 +6,14 @@ For every healthy worker the policy predicts time-to-first-token as
 
 with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones, the
 constants of that worker learned online from what it reports (``cost_model``; the configured constants
-are only priors). Reports reach the model through ``on_load``; ranking only reads it. The queued
-prefill is the worker's own report (``num_waiting_uncached_tokens``) plus what the router sent since,
-drained in real time (the router's own account stands while a reported batch runs: a prefill under way
-counts as running, never as waiting). The wait for KV room comes from the router's own open requests
-on the worker against its reported pool (``in_flight``): below saturation a full pool, not the prefill
-queue, is what makes a request wait.
+are only priors; ``c0`` is paid once per prefill batch where the worker counts its batches, so a
+request that joins the batch forming behind the running prefill adds none of its own). Reports reach
+the model through ``on_load``; ranking only reads it. The queued prefill is the worker's own report
+(``num_waiting_uncached_tokens``) plus what the router sent since, drained in real time (the router's
+own account stands while a reported batch runs: a prefill under way counts as running, never as
+waiting). The wait for KV room comes from the router's own open requests on the worker against its
+reported pool (``in_flight``): below saturation a full pool, not the prefill queue, is what makes a
+request wait.
 
 The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
 Recomputing a prefix that another worker holds delays every request that later queues behind it on
@@ -85,7 +87,14 @@ class PrefixAwareOptions(PolicyOptions):
     one current datacenter GPU to an order of magnitude, not any measured setup.
     """
 
-    prefill_floor_s: float = Field(0.02, ge=0, description="Prior c0: fixed cost of one request's prefill.")
+    prefill_floor_s: float = Field(
+        0.02,
+        ge=0,
+        description=(
+            "Prior c0: fixed cost of one prefill batch (one request's, on a worker whose /metrics does not count "
+            "its prefill batches)."
+        ),
+    )
     prefill_per_token_s: float = Field(4e-5, gt=0, description="Prior a: seconds per uncached prompt token.")
     attention_per_token2_s: float = Field(1e-9, ge=0, description="Prior b: attention seconds per token^2 of context.")
     decode_step_s: float = Field(0.01, ge=0, description="Prior d0: one decode step of a small batch.")
@@ -267,6 +276,8 @@ class PrefixAwarePolicy(Policy):
         new = total - gpu - tiers.host_tokens - tiers.shared_tokens
         prefill = model.seconds(new, total - new) + tiers.load_back_s
         queue = cost.queued_seconds(now)
+        if prefill > 0 and cost.joins_forming_batch(now):
+            prefill = max(0.0, prefill - model.c0)  # it joins the batch waiting there: that batch pays the floor
         load = c.load
         running = load.num_running_reqs if load else c.in_flight
         # A request that arrives during a decode step waits for its end: half a step on average.
