@@ -1059,3 +1059,57 @@ def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_i
     assert policy.cost_model(fresh).prefill == model.learned  # judged by the measured one, for queue and prefill
     policy.remove_worker(measured.id)
     assert policy.fleet.model is None and policy.cost_model(fresh).prefill == policy.cost_model(fresh).learned
+
+
+FULL_CACHE = 24576 * 8 // 10 // 16 + 1  # blocks: past cache_full_fraction of a 24k pool (no room left)
+
+
+def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False) -> Decision:
+    """w0 holds a 6,224-token document in a full 24k pool; a question about it arrives behind a cold 6.2k
+    prompt the router just queued there. ``stale``: since the document was last used there, 18.7k other new
+    tokens were stored on w0 (and prefilled), so the LRU order puts the document first in line for eviction."""
+    now = [1000.0]
+    workers = _workers(3)
+    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    policy.clock = lambda: now[0]
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now[0]) for _ in workers]
+    for w, ld in zip(workers, loads):
+        model = policy.cost_model(w)
+        model.windows, model.utilization = 1, 0.1
+        policy.on_load(w, ld)
+    doc = list(range(1, 390))  # 389 blocks of 16
+
+    def route(keys: list[int], matched: int, only_w0: bool = True) -> Decision:
+        candidates = _candidates(workers[:1] if only_w0 else workers, [matched, 0, 0][: 1 if only_w0 else 3], loads)
+        candidates[0].cached_blocks = FULL_CACHE  # w0's cache is full
+        decision = policy.select(_request(len(keys) * 16, keys=keys), candidates)
+        policy.on_routed(_request(len(keys) * 16, keys=keys), decision)
+        return decision
+
+    route([*doc, 10_000], 389)  # the document is used on w0
+    if stale:
+        for i in range(3):  # other cold prompts stored there since, long done
+            route(list(range(20_000 + 1000 * i, 20_389 + 1000 * i)), 0)
+        now[0] += 30.0
+    if busy_fleet:
+        for w in workers[1:]:
+            policy.cost_model(w).sent(4096, 0, now[0])
+    route(list(range(50_000, 50_389)), 0)  # a cold prompt queued ahead of the question
+    candidates = _candidates(workers, [389, 0, 0], loads)
+    candidates[0].cached_blocks = FULL_CACHE
+    return policy.select(_request(390 * 16, keys=[*doc, 10_001]), candidates)
+
+
+def test_a_prefix_the_queued_sends_will_evict_is_not_predicted_as_a_hit() -> None:
+    """SGLang evicts least recently used pages: a document used long ago goes first, one just used survives."""
+    fresh = _doc_holder_with_cold_sends(stale=False)
+    assert fresh.scores["w0"]["lost_tokens"] == 0 and fresh.scores["w0"]["new_tokens"] == 16, fresh.scores
+    stale = _doc_holder_with_cold_sends(stale=True)
+    assert stale.scores["w0"]["lost_tokens"] == 389 * 16, stale.scores
+    assert stale.scores["w0"]["new_tokens"] == 16 + 389 * 16
+    # Predicted as what it will be: the whole document computed again behind the queue.
+    assert stale.scores["w0"]["prefill_s"] > 10 * fresh.scores["w0"]["prefill_s"]
+    assert stale.ranked[0].id != "w0"
+    # Past the knee (every worker has a queue) the prediction is not made: spilling there evicts elsewhere.
+    busy = _doc_holder_with_cold_sends(stale=True, busy_fleet=True)
+    assert busy.scores["w0"]["lost_tokens"] == 0
