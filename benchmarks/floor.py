@@ -14,6 +14,14 @@ the worker, then the worker's position). It is greedy: it does not plan for late
 that places prefixes with the future in mind can beat it; it is the best any router can do one request
 at a time with nothing hidden, which is what "closing the gap" is measured against. It lives here, in
 the benchmarks, and reads simulator objects: nothing in ``extproc/`` can do this.
+
+``sees_step_phase=False`` makes a second reference, the same floor blind to one thing: where the decode
+step under way is. A request that arrives during a decode step waits for its end, anywhere from nothing to a
+whole step (6-7 ms for a few requests on an 8B H100 profile); no router can see that phase (the worker
+reports nothing of it, and it drifts with every step), so the blind floor charges half a step, the expected
+wait. A prefill under way stays known: its end follows from what was sent and when. Between the two floors
+lies what only the step's phase buys: on a light fleet, where every cold request waits for some decode
+step, that is most of round robin's excess at p99.
 """
 
 from __future__ import annotations
@@ -75,8 +83,10 @@ class PerfectInformationFloor:
 
     name = "floor"
 
-    def __init__(self, schedulers: dict[str, ObservedScheduler]) -> None:
+    def __init__(self, schedulers: dict[str, ObservedScheduler], *, sees_step_phase: bool = True) -> None:
         self.schedulers = schedulers
+        self.sees_step_phase = sees_step_phase
+        self.name = "floor" if sees_step_phase else "floor-phase-blind"
 
     def choose(self, tokens: Sequence[int]) -> str:
         """The worker where ``tokens`` would see its first token soonest."""
@@ -99,7 +109,12 @@ class PerfectInformationFloor:
         ahead: list[Request] = [*scheduler.prefilling, *scheduler.running, *scheduler.waiting]
         if scheduler.chunked is not None and scheduler.chunked not in ahead:
             ahead.append(scheduler.chunked)
-        wait = max(0.0, scheduler.busy_until - now) * speedup if scheduler.prefilling or scheduler.running else 0.0
+        wait = 0.0
+        if scheduler.prefilling or (scheduler.running and self.sees_step_phase):
+            wait = max(0.0, scheduler.busy_until - now) * speedup
+        elif scheduler.running:  # a decode step under way, its phase unseen: half a step on average
+            context = sum(r.kv_len for r in scheduler.running) + len(scheduler.running)
+            wait = profile.decode_time(len(scheduler.running), context) / 2
         # Prefill queued before it: the chunked request's rest, then every waiting request (first come,
         # first served), each with its true uncached tokens, packed into batches of the chunk budget.
         chunks: list[tuple[int, int]] = []

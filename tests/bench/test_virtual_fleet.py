@@ -56,3 +56,60 @@ def test_cached_prefix_reads_the_tree_without_touching_it() -> None:
     assert cached_prefix(cache, [*range(8), 99, 99, 99, 99]) == 8
     assert cached_prefix(cache, [5, 6, 7, 8]) == 0
     assert [(n.last_access, len(n.key)) for n in cache.root.children.values()] == before  # no split, no LRU touch
+
+
+def test_the_phase_blind_floor_charges_half_a_decode_step_where_the_floor_sees_its_end() -> None:
+    """The one thing the phase-blind floor does not see: where the decode step under way is."""
+    import asyncio
+
+    from benchmarks.floor import ObservedScheduler, PerfectInformationFloor
+    from sglang_workers.sim.config import SimWorkerConfig
+    from sglang_workers.sim.radix_cache import RadixCache
+    from sglang_workers.sim.request import Request
+    from sglang_workers.sim.timing import get_profile
+
+    async def estimates() -> tuple[float, float, float, float]:
+        profile = get_profile("llama-3.1-8b-h100")
+        config = SimWorkerConfig(page_size=16, capacity_tokens=24576, profile=profile.name, speedup=1.0)
+        scheduler = ObservedScheduler(config, profile, RadixCache(16, enable_events=False), None, [1])
+        decoding = Request("r", list(range(100, 612)), 32)
+        decoding.kv_len = 512
+        scheduler.running = [decoding]
+        now = asyncio.get_running_loop().time()
+        scheduler.busy_until = now + 0.001  # the step under way ends in 1 ms
+        prompt = list(range(5000, 7048))
+        seeing = PerfectInformationFloor({"w0": scheduler}).ttft(scheduler, prompt, now)
+        blind_floor = PerfectInformationFloor({"w0": scheduler}, sees_step_phase=False)
+        blind = blind_floor.ttft(scheduler, prompt, now)
+        scheduler.running = []
+        idle = blind_floor.ttft(scheduler, prompt, now)
+        return seeing, blind, idle, profile.decode_time(1, 513)
+
+    seeing, blind, idle, step = asyncio.run(estimates())
+    assert idle > 0.03  # a cold 2k-token prefill
+    assert abs(seeing - (idle + 0.001)) < 1e-9  # the true end of the step under way
+    assert abs(blind - (idle + step / 2)) < 1e-9  # half a step: the expected wait, phase unseen
+    assert step / 2 > 0.001  # so here the blind floor expects the longer wait
+
+
+def test_a_figure_without_a_gap_is_judged_by_the_same_inequality_as_a_bound() -> None:
+    from benchmarks.virtual_fleet import FLOOR, meets_targets
+
+    def cell(rr: float, ours: float, floor: float, rr99: float, ours99: float, floor99: float) -> dict[str, object]:
+        runs = {
+            "round-robin": [{"mean": rr, "p99": rr99}],
+            "prefix-aware": [{"mean": ours, "p99": ours99}],
+            FLOOR: [{"mean": floor, "p99": floor99}],
+        }
+        gap = {
+            m: [(a - b) / (a - c) if a > c else float("nan")]
+            for m, a, b, c in (("mean", rr, ours, floor), ("p99", rr99, ours99, floor99))
+        }
+        return {"runs": runs, "gap_closed_mean": gap["mean"], "gap_closed_p99": gap["p99"]}
+
+    assert meets_targets(cell(100, 55, 50, 100, 60, 50))  # 90 % / 80 %
+    assert not meets_targets(cell(100, 56, 50, 100, 60, 50))  # 88 % of the mean gap
+    # The floor's p99 above round robin's (no gap): ours must be under 0.2 x rr + 0.8 x floor.
+    assert meets_targets(cell(100, 55, 50, 800, 700, 1000))
+    assert meets_targets(cell(100, 55, 50, 800, 960, 1000))
+    assert not meets_targets(cell(100, 55, 50, 800, 961, 1000))
