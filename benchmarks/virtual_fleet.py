@@ -42,7 +42,7 @@ from typing import Any
 
 import sglang_workers.sim.admission as sim_admission
 import sglang_workers.sim.scheduler as sim_scheduler
-from benchmarks.floor import ObservedScheduler, PerfectInformationFloor
+from benchmarks.floor import ObservedScheduler, PerfectInformationFloor, cached_prefix
 from benchmarks.matrix import FLEETS, WORKLOADS, Fleet, MatrixOptions
 from benchmarks.metrics import distribution, max_over_mean
 from benchmarks.oracle import oracle_hit_rate
@@ -146,6 +146,8 @@ class VirtualResult:
     prefill_busy_s: float = 0.0
     duration_s: float = 0.0
     errors: int = 0
+    # One dict per request when the run is recorded (``run_virtual(record=True)``), in arrival order.
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self, workers: int) -> dict[str, Any]:
         return {
@@ -161,7 +163,13 @@ class VirtualResult:
 
 
 async def _run(
-    policy: str, workload: Workload, fleet: Fleet, options: dict[str, Any], poll_interval_s: float, event_delay_s: float
+    policy: str,
+    workload: Workload,
+    fleet: Fleet,
+    options: dict[str, Any],
+    poll_interval_s: float,
+    event_delay_s: float,
+    record: bool = False,
 ) -> VirtualResult:
     loop = asyncio.get_running_loop()
     names = fleet.profile.split(",")
@@ -190,6 +198,7 @@ async def _run(
         schedulers[worker.id] = scheduler
     result = VirtualResult(policy, workload.offered_rate)
     floor = PerfectInformationFloor(schedulers, sees_step_phase=policy == FLOOR) if policy in FLOORS else None
+    floor_view = PerfectInformationFloor(schedulers) if record else None  # what the floor would estimate, per decision
     stop = asyncio.Event()
     # What each worker computes from the request (whether or not the policy tokenizes).
     prompts = dict(zip((r.index for r in workload.requests), iter_token_ids(workload.requests)))
@@ -218,6 +227,26 @@ async def _run(
         tokens = prompts[request.index]
         outcome = router.route(parsed) if floor is None else None
         chosen = outcome.worker.id if outcome is not None else floor.choose(tokens)  # type: ignore[union-attr]
+        entry: dict[str, Any] | None = None
+        if floor_view is not None:
+            estimates = {wid: floor_view.ttft(s, tokens, sent) for wid, s in schedulers.items()}
+            best = min(estimates, key=estimates.__getitem__)
+            figures = outcome.decision.scores.get(chosen, {}) if outcome is not None else {}
+            entry = {
+                "index": request.index,
+                "sent_s": sent - start,
+                "worker": chosen,
+                "reason": outcome.decision.reason if outcome is not None else policy,
+                "prompt_tokens": len(tokens),
+                "predicted_ttft_s": figures.get("ttft_s"),
+                "predicted_new_tokens": figures.get("new_tokens"),
+                "predicted_queue_s": figures.get("queue_s"),
+                "floor_estimate_here_s": estimates[chosen],
+                "floor_estimate_best_s": estimates[best],
+                "floor_best_worker": best,
+                "true_cached_tokens_now": cached_prefix(schedulers[chosen].cache, tokens[:-1]),
+            }
+            result.records.append(entry)
         try:
             req = schedulers[chosen].submit(tokens, request.max_tokens)
             first = await req.updates.get()
@@ -225,6 +254,9 @@ async def _run(
                 result.errors += 1
                 return
             result.ttft_s.append(loop.time() - sent)
+            if entry is not None:
+                entry["ttft_s"] = loop.time() - sent
+                entry["cached_tokens"] = max(req.cached_tokens, 0)
             while await req.updates.get() is not None:
                 pass
             result.prompt_tokens += len(tokens)
@@ -253,12 +285,20 @@ def run_virtual(
     options: dict[str, Any] | None = None,
     poll_interval_s: float = 0.5,
     event_delay_s: float = 0.005,
+    record: bool = False,
 ) -> VirtualResult:
-    """Run ``workload`` through ``policy`` (or the ``floor``) on a virtual ``fleet`` (GPU time, no wall time)."""
+    """Run ``workload`` through ``policy`` (or a floor) on a virtual ``fleet`` (GPU time, no wall time).
+
+    ``record``: keep one dict per request in ``records`` (what the policy predicted for its choice, what the
+    floor would estimate there and on its own best worker at that moment, what happened); it walks every
+    worker's tree once per request, so a recorded run is slower, and its decisions are the same.
+    """
     loop = VirtualClockLoop()
     try:
         with _simulator_clock(loop):
-            return loop.run_until_complete(_run(policy, workload, fleet, options or {}, poll_interval_s, event_delay_s))
+            return loop.run_until_complete(
+                _run(policy, workload, fleet, options or {}, poll_interval_s, event_delay_s, record)
+            )
     finally:
         loop.close()
 
@@ -310,8 +350,12 @@ def run_cell(
     seeds: Sequence[int],
     overrides: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
+    records: Path | None = None,
 ) -> dict[str, Any]:
-    """One virtual cell: every policy (and the floor) over every seed; figures per seed and their spread."""
+    """One virtual cell: every policy (and the floor) over every seed; figures per seed and their spread.
+
+    ``records``: a folder that gets each run's per-request records as JSON lines (``run_virtual(record=True)``).
+    """
     knee = virtual_knee(workload, fleet, MatrixOptions(requests=requests, seed=seeds[0]))
     runs: dict[str, list[dict[str, float]]] = {}
     for seed in seeds:
@@ -325,7 +369,12 @@ def run_cell(
         for policy in policies:
             started = time.monotonic()
             opts = overrides if policy == "prefix-aware" else None
-            s = run_virtual(policy, workload_run, fleet, opts).summary(fleet.workers)
+            result = run_virtual(policy, workload_run, fleet, opts, record=records is not None)
+            if records is not None:
+                records.mkdir(parents=True, exist_ok=True)
+                name = f"{fleet.workers}w-{workload}-{load:g}x-seed{seed}-{policy}.jsonl"
+                (records / name).write_text("".join(json.dumps(r) + "\n" for r in result.records))
+            s = result.summary(fleet.workers)
             ttft = s["ttft_s"]
             runs.setdefault(policy, []).append(
                 {
@@ -468,6 +517,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="An option of the prefix-aware policy (repeatable), e.g. max_work_price=10.",
     )
     parser.add_argument("--out", type=Path, default=None, help="Write cells as JSON lines here (appended per cell).")
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Write every run's per-request records here, one JSON-lines file a run: the worker chosen and why, "
+        "the policy's predicted TTFT, the floor's estimate there and on its best worker at that moment, the "
+        "cache found then and at admission, the TTFT (slower: the floor's view is computed per request).",
+    )
     args = parser.parse_args(argv)
     seeds = [int(x) for x in args.seeds.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -487,7 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             fleet = virtual_fleet_of(FLEETS[fleet_name], size or None)
             for workload in args.workloads.split(","):
                 for load in (float(x) for x in args.loads.split(",")):
-                    cell = run_cell(workload, fleet, load, policies, args.requests, seeds, overrides, log=_stderr)
+                    cell = run_cell(
+                        workload, fleet, load, policies, args.requests, seeds, overrides, _stderr, args.records
+                    )
                     print("\n".join(cell_markdown(cell)), flush=True)
                     total += 1
                     met += meets_targets(cell)

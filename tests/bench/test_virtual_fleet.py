@@ -113,3 +113,20 @@ def test_a_figure_without_a_gap_is_judged_by_the_same_inequality_as_a_bound() ->
     assert meets_targets(cell(100, 55, 50, 800, 700, 1000))
     assert meets_targets(cell(100, 55, 50, 800, 960, 1000))
     assert not meets_targets(cell(100, 55, 50, 800, 961, 1000))
+
+
+def test_a_recorded_run_keeps_each_request_and_decides_the_same() -> None:
+    """Per-request records (the policy's prediction beside the floor's view) change no decision."""
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
+    workload = WORKLOADS["gsp"](20.0, MatrixOptions(requests=48))
+    plain = run_virtual("prefix-aware", workload, fleet)
+    recorded = run_virtual("prefix-aware", workload, fleet, record=True)
+    assert recorded.ttft_s == plain.ttft_s and recorded.per_worker == plain.per_worker and not plain.records
+    records = recorded.records
+    assert len(records) == 48 and sorted(r["ttft_s"] for r in records) == sorted(plain.ttft_s)
+    first = records[0]
+    assert first["reason"] == "cold" and first["cached_tokens"] == 0 and first["true_cached_tokens_now"] == 0
+    assert first["predicted_ttft_s"] > 0 and first["floor_estimate_here_s"] > 0
+    assert all(r["floor_estimate_best_s"] <= r["floor_estimate_here_s"] for r in records)
+    hits = [r for r in records if r["reason"] == "prefix-hit" and r["cached_tokens"] > 0]
+    assert hits and all(r["predicted_new_tokens"] < r["prompt_tokens"] for r in hits)
