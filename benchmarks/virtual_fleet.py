@@ -404,18 +404,13 @@ def run_cell(
         "seeds": list(seeds),
         "runs": runs,
     }
-    if {"round-robin", FLOOR, "prefix-aware"} <= set(runs):
-        for metric in ("mean", "p99"):
-            cell[f"gap_closed_{metric}"] = [
-                gap_closed(rr[metric], ours[metric], fl[metric])
-                for rr, ours, fl in zip(runs["round-robin"], runs["prefix-aware"], runs[FLOOR])
-            ]
-    if {"round-robin", FLOOR_PHASE_BLIND, "prefix-aware"} <= set(runs):
-        for metric in ("mean", "p99"):
-            cell[f"blind_gap_closed_{metric}"] = [
-                gap_closed(rr[metric], ours[metric], fl[metric])
-                for rr, ours, fl in zip(runs["round-robin"], runs["prefix-aware"], runs[FLOOR_PHASE_BLIND])
-            ]
+    for prefix, reference in (("", FLOOR), ("blind_", FLOOR_PHASE_BLIND)):
+        if {"round-robin", reference, "prefix-aware"} <= set(runs):
+            for metric in ("mean", "p99"):
+                cell[f"{prefix}gap_closed_{metric}"] = [
+                    gap_closed(rr[metric], ours[metric], fl[metric])
+                    for rr, ours, fl in zip(runs["round-robin"], runs["prefix-aware"], runs[reference])
+                ]
     return cell
 
 
