@@ -17,7 +17,7 @@ the benchmarks, and reads simulator objects: nothing in ``extproc/`` can do this
 
 ``sees_step_phase=False`` makes a second reference, the same floor blind to one thing: where the decode
 step under way is. A request that arrives during a decode step waits for its end, anywhere from nothing to a
-whole step (6-7 ms for a few requests on an 8B H100 profile); no router can see that phase (the worker
+whole step (7-8 ms for one to eight requests on an 8B H100 profile); no router can see that phase (the worker
 reports nothing of it, and it drifts with every step), so the blind floor charges half a step, the expected
 wait. A prefill under way stays known: its end follows from what was sent and when. Between the two floors
 lies what only the step's phase buys: on a light fleet, where every cold request waits for some decode
