@@ -10,6 +10,7 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY extproc extproc
+COPY prefix_common prefix_common
 COPY sglang_workers sglang_workers
 COPY prefix_router prefix_router
 COPY benchmarks benchmarks

@@ -41,8 +41,8 @@ import aiohttp
 import yaml
 
 from benchmarks.client import PREFIX_HEADER, UPSTREAM_HEADER
-from extproc.addresses import free_port
-from extproc.envoy_config import HCM_TYPE
+from prefix_common.addresses import free_port
+from prefix_router.envoy_config import HCM_TYPE
 
 __all__ = [
     "CONTENDERS",

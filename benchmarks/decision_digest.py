@@ -6,7 +6,8 @@ Run it at two commits: equal digests mean the router took exactly the same decis
 worker, DP rank, ranking, reason, scores, and every candidate's matched blocks, in-flight count and
 page size), step by step, on the same prompts, load reports, stored blocks and clock. The 64-worker
 fleet is mixed: eight workers report page size 32 and four run two data-parallel ranks. No worker
-runs; the router decides in process (``Router.route``) on a frozen clock that moves 20 ms a step.
+runs; the decision pipeline decides in process (``LocalDecider``, built as the router builds it) on a
+frozen clock that moves 20 ms a step.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import hashlib
 import random
 
 from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
-from extproc.index import rank_key
-from extproc.request import ParsedRequest
-from extproc.router import RouteOutcome, Router
-from extproc.sync.load import WorkerLoad
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.local import LocalDecider
+from extproc.decision.pipeline import RouteOutcome
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.index import rank_key
+from extproc.fleet.reports import WorkerLoad
+from extproc.fleet.workers import Worker, WorkerRegistry
 
 __all__ = ["digest", "main"]
 
@@ -50,7 +52,7 @@ def digest(size: int, steps: int, max_candidates: int | None = None) -> str:
     fleet = _fleet(size)
     policy = PolicyConfig() if max_candidates is None else PolicyConfig(max_candidates=max_candidates)
     config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=16), policy=policy)
-    router = Router(config, WorkerRegistry(fleet), clock=lambda: clock[0])
+    router = LocalDecider(config, WorkerRegistry(fleet), clock=lambda: clock[0])
     rng = random.Random(size)
     sha = hashlib.sha256()
     outstanding: list[RouteOutcome] = []

@@ -2,9 +2,9 @@
 
     python -m benchmarks.decision_latency [--samples 40] [--workers 8] [--event-blocks 200000]
 
-Decision latency is ``Router.route()`` end to end (render the chat template, tokenize, hash the
-blocks, look them up, choose, trace), for chat prompts of about 1k / 8k / 32k tokens over a fleet of
-``--workers`` workers:
+Decision latency is ``Router.route()`` (the serving app's router, in process) end to end (render the
+chat template, tokenize, hash the blocks, look them up, choose, trace), for chat prompts of about 1k /
+8k / 32k tokens over a fleet of ``--workers`` workers:
 
 - cold: a prompt never seen before (nothing in the piece cache, no block in the index);
 - warm: a later turn of a conversation seen before (its document and earlier turns tokenized
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
-from extproc.index import BlockIndex
-from extproc.request import ParsedRequest
-from extproc.router import Router
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.index import BlockIndex
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 from extproc.sync.http import WorkerHttp
 from extproc.sync.hub import EventHub
-from extproc.sync.workers import Worker, WorkerRegistry
-from extproc.tokenization import load_tokenizer
+from prefix_common.tokenization import load_tokenizer
 
 PAGE = 16
 FULL_AFTER = 8  # batches a worker stores before its cache is full (with ``full_cache``)
@@ -85,7 +85,8 @@ def decision_latency(
     ]
     policy = PolicyConfig() if max_candidates is None else PolicyConfig(max_candidates=max_candidates)
     config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=PAGE), policy=policy)
-    router = Router(config, WorkerRegistry(fleet))
+    app = RouterApp(config, WorkerRegistry(fleet))
+    router, index = app.router, app.index
     # One throw-away decision: the tokenizer's first call initialises lazily (~10 ms), once per process.
     router.finish(router.route(ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="warm up")))
     results = []
@@ -107,7 +108,7 @@ def decision_latency(
             router.finish(outcome)
             tokens = len(outcome.request.token_ids or [])
             # The worker prefilled it and reported its blocks (what its KV events would have said).
-            router.index.store(outcome.worker.id, outcome.request.block_keys)
+            index.store(outcome.worker.id, outcome.request.block_keys)
             sessions.append([*history, {"role": "assistant", "content": "A summary."}])
         # Later turns interleaved across the sessions, as many users' conversations arrive.
         for turn in range(3):
@@ -249,7 +250,7 @@ async def event_ingestion(
     ``rate`` blocks per second (stored and removed, all together), as a busy fleet does, and the run
     reports whether the router keeps up: how far behind the publishers its index is, and its CPU share.
     """
-    from extproc.addresses import free_ports
+    from prefix_common.addresses import free_ports
 
     if rate is not None and rate <= 0:
         raise ValueError("rate must be positive blocks per second")

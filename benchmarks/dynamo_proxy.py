@@ -31,9 +31,9 @@ import xxhash
 from aiohttp import web
 
 from benchmarks.client import UPSTREAM_HEADER
-from extproc.key_cache import KeyCache
-from extproc.prompt import PromptPreparer
-from extproc.request import RequestError, generation_kind, parse_request
+from extproc.decision.key_cache import KeyCache
+from extproc.decision.prompt import PromptPreparer
+from extproc.decision.request import RequestError, generation_kind, parse_request
 
 __all__ = ["main", "sequence_hashes"]
 

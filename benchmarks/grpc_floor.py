@@ -14,7 +14,7 @@ The client is Python as well, so it measures the server, not Envoy's side of ext
 
 The same server, started with ``--serve aio --port P --endpoint IP:PORT``, is the ``floor`` gateway of
 ``benchmarks.router_overhead --extproc-floor``: behind the real Envoy it answers the body with the
-router's own routing reply (``extproc.response.route_response``, to one fixed worker) and serves the
+router's own routing reply (``extproc.exchange.response.route_response``, to one fixed worker) and serves the
 gRPC health service, so what it adds to a request is what any Python ext_proc server adds before it
 decides anything.
 """
@@ -83,7 +83,7 @@ def _serve(kind: str, port: int, endpoint: str | None = None) -> None:
     async def main() -> None:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-        from extproc.response import route_response
+        from extproc.exchange.response import route_response
 
         replies = dict(_REPLIES)
         if endpoint:

@@ -42,8 +42,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from extproc.addresses import free_port, split_host_port
-from extproc.envoy_config import GatewaySpec, bootstrap
+from prefix_common.addresses import free_port, split_host_port
+from prefix_router.envoy_config import GatewaySpec, bootstrap
 from prefix_router.stack import find_envoy
 
 __all__ = ["main"]

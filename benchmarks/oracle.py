@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from extproc.blocks import block_keys
+from extproc.fleet.blocks import block_keys
 
 __all__ = ["PooledCache", "oracle_hit_rate"]
 

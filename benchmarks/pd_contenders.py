@@ -8,7 +8,7 @@
   request.
 - ``ours-pd:<policy>``: this project's router + Envoy over all the fleet's workers; the router learns each
   worker's side from its ``/server_info`` (``disaggregation_mode``), picks the prefill worker with ``<policy>``
-  and the decode worker with ``pd.decode_policy``, and sends the prefill leg itself (``extproc/pd.py``).
+  and the decode worker with ``pd.decode_policy``, and sends the prefill leg itself (``extproc/pd/bootstrap.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from benchmarks.cluster import PdTargets
 from benchmarks.contenders import Contender, ContenderError, OursGateway, Smg, _ProcessContender, wait_http
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
 
 __all__ = ["PD_CONTENDERS", "MiniLb", "OursPd", "PdContender", "SmgPd", "create_pd_contender"]
 

@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 
 from extproc.config import LoadConfig
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import WorkerHttp
 from extproc.sync.load import LoadTracker
-from extproc.sync.workers import Worker, WorkerRegistry
 from prefix_router.fleet import start_fleet
 
 __all__ = ["main", "poll_cpu_s"]

@@ -54,9 +54,9 @@ from benchmarks.cluster import Cluster, ClusterSpec
 from benchmarks.metrics import RequestResult, percentile
 from benchmarks.replica_drift import sample_drift
 from benchmarks.workloads import BenchRequest, Workload, block_text, gsp_workload, multiturn_workload, prefix_hash
-from extproc import envoy_config
-from extproc.addresses import free_port, split_host_port
-from extproc.envoy_config import GatewaySpec
+from prefix_common.addresses import free_port, split_host_port
+from prefix_router import envoy_config
+from prefix_router.envoy_config import GatewaySpec
 from prefix_router.stack import find_envoy
 
 __all__ = [

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from extproc.tokenization import load_tokenizer
+from prefix_common.tokenization import load_tokenizer
 from prefix_router.stack import GatewayStack
 
 __all__ = ["OverheadResult", "OverheadRow", "configure", "format_table", "main", "measure_overhead"]

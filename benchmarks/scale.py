@@ -6,10 +6,10 @@
 
 Prints, per fleet size (figures, not a test):
 
-- **decision latency**: ``Router.route()`` end to end (render, tokenize, hash, look up, prune,
-  score, trace) for chat prompts of about 1k / 8k / 32k tokens, cold (never seen) and warm (a later
-  turn whose history one worker holds), p50 / p99 in ms, with the shortlist of
-  ``policy.max_candidates`` (``extproc/pruning.py``) and, for comparison, with every worker scored
+- **decision latency**: ``Router.route()`` (the serving app's router, in process) end to end (render,
+  tokenize, hash, look up, prune, score, trace) for chat prompts of about 1k / 8k / 32k tokens, cold
+  (never seen) and warm (a later turn whose history one worker holds), p50 / p99 in ms, with the shortlist of
+  ``policy.max_candidates`` (``extproc/decision/pruning.py``) and, for comparison, with every worker scored
   (the tokenizer's piece cache outlives each fleet's router, so only the first fleet's cold rows
   are cold: compare fleets on the warm columns);
 - **event ingestion**: real msgpack ``BlockStored`` batches from one ZMQ publisher per worker (in
@@ -46,14 +46,15 @@ from typing import Any
 
 from benchmarks.decision_latency import Ingestion, decision_latency, event_ingestion
 from extproc.config import EventsConfig, HealthConfig, IndexConfig, LoadConfig, PolicyConfig, RouterConfig
-from extproc.index import BlockIndex
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.index import BlockIndex
+from extproc.fleet.reports import WorkerLoad
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.memory import MemoryPlan
-from extproc.request import ParsedRequest
-from extproc.router import Router
+from extproc.serving.app import RouterApp
 from extproc.sync.health import HealthChecker
 from extproc.sync.http import WorkerHttp
-from extproc.sync.load import LoadTracker, WorkerLoad
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.sync.load import LoadTracker
 
 __all__ = ["main"]
 
@@ -153,11 +154,12 @@ def print_memory(fleets: list[int], blocks: int) -> None:
         tracemalloc.start()
         workers = _fleet(fleet)
         config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=16))
-        router = Router(config, WorkerRegistry(workers))
+        app = RouterApp(config, WorkerRegistry(workers))
+        router = app.router
         base = tracemalloc.get_traced_memory()[0]
         for i, worker in enumerate(workers):  # what a live fleet adds: a load report, a slot, a cost model
-            router.loads.set(worker, _report(i))
-            router.index.slot(worker.id)
+            app.loads.set(worker, _report(i))
+            app.index.slot(worker.id)
         for i in range(fleet):  # the shortlist rotates over idle workers: every one gets scored
             parsed = ParsedRequest(path="/generate", kind="generate", model="m", prompt_text=f"request {i}")
             router.finish(router.route(parsed))
@@ -231,7 +233,7 @@ def _stand_ins(ports: list[int], ready: Any, stop: Any) -> None:
 
 
 async def _poll_cpu(fleet: int, seconds: float, load: LoadConfig, health: HealthConfig) -> tuple[float, int, int]:
-    from extproc.addresses import free_ports
+    from prefix_common.addresses import free_ports
 
     ports = free_ports(fleet)
     workers = [Worker(id=f"w{i}", url=f"http://127.0.0.1:{p}", ip="127.0.0.1", port=p) for i, p in enumerate(ports)]

@@ -6,9 +6,9 @@ harness runs the same code paths deterministically and faster than real time, fo
 
 - every worker is the simulator's own ``Scheduler`` + ``RadixCache`` (same batching, same timing
   profile, same KV events, same ``/v1/loads`` figures), with ``--speedup 1``: the GPU of the profile;
-- the router is ``extproc.router.Router`` with the chosen policy; the workers' KV events reach its
-  index through ``WorkerCacheView`` (encoded and decoded as on the wire, after ``event_delay_s``), and
-  their load reports every ``poll_interval_s``;
+- the router is the decision pipeline with the chosen policy (``LocalDecider``, built as the serving
+  app builds it); the workers' KV events reach its index through ``WorkerCacheView`` (encoded and
+  decoded as on the wire, after ``event_delay_s``), and their load reports every ``poll_interval_s``;
 - the asyncio event loop's clock is virtual: when nothing is ready it jumps to the next timer, so a
   10-minute trace runs in seconds and two runs with one seed give the same numbers. The router takes
   that clock as its ``clock``; the simulator has no clock seam, so only its scheduler module's view of
@@ -48,11 +48,11 @@ from benchmarks.metrics import distribution, max_over_mean
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.workloads import Workload, iter_token_ids
 from extproc.config import EventsConfig, RouterConfig
-from extproc.request import ParsedRequest
-from extproc.router import Router
+from extproc.decision.local import LocalDecider
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.load import parse_loads
-from extproc.sync.workers import Worker, WorkerRegistry
 from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.kv_events import KVEvent, encode_payload
 from sglang_workers.sim.radix_cache import RadixCache
@@ -162,6 +162,21 @@ class VirtualResult:
         }
 
 
+class _ViewStates:
+    """The index state of each worker as its event view says (the event hub's answer, one view a worker)."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, WorkerCacheView] = {}
+
+    def state(self, worker: Worker) -> str:
+        view = self.views.get(worker.id)
+        return "unknown" if view is None else view.state
+
+    def block_size(self, worker: Worker) -> int | None:
+        view = self.views.get(worker.id)
+        return view.block_size if view is not None and view.block_size else None
+
+
 async def _run(
     policy: str,
     workload: Workload,
@@ -182,7 +197,8 @@ async def _run(
         events=EventsConfig(enabled=False),
         policy={"name": name, name.replace("-", "_"): options} if options else {"name": name},
     )
-    router = Router(config, WorkerRegistry(workers), clock=loop.time)
+    states = _ViewStates()
+    router = LocalDecider(config, WorkerRegistry(workers), clock=loop.time, states=states)
     schedulers: dict[str, ObservedScheduler] = {}
     for i, worker in enumerate(workers):
         profile = get_profile(names[i % len(names)].strip())
@@ -190,7 +206,7 @@ async def _run(
             page_size=16, capacity_tokens=fleet.capacity_tokens, profile=profile.name, speedup=1.0, kv_events=True
         )
         view = WorkerCacheView(worker.id, router.index, model=lambda: "", clock=loop.time)
-        router.events.views[worker.id] = [view]  # what the hub would hold: the router reads the view's state
+        states.views[worker.id] = view  # what the event hub would hold: the decision reads the view's state
         cache = RadixCache(cfg.page_size, enable_events=True)
         publisher: Any = _DirectPublisher(view, event_delay_s)  # duck-types KVEventPublisher.publish
         scheduler = ObservedScheduler(cfg, profile, cache, publisher, list(range(1000, 5000)))

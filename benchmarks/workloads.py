@@ -35,7 +35,7 @@ from typing import Any
 
 import xxhash
 
-from extproc.tokenization import load_tokenizer
+from prefix_common.tokenization import load_tokenizer
 
 __all__ = [
     "BenchRequest",

@@ -150,7 +150,7 @@ class PolicyConfig(Section):
 
     Besides ``name`` and ``options``, every key is one policy's own section, named after the policy
     with ``_`` for ``-`` (``prefix_aware``, ``session``, ``sgl_cache_aware``, ...). Each policy owns
-    the model of its section and validates it when the router starts (``extproc.policies``).
+    the model of its section and validates it when the router starts (``extproc.decision.policies``).
     """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -170,7 +170,8 @@ class PolicyConfig(Section):
         ge=2,
         description=(
             "Token-matching policies score at most this many workers per request: half that match the prompt "
-            "longest, the rest least loaded (extproc/pruning.py). A fleet this small or smaller is scored in full."
+            "longest, the rest least loaded (extproc/decision/pruning.py). A fleet this small or smaller is scored "
+            "in full."
         ),
     )
 

@@ -42,11 +42,11 @@ def _command(name: str, argv: Sequence[str]) -> Command:
 
         return up_command
     if name == "serve":
-        from extproc import serve_command
+        from extproc.serving import command as serve_command
 
         return serve_command
     if name == "envoy-config":
-        from extproc import envoy_config_command
+        from prefix_router import envoy_config_command
 
         return envoy_config_command
     if name == "sim-worker":

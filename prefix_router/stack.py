@@ -2,7 +2,7 @@
 
 N simulated SGLang workers, N real SGLang CPU workers (``sglang_workers.real``, after ``make
 sglang-cpu``) or workers you name, the router (``prefix-router serve``) and Envoy (configured by
-``extproc.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
+``prefix_router.envoy_config``). ``GatewayStack`` is the programmatic form: tests and the
 benchmarks start one per scenario, so its API (constructor keywords, ``start``/``stop``, ``url``,
 ``stop_router``/``start_router``) is kept stable.
 
@@ -41,9 +41,9 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import envoy_config
-from extproc.addresses import LOOPBACK, free_port, split_host_port
-from extproc.envoy_config import GatewaySpec
+from prefix_common.addresses import LOOPBACK, free_port, split_host_port
+from prefix_router import envoy_config
+from prefix_router.envoy_config import GatewaySpec
 from sglang_workers.process import reports_port_in_use
 
 __all__ = ["CrashLoopError", "GatewayStack", "StackError", "find_envoy"]

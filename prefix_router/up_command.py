@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from extproc.addresses import LOOPBACK, split_host_port
+from prefix_common.addresses import LOOPBACK, split_host_port
 from prefix_router.stack import CrashLoopError, GatewayStack
 
 __all__ = ["configure", "main"]

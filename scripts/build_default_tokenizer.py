@@ -1,4 +1,4 @@
-"""Build the project's built-in default tokenizer (``extproc/default_tokenizer/``).
+"""Build the project's built-in default tokenizer (``prefix_common/default_tokenizer/``).
 
 Why: ``prefix-router sim-worker`` and ``prefix-router serve`` must work on a fresh machine with no
 network, so the project ships a small but real byte-level BPE tokenizer plus a Llama-3-style chat

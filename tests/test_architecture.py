@@ -1,7 +1,12 @@
-"""The package's shape, checked: no import cycles, and the arrows between the paths point one way.
+"""The package's shape, checked: no import cycles, and the arrows between the layers point one way.
 
 The graph is read from the source (``ast``), every ``import`` counted, including those inside
-functions (a lazy import is still a dependency). docs/architecture.md draws the same picture.
+functions (a lazy import is still a dependency). docs/architecture.md draws the same picture:
+
+    prefix_common  <  extproc.{config,clock,memory}  <  extproc.fleet  <  extproc.sync, extproc.decision
+        <  extproc.routing  <  extproc.exchange  <  extproc.pd  <  extproc.serving  <  prefix_router.cli
+
+Each layer imports only layers to its left; the simulator (``sglang_workers``) imports only ``prefix_common``.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("extproc", "sglang_workers", "benchmarks", "prefix_router")
+PACKAGES = ("extproc", "prefix_common", "sglang_workers", "benchmarks", "prefix_router")
 
 
 def _module_name(path: Path) -> str:
@@ -84,11 +89,34 @@ def _reaches(graph: dict[str, set[str]], module: str, prefixes: tuple[str, ...])
     return sorted(t for t in graph[module] if t.startswith(prefixes))
 
 
+def _external(module: str) -> set[str]:
+    """Top-level names of the modules outside the project that ``module`` imports (``asyncio``, ``grpc``, ...)."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = ROOT / module.replace(".", "/") / "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {*PACKAGES, "__future__"}
+
+
+def _violations(
+    graph: dict[str, set[str]], importers: tuple[str, ...], forbidden: tuple[str, ...]
+) -> dict[str, list[str]]:
+    """Modules under ``importers`` that import a module under ``forbidden``, with what they import."""
+    found = {m: _reaches(graph, m, forbidden) for m in graph if m.startswith(importers)}
+    return {m: t for m, t in found.items() if t}
+
+
 def test_the_graph_sees_the_known_edges() -> None:
     graph = _graph()  # a sanity check of the reader itself, so the tests below cannot pass vacuously
-    assert "extproc.sync.hub" in graph["extproc.router"]
-    assert "extproc.policies" in graph["extproc.policies.session"]  # a function-level import
-    assert "extproc.addresses" in graph["sglang_workers.sim.launch"]
+    assert "extproc.sync.hub" in graph["extproc.serving.app"]
+    assert "extproc.serving.command" in graph["prefix_router.cli"]  # a function-level import
+    assert "prefix_common.addresses" in graph["sglang_workers.sim.launch"]
+    assert "grpc" in _external("extproc.exchange.servicer")
 
 
 def test_no_import_cycles() -> None:
@@ -96,69 +124,96 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_router_never_imports_the_simulator_benchmarks_or_the_command() -> None:
-    graph = _graph()  # extproc is the router and nothing else: no exemption
-    offenders = {
-        m: _reaches(graph, m, ("sglang_workers", "benchmarks", "prefix_router"))
-        for m in graph
-        if m.startswith("extproc")
-    }
-    assert {m: t for m, t in offenders.items() if t} == {}
+    # extproc is the router and nothing else: no exemption
+    assert _violations(_graph(), ("extproc",), ("sglang_workers", "benchmarks", "prefix_router")) == {}
 
 
-REQUEST_PATH = (
-    "extproc.router",
-    "extproc.policies",
-    "extproc.servicer",
-    "extproc.request",
-    "extproc.response",
-    "extproc.prompt",
-    "extproc.telemetry",
-    "extproc.serve_command",
+def test_the_shared_leaf_imports_nothing_of_the_project() -> None:
+    assert _violations(_graph(), ("prefix_common",), ("extproc", "sglang_workers", "benchmarks", "prefix_router")) == {}
+
+
+def test_the_workers_import_only_the_shared_leaf() -> None:
+    """The simulator and the real-SGLang launcher are the router's peers, not its users: no ``extproc``."""
+    assert _violations(_graph(), ("sglang_workers",), ("extproc", "benchmarks", "prefix_router")) == {}
+
+
+# Each layer and what it may not import: everything above it.
+LAYERS = (
+    ("extproc.config", "extproc.clock", "extproc.memory"),
+    ("extproc.fleet",),
+    ("extproc.sync", "extproc.decision"),
+    ("extproc.routing",),
+    ("extproc.exchange",),
+    ("extproc.pd",),
+    ("extproc.serving",),
 )
 
 
-def test_sync_path_never_imports_the_request_path() -> None:
+def test_each_layer_imports_only_the_layers_below_it() -> None:
     graph = _graph()
-    forbidden = (*REQUEST_PATH, "extproc.envoy_config")
-    offenders = {m: _reaches(graph, m, forbidden) for m in graph if m.startswith("extproc.sync")}
-    assert {m: t for m, t in offenders.items() if t} == {}
+    for i, layer in enumerate(LAYERS):
+        above = tuple(m for upper in LAYERS[i + 1 :] for m in upper)
+        if above:
+            assert _violations(graph, layer, above) == {}, layer
 
 
-def test_request_path_never_imports_the_envoy_config_tooling() -> None:
+# What the decision may not import: anything that talks to the network, waits or exports (its inputs
+# come in as values; the router around it does the I/O).
+IO_MODULES = {"asyncio", "aiohttp", "grpc", "zmq", "redis", "socket", "http", "urllib", "subprocess", "opentelemetry"}
+
+
+def test_the_decision_pipeline_does_no_io() -> None:
     graph = _graph()
-    offenders = {
-        m: _reaches(graph, m, ("extproc.envoy_config",))
-        for m in graph
-        if m.startswith("extproc") and not m.startswith("extproc.envoy_config")
-    }
-    assert {m: t for m, t in offenders.items() if t} == {}
+    decision = [m for m in graph if m.startswith("extproc.decision")]
+    assert "extproc.decision.pipeline" in decision
+    assert {m: sorted(_external(m) & IO_MODULES) for m in decision if _external(m) & IO_MODULES} == {}
+    # ... nor through the project's own modules: it reaches only the fleet model and the leaves.
+    allowed = (
+        "extproc.decision",
+        "extproc.fleet",
+        "extproc.config",
+        "extproc.clock",
+        "extproc.memory",
+        "prefix_common",
+    )
+    assert {
+        m: sorted(t for t in graph[m] if not t.startswith(allowed))
+        for m in decision
+        if any(not t.startswith(allowed) for t in graph[m])
+    } == {}
 
 
-def test_the_workers_never_import_the_request_path_the_benchmarks_or_the_command() -> None:
+def test_only_the_serving_layer_enters_prefill_decode() -> None:
+    """PD after the decision: ``extproc.pd`` is plugged in by the app; the exchange calls it only for a pair."""
     graph = _graph()
-    forbidden = (*REQUEST_PATH, "benchmarks", "prefix_router")
-    offenders = {m: _reaches(graph, m, forbidden) for m in graph if m.startswith("sglang_workers")}
-    assert {m: t for m, t in offenders.items() if t} == {}
+    importers = sorted(m for m, ts in graph.items() if any(t.startswith("extproc.pd") for t in ts))
+    assert [m for m in importers if not m.startswith(("extproc.pd", "extproc.serving"))] == []
+    assert "extproc.pd.launch" in graph["extproc.serving.app"]
+
+
+def test_the_sync_path_and_the_decision_never_import_each_other() -> None:
+    graph = _graph()
+    assert _violations(graph, ("extproc.sync",), ("extproc.decision",)) == {}
+    assert _violations(graph, ("extproc.decision",), ("extproc.sync",)) == {}
 
 
 def test_only_the_entry_point_imports_the_commands() -> None:
     """prefix_router.cli is the top: it may import everything, nothing imports it or ``up``.
 
-    The benchmarks may use the stack (``prefix_router.stack``) as a library; the command modules are
-    wired only by the entry point, by import statements, so this graph sees each of them.
+    The benchmarks may use the stack (``prefix_router.stack``) and the Envoy config generator as
+    libraries; the command modules are wired only by the entry point, by import statements, so this
+    graph sees each of them.
     """
     graph = _graph()
-    importers = {
-        m: sorted(t for t in ts if t in ("prefix_router.cli", "prefix_router.up_command")) for m, ts in graph.items()
-    }
-    assert {m: t for m, t in importers.items() if t and m not in ("prefix_router.cli", "prefix_router.__main__")} == {}
-    commands = graph["prefix_router.cli"]
-    for module in (
+    commands = (
         "prefix_router.up_command",
-        "extproc.serve_command",
-        "extproc.envoy_config_command",
+        "extproc.serving.command",
+        "prefix_router.envoy_config_command",
         "sglang_workers.sim.command",
         "sglang_workers.real.launch_command",
         "benchmarks.bench_command",
-    ):
-        assert module in commands, module
+    )
+    importers = {m: sorted(t for t in ts if t in ("prefix_router.cli", *commands)) for m, ts in graph.items()}
+    assert {m: t for m, t in importers.items() if t and m not in ("prefix_router.cli", "prefix_router.__main__")} == {}
+    for module in commands:
+        assert module in graph["prefix_router.cli"], module

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("extproc", "sglang_workers", "benchmarks", "prefix_router")
+PACKAGES = ("extproc", "prefix_common", "sglang_workers", "benchmarks", "prefix_router")
 
 
 def test_every_module_is_named_in_the_architecture_doc() -> None:

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.blocks import block_keys, chain_seed
-from extproc.index import BlockIndex, tier_of
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.index import BlockIndex, tier_of
 from extproc.memory import SharedBound
 from extproc.sync.event_wire import BlockRemoved, BlockStored, EventBatch, EventDecodeError, decode_payload
 
@@ -57,7 +57,7 @@ def _tier_bit(medium: str | None) -> tuple[str, int]:
 
 @dataclass
 class ViewStats:
-    """Counters of one view; read by ``extproc.telemetry`` at scrape time."""
+    """Counters of one view; read by ``extproc.routing.telemetry`` at scrape time."""
 
     batches: int = 0
     blocks_stored: int = 0

@@ -21,9 +21,9 @@ import asyncio
 import aiohttp
 
 from extproc.config import HealthConfig
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.discovery import discover
 from extproc.sync.http import WorkerHttp
-from extproc.sync.workers import Worker, WorkerRegistry
 
 __all__ = ["HealthChecker"]
 

@@ -19,13 +19,14 @@ import logging
 import zmq.asyncio
 
 from extproc.config import EventsConfig
-from extproc.index import BlockIndex, rank_key
+from extproc.fleet.index import BlockIndex, rank_key
+from extproc.fleet.info import event_endpoints, storage_group
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.memory import HASH_BYTES, SharedBound
 from extproc.sync.cache_view import IndexState, ViewStats, WorkerCacheView
-from extproc.sync.discovery import discover, event_endpoints, storage_group
+from extproc.sync.discovery import discover
 from extproc.sync.http import Poller, WorkerHttp
 from extproc.sync.subscriber import EventSubscriber
-from extproc.sync.workers import Worker, WorkerRegistry
 
 __all__ = ["EventHub"]
 

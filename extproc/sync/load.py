@@ -7,7 +7,7 @@ count lives on ``Worker.in_flight``; this module only adds what the worker itsel
 from other routers, the real queue, KV pressure) and, from SGLang 0.5.23's ``/v1/loads``, the
 cumulative counters from which a worker's own prefill and decode speed can be learned
 (``total_prefill_uncached_tokens``, ``total_prefill_busy_us``, ``decode_moments``; see
-``extproc.policies.prefix_aware.cost_model``). A poll whose connection is refused is also the router's fastest
+``extproc.decision.policies.prefix_aware.cost_model``). A poll whose connection is refused is also the router's fastest
 sign that a worker died: it leaves the candidate set at once.
 """
 
@@ -16,64 +16,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.config import LoadConfig
+from extproc.fleet.reports import LoadBook, WorkerLoad
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import Poller, WorkerHttp
-from extproc.sync.workers import Worker, WorkerRegistry
 
-__all__ = ["LoadTracker", "WorkerLoad", "parse_loads", "parse_metrics", "parse_prefill_passes"]
+__all__ = ["LoadTracker", "parse_loads", "parse_metrics", "parse_prefill_passes"]
 
 log = logging.getLogger(__name__)
 
 # include=all: the sections too (memory, queues, disaggregation). SGLang 0.5.23 answers from a shared-memory
 # snapshot (a few ms, no scheduler round trip), so every field costs the worker nothing more.
 _LOAD_PATHS = ("/v1/loads?include=all&format=json", "/get_load", "/metrics")
-
-
-@dataclass
-class WorkerLoad:
-    """Load a worker reported (``/v1/loads`` or ``/metrics``); ``None`` fields were not reported.
-
-    Counts are summed over the worker's DP ranks (``ranks`` says how many reported).
-    """
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_used_tokens: int = 0
-    max_total_num_tokens: int | None = None
-    token_usage: float = 0.0
-    age_s: float = 0.0  # seconds since it was polled
-    # SGLang 0.5.23 and later: prefill work queued, in uncached prompt tokens.
-    num_waiting_uncached_tokens: int | None = None
-    # Cumulative since the worker started: uncached tokens prefilled, and time spent in prefill steps.
-    total_prefill_uncached_tokens: int | None = None
-    total_prefill_busy_us: int | None = None
-    # Cumulative prefill batches (forward passes) from /metrics (``parse_prefill_passes``), read beside /v1/loads.
-    total_prefill_batches: int | None = None
-    # Cumulative decode-step moments: (steps, sum batch, sum step_us, sum batch^2, sum batch*step_us).
-    decode_moments: tuple[float, ...] | None = None
-    # The rest of what 0.5.23 reports (None: not reported), so that nothing it says is lost on the way.
-    num_total_tokens: int | None = None  # used + queued tokens
-    num_active_tokens: int | None = None
-    num_prealloc_ready_tokens: int | None = None
-    max_running_requests: int | None = None
-    gen_throughput: float | None = None  # tokens/s over the worker's last decode report (summed over ranks)
-    cache_hit_rate: float | None = None  # of its last prefill batch (mean over ranks)
-    utilization: float | None = None
-    memory: list[dict[str, Any]] | None = None  # per rank: weight_gb, kv_cache_gb, graph_gb, token_capacity
-    disaggregation: list[dict[str, Any]] | None = None
-    queues: list[dict[str, Any]] | None = None  # per rank: waiting, grammar, paused, retracted, prealloc_ready
-    reported_at: float | None = None  # the worker's own timestamp of its newest snapshot
-    ranks: int = 1
-    polled_at: float = 0.0  # the router's clock when the report arrived
-    # Running + waiting requests of each data-parallel rank, by ``dp_rank`` (empty: not reported per rank).
-    rank_requests: dict[int, int] = field(default_factory=dict)
 
 
 def _num(value: Any) -> float:
@@ -236,43 +195,20 @@ def _refused(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
 
 
-class LoadTracker:
-    """Latest reported load per worker, refreshed by one background task."""
+class LoadTracker(LoadBook):
+    """Latest reported load per worker (a ``LoadBook``), refreshed by one background task."""
 
     def __init__(
         self, config: LoadConfig, registry: WorkerRegistry, http: WorkerHttp, clock: Clock = MONOTONIC
     ) -> None:
+        super().__init__(clock)
         self.config = config
         self.registry = registry
         self.http = http
-        self.clock = clock
-        # Called with each new report as it arrives (the policy learns from reports here, not when it decides).
-        self.listeners: list[Callable[[Worker, WorkerLoad], None]] = []
-        self._loads: dict[str, tuple[float, WorkerLoad]] = {}
         self._path: dict[str, str] = {}
         self._passes_misses: dict[str, int] = {}  # polls in a row without a usable prefill-batch count
         self._passes_retry_at: dict[str, float] = {}  # not asked for the count again before then
         self._poller = Poller("load-poller", config.poll_interval_s, self.poll_once)
-
-    def get(self, worker: Worker) -> WorkerLoad | None:
-        """The last report, with ``age_s`` filled; None if the worker never answered."""
-        entry = self._loads.get(worker.id)
-        if entry is None:
-            return None
-        stamp, load = entry
-        load.age_s = self.clock() - stamp
-        return load
-
-    def peek(self, worker: Worker) -> WorkerLoad | None:
-        """The last report as it is (``age_s`` not refreshed): for figures read once per worker per decision."""
-        entry = self._loads.get(worker.id)
-        return None if entry is None else entry[1]
-
-    def set(self, worker: Worker, load: WorkerLoad) -> None:
-        load.polled_at = self.clock()
-        self._loads[worker.id] = (load.polled_at, load)
-        for listener in self.listeners:
-            listener(worker, load)
 
     async def start(self) -> None:
         self._poller.start()

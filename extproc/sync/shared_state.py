@@ -26,7 +26,7 @@ import msgpack
 from prometheus_client import CollectorRegistry, Counter
 
 from extproc.config import SharedStateConfig
-from extproc.index import BlockIndex
+from extproc.fleet.index import BlockIndex
 
 __all__ = ["SharedDecisions"]
 

@@ -38,7 +38,7 @@ from extproc.config import (
     RouterConfig,
     WorkerConfig,
 )
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.fleet.workers import Worker, WorkerRegistry
 
 __all__ = ["Resolver", "WorkerSources", "pod_worker"]
 

@@ -19,21 +19,20 @@ average over everything the worker has done; nothing here is simulator-specific.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from dataclasses import dataclass
 
 import aiohttp
 
 from extproc.config import LoadConfig
+from extproc.fleet.info import prefetch_threshold
+from extproc.fleet.reports import TierReport
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import Poller, WorkerHttp
-from extproc.sync.workers import Worker, WorkerRegistry
 
-__all__ = ["TierReport", "TierStatsTracker", "parse_tier_metrics", "prefetch_threshold"]
+__all__ = ["TierStatsTracker", "parse_tier_metrics"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH_THRESHOLD = 256  # SGLang's prefetch_threshold default (tokens)
 
 _COUNTERS = {
     "sglang:load_back_tokens_total": "load_back_tokens",
@@ -44,39 +43,6 @@ _COUNTERS = {
     "sglang:prefetch_bandwidth_count": "prefetch_ops",
     "sglang:prefetched_tokens_total": "prefetched_tokens",
 }
-
-
-@dataclass
-class TierReport:
-    """A worker's cumulative tier-transfer figures (zeros: nothing reported yet)."""
-
-    load_back_tokens: float = 0.0
-    load_back_bytes: float = 0.0
-    load_back_seconds: float = 0.0
-    load_back_ops: float = 0.0
-    prefetch_gbps_sum: float = 0.0
-    prefetch_ops: float = 0.0
-    prefetched_tokens: float = 0.0
-    prefetch_threshold: int = DEFAULT_PREFETCH_THRESHOLD
-
-    @property
-    def load_back_s_per_token(self) -> float | None:
-        """Seconds of host-to-device copy per token, as measured; None before the first load-back."""
-        if self.load_back_tokens <= 0 or self.load_back_ops <= 0:
-            return None
-        return self.load_back_seconds / self.load_back_tokens
-
-    @property
-    def bytes_per_token(self) -> float | None:
-        return self.load_back_bytes / self.load_back_tokens if self.load_back_tokens > 0 else None
-
-    @property
-    def prefetch_s_per_token(self) -> float | None:
-        """Seconds of storage read per token (bytes per token over the mean read bandwidth), if known."""
-        per_token = self.bytes_per_token
-        if per_token is None or self.prefetch_ops <= 0 or self.prefetch_gbps_sum <= 0:
-            return None
-        return per_token / (self.prefetch_gbps_sum / self.prefetch_ops * 1e9)
 
 
 def parse_tier_metrics(text: str) -> TierReport | None:
@@ -100,19 +66,6 @@ def parse_tier_metrics(text: str) -> TierReport | None:
     for name, value in values.items():
         setattr(report, name, value)
     return report
-
-
-def prefetch_threshold(worker: Worker) -> int:
-    """The worker's storage prefetch threshold in tokens (its extra config, else SGLang's default)."""
-    raw = worker.info.get("hicache_storage_backend_extra_config") if isinstance(worker.info, dict) else None
-    if isinstance(raw, str) and raw.startswith("{"):
-        try:
-            value = json.loads(raw).get("prefetch_threshold")
-        except (ValueError, AttributeError):
-            value = None
-        if isinstance(value, int) and value >= 0:
-            return value
-    return DEFAULT_PREFETCH_THRESHOLD
 
 
 class TierStatsTracker:

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from extproc.addresses import free_ports
+from prefix_common.addresses import free_ports
 
 from ..process import DisaggregationMode, Launch, WorkerProcess, spawn
 from .flags import sglang_flags

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from extproc.tokenization import DEFAULT_TOKENIZER_DIR
+from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR
 
 from .cpu_launch import cpu_environment
 from .installation import (

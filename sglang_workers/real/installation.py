@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.tokenization import DEFAULT_TOKENIZER_DIR
+from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR
 
 __all__ = [
     "CPU_DIR",

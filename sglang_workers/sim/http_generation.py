@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from extproc.tokenization import ChatTemplateError
+from prefix_common.tokenization import ChatTemplateError
 
 from .disaggregation import bootstrap_fields
 from .http_validation import (

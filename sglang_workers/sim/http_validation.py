@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from extproc.tokenization import ModelTokenizer
+from prefix_common.tokenization import ModelTokenizer
 
 from .responses import ApiError, ErrorKind
 

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from extproc.addresses import free_ports
+from prefix_common.addresses import free_ports
 
 from ..process import Launch, WorkerProcess, WorkerStartError, spawn
 

@@ -25,8 +25,8 @@ Everything is reported in wall-clock time, as a real worker reports it: a step t
 takes ``d`` seconds takes ``d / --speedup`` seconds here and counts that much busy time, throughputs are
 per wall second, and the windows are wall seconds. A worker at ``--speedup 0.25`` is a GPU four times
 slower than its profile, and reports exactly what SGLang on such a GPU would: a router that learns a
-worker's speed from these counters (``extproc.policies.prefix_aware.cost_model``) sees the speed its requests get,
-without being told any simulator setting.
+worker's speed from these counters (``extproc.decision.policies.prefix_aware.cost_model``) sees the speed its
+requests get, without being told any simulator setting.
 """
 
 from __future__ import annotations

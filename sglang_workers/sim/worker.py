@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 
-from extproc.tokenization import DEFAULT_TOKENIZER_DIR, ModelTokenizer, TokenizerLoadError, load_tokenizer
+from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR, ModelTokenizer, TokenizerLoadError, load_tokenizer
 
 from .config import SimWorkerConfig
 from .disaggregation import Bootstrap, DecodeSide, PrefillSide, missing_room_error

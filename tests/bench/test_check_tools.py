@@ -9,11 +9,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from benchmarks.replica_drift import drift, gpu_blocks
 from extproc.config import EventsConfig
-from extproc.index import BlockIndex
+from extproc.fleet.index import BlockIndex
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.routing.telemetry import FleetCollector
 from extproc.sync.http import WorkerHttp
 from extproc.sync.hub import EventHub
-from extproc.sync.workers import Worker, WorkerRegistry
-from extproc.telemetry import FleetCollector
 
 
 def _metrics_text(held: dict[str, int]) -> str:

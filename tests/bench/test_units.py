@@ -42,7 +42,7 @@ from benchmarks.workloads import (
     trace_workload,
     word_vocabulary,
 )
-from extproc.tokenization import load_tokenizer
+from prefix_common.tokenization import load_tokenizer
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "mooncake-conversation.jsonl"
 

@@ -154,7 +154,7 @@ def test_router_configs_load_and_name_the_compose_services(
 
 
 def test_envoy_config_is_the_generator_output_and_valid(envoy_bin: str) -> None:
-    from extproc import envoy_config
+    from prefix_router import envoy_config
 
     expected = generated_envoy_config(DEPLOY / "envoy.yaml")
     envoy_validate(envoy_bin, DEPLOY / "envoy.yaml")

@@ -305,7 +305,7 @@ def test_pods_run_as_non_root(rendered: tuple[str, dict]) -> None:
 
 def test_in_cluster_envoy_is_generated_valid_and_wired(envoy_bin: str, tmp_path: Path) -> None:
     objects = objects_of("sim")  # the overlay with components/envoy
-    from extproc import envoy_config
+    from prefix_router import envoy_config
 
     source = K8S / "components" / "envoy" / "envoy.yaml"
     bootstrap = generated_envoy_config(source)

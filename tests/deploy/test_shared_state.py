@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.replicas import redis_server
 from extproc.config import IndexConfig, SharedStateConfig, load_config
-from extproc.index import BlockIndex
+from extproc.fleet.index import BlockIndex
 from extproc.sync.shared_state import SharedDecisions
 
 KEYS = [101, 202, 303, 404]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc import envoy_config
-from extproc.addresses import free_port
-from extproc.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
+from prefix_common.addresses import free_port
+from prefix_router import envoy_config
+from prefix_router.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def assemble(pieces: dict, listen_port: int = 18080) -> dict:
 
 def test_envoy_directory_matches_the_generator() -> None:
     for name, content in example_files().items():
-        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m extproc.envoy_config`"
+        assert (ROOT / name).read_text() == content, f"{name} is stale: run `python -m prefix_router.envoy_config`"
 
 
 def test_envoy_directory_validates(envoy_bin: str, tmp_path: Path) -> None:
@@ -276,7 +276,7 @@ def test_router_binds_loopback_by_default() -> None:
 def test_serve_merges_config_file_and_flags(tmp_path: Path) -> None:
     import argparse
 
-    from extproc.serve_command import build_config, configure
+    from extproc.serving.command import build_config, configure
 
     config = tmp_path / "router.yaml"
     config.write_text("server: {port: 9100, max_body_bytes: 1000}\nworkers: [{url: 10.0.0.1:30000, name: a}]\n")

@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import SpoofTarget, envoy_stats, post, request, stream_lines
 
@@ -319,9 +319,9 @@ def test_fail_open_when_the_router_dies_mid_run(stack: GatewayStack) -> None:
 
 async def test_health_checker_discovers_model_and_page_size(stack: GatewayStack) -> None:
     from extproc.config import HealthConfig, WorkerConfig
+    from extproc.fleet.workers import WorkerRegistry
     from extproc.sync.health import HealthChecker
     from extproc.sync.http import WorkerHttp
-    from extproc.sync.workers import WorkerRegistry
 
     registry = WorkerRegistry.from_configs(
         [WorkerConfig(url=url) for url in stack.worker_urls] + [WorkerConfig(url=f"http://127.0.0.1:{free_port()}")]

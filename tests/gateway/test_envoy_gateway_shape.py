@@ -1,7 +1,7 @@
 """The router behind Envoy configured the way Envoy Gateway configures an InferencePool's endpoint picker.
 
 The router and two sim-workers come from a ``GatewayStack``; in front of them runs a second real
-Envoy whose bootstrap is ``extproc.gie_envoy_config`` (ORIGINAL_DST on the destination header,
+Envoy whose bootstrap is ``prefix_router.gie_envoy_config`` (ORIGINAL_DST on the destination header,
 every phase sent, bodies FULL_DUPLEX_STREAMED or BUFFERED, fail closed). Nothing of our own Envoy
 config helps here: no fallbacks, no metadata options, no header stripping.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc import gie_envoy_config
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
+from prefix_router import gie_envoy_config
 from prefix_router.stack import GatewayStack, find_envoy
 from sglang_workers.sim.config import SimWorkerConfig
 from tests.support.gateway_http import post, stream_lines
@@ -29,7 +29,7 @@ CHAT = {"model": SimWorkerConfig().model, "messages": [{"role": "user", "content
 
 def test_the_kept_file_matches_the_generator() -> None:
     path, content = gie_envoy_config.example_file()
-    assert (ROOT / path).read_text() == content, "stale: run `python -m extproc.gie_envoy_config`"
+    assert (ROOT / path).read_text() == content, "stale: run `python -m prefix_router.gie_envoy_config`"
 
 
 @pytest.fixture(scope="module")

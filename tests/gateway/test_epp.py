@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from extproc import envoy_config
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
+from prefix_router import envoy_config
 from prefix_router.stack import GatewayStack
 from sglang_workers.sim.config import SimWorkerConfig
 from tests.support.gateway_http import envoy_stats, post, request, stream_lines

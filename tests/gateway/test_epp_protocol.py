@@ -22,9 +22,9 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, FlowControlConfig, ObjectiveConfig, RouterConfig, ServerConfig
-from extproc.router import Router
-from extproc.servicer import ExtProcServicer, add_services, mark_ready, mark_serving
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.exchange.servicer import add_services, mark_ready, mark_serving
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 
 CHAT_PATH = "/v1/chat/completions"
 CHUNK = 64 * 1024
@@ -124,7 +124,7 @@ class Gateway:
 @pytest.fixture
 async def service(
     request: pytest.FixtureRequest,
-) -> AsyncIterator[tuple[Router, pb_grpc.ExternalProcessorStub, grpc.aio.Channel]]:
+) -> AsyncIterator[tuple[RouterApp, pb_grpc.ExternalProcessorStub, grpc.aio.Channel]]:
     workers = [Worker(id=e, url=f"http://{e}", ip="127.0.0.1", port=int(e.rsplit(":", 1)[1])) for e in ENDPOINTS]
     flow = getattr(request, "param", None) or FlowControlConfig()
     config = RouterConfig(
@@ -133,29 +133,29 @@ async def service(
         policy={"name": "round-robin"},
         flow_control=flow,
     )
-    router = Router(config, WorkerRegistry(workers))
+    app = RouterApp(config, WorkerRegistry(workers))
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 32 * 1024 * 1024),
             ("grpc.max_send_message_length", 32 * 1024 * 1024),
         ]
     )
-    health = add_services(server, ExtProcServicer(config, router))
+    health = add_services(server, app.servicer())
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await mark_serving(health, True)
     await mark_ready(health, True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield router, pb_grpc.ExternalProcessorStub(channel), channel
+        yield app, pb_grpc.ExternalProcessorStub(channel), channel
     finally:
         await channel.close()
         await server.stop(0)
-        await router.stop()
+        await app.stop()
 
 
-def _in_flight(router: Router) -> dict[str, int]:
-    return {w.endpoint: w.in_flight for w in router.registry.workers}
+def _in_flight(app: RouterApp) -> dict[str, int]:
+    return {w.endpoint: w.in_flight for w in app.registry.workers}
 
 
 def _destination(reply: pb.ProcessingResponse, phase: str) -> tuple[str, str]:
@@ -179,7 +179,7 @@ async def _wait(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-unt
 
 
 async def test_buffered_headers_continue_then_body_reply_names_the_destination(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     gw = Gateway(stub)
     body = _chat()
     await gw.send(_headers_message(body, streamed=False))
@@ -191,13 +191,13 @@ async def test_buffered_headers_continue_then_body_reply_names_the_destination(s
     header, metadata = _destination(reply, "request_body")
     endpoints = metadata.split(",")
     assert header == metadata and len(endpoints) == 3 and set(endpoints) == set(ENDPOINTS)
-    assert _in_flight(router)[endpoints[0]] == 1
+    assert _in_flight(app)[endpoints[0]] == 1
     await gw.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await _wait(lambda: sum(_in_flight(app).values()) == 0)
 
 
 async def test_streamed_headers_reply_waits_for_the_whole_body_then_precedes_the_body(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     gw = Gateway(stub)
     # 8 MiB in 64 KiB chunks: the prompt up front, the rest padding a parser must still read to the end.
     head = _chat("route on the whole body", user="x" * (8 * 1024 * 1024))
@@ -216,7 +216,7 @@ async def test_streamed_headers_reply_waits_for_the_whole_body_then_precedes_the
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
     assert max(len(s.body) for s in streamed) <= CHUNK
     await gw.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await _wait(lambda: sum(_in_flight(app).values()) == 0)
 
 
 async def test_streamed_body_ended_by_trailers(service) -> None:  # type: ignore[no-untyped-def]
@@ -268,7 +268,7 @@ async def test_bodiless_request_is_decided_on_its_headers(service) -> None:  # t
 
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_body_over_the_limit_is_413_in_both_modes(service, streamed: bool) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     gw = Gateway(stub)
     body = _chat("x" * (10 * 1024 * 1024))
     headers = _headers_message(None, streamed)
@@ -281,7 +281,7 @@ async def test_body_over_the_limit_is_413_in_both_modes(service, streamed: bool)
     assert reply.immediate_response.status.code == 413
     assert orjson.loads(reply.immediate_response.body)["error"]["code"] == 413
     await gw.close()
-    assert sum(_in_flight(router).values()) == 0
+    assert sum(_in_flight(app).values()) == 0
 
 
 # -- subset hint ---------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ async def test_subset_hint_is_honoured(service, streamed: bool) -> None:  # type
 
 @pytest.mark.parametrize("subset", [[], ["10.9.9.9:1"]])
 async def test_empty_or_ineligible_subset_is_503(service, subset: list[str]) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     gw = Gateway(stub)
     body = _chat()
     await gw.send(_headers_message(body, True, subset=subset), *_body_messages(body, True))
@@ -313,13 +313,13 @@ async def test_empty_or_ineligible_subset_is_503(service, subset: list[str]) -> 
     assert reply.immediate_response.status.code == 503
     assert "subset" in orjson.loads(reply.immediate_response.body)["error"]["message"]
     await gw.close()
-    assert sum(_in_flight(router).values()) == 0
+    assert sum(_in_flight(app).values()) == 0
 
 
 async def test_no_ready_endpoint_is_503(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
-    for worker in router.registry.workers:
-        router.registry.mark_unreachable(worker, "test")
+    app, stub, _ = service
+    for worker in app.registry.workers:
+        app.registry.mark_unreachable(worker, "test")
     gw = Gateway(stub)
     body = _chat()
     await gw.send(_headers_message(body, True), *_body_messages(body, True))
@@ -329,8 +329,8 @@ async def test_no_ready_endpoint_is_503(service) -> None:  # type: ignore[no-unt
 
 
 async def test_workers_that_only_missed_probes_stay_candidates_for_a_while(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
-    registry = router.registry
+    app, stub, _ = service
+    registry = app.registry
     for worker in registry.workers:
         registry.set_healthy(worker, False, "probe timed out", may_still_serve=True)
     gw = Gateway(stub)
@@ -349,23 +349,23 @@ async def test_workers_that_only_missed_probes_stay_candidates_for_a_while(servi
 
 
 async def test_served_endpoint_moves_the_accounting(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     gw = Gateway(stub)
     body = _chat("a prompt long enough to have blocks " * 20)
     await gw.send(_headers_message(body, True), *_body_messages(body, True))
     replies = await gw.read(2)
     _, metadata = _destination(replies[0], "request_headers")
     primary, fallback = metadata.split(",")[:2]
-    assert _in_flight(router)[primary] == 1
+    assert _in_flight(app)[primary] == 1
     served = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
     served.metadata_context.filter_metadata["envoy.lb"].fields[
         "x-gateway-destination-endpoint-served"
     ].string_value = fallback
     await gw.send(served)
     await gw.read(1)
-    assert _in_flight(router)[primary] == 0 and _in_flight(router)[fallback] == 1
+    assert _in_flight(app)[primary] == 0 and _in_flight(app)[fallback] == 1
     await gw.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await _wait(lambda: sum(_in_flight(app).values()) == 0)
 
 
 # -- GIE request headers -------------------------------------------------------------------------
@@ -442,7 +442,7 @@ async def _route(
 
 @pytest.mark.parametrize("service", [FLOW], indirect=True)
 async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     held = [await _route(stub, "critical") for _ in ENDPOINTS]  # every worker at its bound now
     for gw, task in held:
         reply = await task
@@ -458,7 +458,7 @@ async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: 
     # A critical one waits, and is routed as soon as a request ends.
     waiting, task = await _route(stub, "critical")
     await asyncio.sleep(0.1)
-    assert not task.done() and router.flow is not None and router.flow.waiting == 1
+    assert not task.done() and app.flow is not None and app.flow.waiting == 1
     await held[0][0].close()
     routed = await task
     assert routed.WhichOneof("response") == "request_headers"
@@ -470,10 +470,10 @@ async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: 
     assert "waited" in orjson.loads(expired.immediate_response.body)["error"]["message"]
     for gw in [waiting, late, *(g for g, _ in held[1:])]:
         await gw.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await _wait(lambda: sum(_in_flight(app).values()) == 0)
     shed_samples = {
         (s.labels["priority"], s.labels["reason"]): s.value
-        for m in router.telemetry.metrics.collect()
+        for m in app.telemetry.metrics.collect()
         if m.name == "prefix_router_flow_shed"
         for s in m.samples
         if s.name.endswith("_total")
@@ -483,16 +483,16 @@ async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: 
 
 @pytest.mark.parametrize("service", [FLOW], indirect=True)
 async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     held = [await _route(stub, "critical") for _ in ENDPOINTS]
     for _, task in held:
         await task
     gw, task = await _route(stub, "critical")
     await asyncio.sleep(0.05)
-    assert router.flow is not None and router.flow.waiting == 1
+    assert app.flow is not None and app.flow.waiting == 1
     task.cancel()
     await gw.close()
-    await _wait(lambda: router.flow is not None and router.flow.waiting == 0)
+    await _wait(lambda: app.flow is not None and app.flow.waiting == 0)
     # mid-body: headers and half the chunks, then the stream is gone
     partial = Gateway(stub)
     body = _chat("y" * 300_000)
@@ -501,7 +501,7 @@ async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> No
     await partial.close()
     for g, _ in held:
         await g.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await _wait(lambda: sum(_in_flight(app).values()) == 0)
 
 
 HEADROOM = FlowControlConfig(
@@ -514,7 +514,7 @@ HEADROOM = FlowControlConfig(
 
 @pytest.mark.parametrize("service", [HEADROOM], indirect=True)
 async def test_sheddable_requests_leave_headroom_for_the_others(service) -> None:  # type: ignore[no-untyped-def]
-    router, stub, _ = service
+    app, stub, _ = service
     held = [await _route(stub, "critical") for _ in ENDPOINTS]  # one in flight per worker: half the bound
     for _, task in held:
         await task
@@ -525,4 +525,4 @@ async def test_sheddable_requests_leave_headroom_for_the_others(service) -> None
     assert (await task).WhichOneof("response") == "request_headers"  # critical: still room
     for g in [critical, *(g for g, _ in held)]:
         await g.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await _wait(lambda: sum(_in_flight(app).values()) == 0)

@@ -22,9 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
-from extproc.router import Router
-from extproc.servicer import ExtProcServicer, add_services, mark_ready, mark_serving
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.exchange.servicer import add_services, mark_ready, mark_serving
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -64,10 +64,10 @@ def _huge_prompt() -> str:
 class Gate:
     """Marks when the pool starts and ends tokenizing the first request (wraps the real ``prompts.prepare``)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, app: RouterApp) -> None:
         self.started = threading.Event()
         self.done = threading.Event()
-        inner = router.prompts.prepare
+        inner = app.pipeline.prompts.prepare
 
         def prepare(*args: object) -> object:
             # Only the first call without a budget (the pool's, for the huge request) is watched.
@@ -80,7 +80,7 @@ class Gate:
                 if first:
                     self.done.set()
 
-        router.prompts.prepare = prepare  # type: ignore[method-assign,assignment]
+        app.pipeline.prompts.prepare = prepare  # type: ignore[method-assign,assignment]
 
     async def wait_started(self) -> None:
         for _ in range(2000):
@@ -91,45 +91,45 @@ class Gate:
 
 
 @pytest.fixture
-async def service() -> AsyncIterator[tuple[Router, grpc.aio.Channel]]:
+async def service() -> AsyncIterator[tuple[RouterApp, grpc.aio.Channel]]:
     workers = [
         Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(2)
     ]
     config = RouterConfig(server=ServerConfig(tokenize_threads=2), events=EventsConfig(enabled=False))
-    router = Router(config, WorkerRegistry(workers))
+    app = RouterApp(config, WorkerRegistry(workers))
     server = grpc.aio.server()
-    health = add_services(server, ExtProcServicer(config, router))
+    health = add_services(server, app.servicer())
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await mark_serving(health, True)
     await mark_ready(health, True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield router, channel
+        yield app, channel
     finally:
         await channel.close()
         await server.stop(0)
-        await router.stop()
+        await app.stop()
 
 
-def _in_flight(router: Router) -> int:
-    return sum(w.in_flight for w in router.registry.workers)
+def _in_flight(app: RouterApp) -> int:
+    return sum(w.in_flight for w in app.registry.workers)
 
 
-def _decisions(router: Router) -> float:
+def _decisions(app: RouterApp) -> float:
     return sum(
         s.value
-        for m in router.telemetry.metrics.collect()
+        for m in app.telemetry.metrics.collect()
         if m.name == "prefix_router_decisions"
         for s in m.samples
         if s.name.endswith("_total")
     )
 
 
-async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Router, grpc.aio.Channel]) -> None:
-    router, channel = service
+async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[RouterApp, grpc.aio.Channel]) -> None:
+    app, channel = service
     stub = pb_grpc.ExternalProcessorStub(channel)
-    gate = Gate(router)
+    gate = Gate(app)
     big = stub.Process(_held_open(_messages(_chat(_huge_prompt()))))
     big_replies = asyncio.ensure_future(_collect(big, 2))
     await gate.wait_started()
@@ -145,30 +145,30 @@ async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Rout
     small.cancel()
     replies = await asyncio.wait_for(big_replies, 30)
     destination = replies[1].request_body.response.header_mutation.set_headers[0].header.raw_value.decode()
-    assert set(destination.split(",")) == {w.endpoint for w in router.registry.workers}  # primary + fallback
-    assert _in_flight(router) == 1  # the huge request's stream is still open: its slot is held
+    assert set(destination.split(",")) == {w.endpoint for w in app.registry.workers}  # primary + fallback
+    assert _in_flight(app) == 1  # the huge request's stream is still open: its slot is held
     big.cancel()
-    await _until(lambda: _in_flight(router) == 0)
+    await _until(lambda: _in_flight(app) == 0)
 
 
-async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[Router, grpc.aio.Channel]) -> None:
-    router, channel = service
+async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, grpc.aio.Channel]) -> None:
+    app, channel = service
     stub = pb_grpc.ExternalProcessorStub(channel)
-    gate = Gate(router)
-    before = _decisions(router)
+    gate = Gate(app)
+    before = _decisions(app)
     call = stub.Process(_held_open(_messages(_chat(_huge_prompt()))))
     await _collect(call, 1)  # the headers were answered; the body is being tokenized
     await gate.wait_started()
     call.cancel()  # the client went away mid-tokenization
     await _until(gate.done.is_set)
     await asyncio.sleep(0.05)  # the loop would route now if the cancel had not reached the server
-    assert _in_flight(router) == 0 and _decisions(router) == before
+    assert _in_flight(app) == 0 and _decisions(app) == before
     # The pool is free again and later requests route normally.
     follow = stub.Process(_held_open(_messages(_chat("after the cancel"))))
     assert len(await asyncio.wait_for(_collect(follow, 2), 10)) == 2
-    assert _in_flight(router) == 1
+    assert _in_flight(app) == 1
     follow.cancel()
-    await _until(lambda: _in_flight(router) == 0)
+    await _until(lambda: _in_flight(app) == 0)
 
 
 async def _collect(call: grpc.aio.StreamStreamCall, count: int) -> list[pb.ProcessingResponse]:

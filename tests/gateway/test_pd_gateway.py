@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, request, stream_lines
 from tests.support.up import running_up

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.request import RequestError, generation_kind, parse_request
+from extproc.decision.request import RequestError, generation_kind, parse_request
 
 
 @pytest.mark.parametrize(
@@ -124,15 +124,15 @@ def test_the_largest_token_id_of_every_batch_item_is_known() -> None:
 
 def test_ids_outside_a_configured_vocabulary_are_refused_before_routing() -> None:
     from extproc.config import ModelConfig, RouterConfig
-    from extproc.router import Router
-    from extproc.sync.workers import Worker, WorkerRegistry
+    from extproc.fleet.workers import Worker, WorkerRegistry
+    from extproc.serving.app import RouterApp
 
     config = RouterConfig(models=[ModelConfig(name="tiny", vocab_size=8192)])
-    router = Router(config, WorkerRegistry([Worker(id="w0", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]))
+    app = RouterApp(config, WorkerRegistry([Worker(id="w0", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]))
     ok = parse_request("generate", "/generate", b'{"model": "tiny", "input_ids": [8191]}')
-    assert router.route(ok).worker.id == "w0"
+    assert app.router.route(ok).worker.id == "w0"
     with pytest.raises(RequestError) as caught:
-        router.route(parse_request("generate", "/generate", b'{"model": "tiny", "input_ids": [[1], [8192]]}'))
+        app.router.route(parse_request("generate", "/generate", b'{"model": "tiny", "input_ids": [[1], [8192]]}'))
     assert caught.value.status == 400 and caught.value.param == "input_ids" and "8192" in caught.value.message
     # A model without a configured vocabulary is not checked above zero (its tokenizer may be smaller).
-    assert router.route(parse_request("generate", "/generate", b'{"input_ids": [99999]}')).worker.id == "w0"
+    assert app.router.route(parse_request("generate", "/generate", b'{"input_ids": [99999]}')).worker.id == "w0"

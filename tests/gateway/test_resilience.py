@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
 from prefix_router.stack import CrashLoopError, GatewayStack
 from tests.support.gateway_http import post
 from tests.support.up import stop_up

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from extproc import response
-from extproc.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE, route_response
+from extproc.exchange import response
+from extproc.exchange.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE, route_response
 
 ENDPOINTS = ["127.0.0.1:41000", "127.0.0.1:41001"]
 

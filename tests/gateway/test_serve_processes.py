@@ -19,8 +19,8 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.addresses import free_port, split_host_port
-from extproc.envoy_config import GatewaySpec, bootstrap
+from prefix_common.addresses import free_port, split_host_port
+from prefix_router.envoy_config import GatewaySpec, bootstrap
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 

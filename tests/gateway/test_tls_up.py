@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.addresses import free_port
+from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import envoy_stats, post
 from tests.support.up import stop_up

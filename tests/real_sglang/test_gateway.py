@@ -270,9 +270,9 @@ def test_flush_cache_clears_the_workers_entries(stack: GatewayStack, sglang_cpu_
 
 def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers: list[Any]) -> None:
     from extproc.config import LoadConfig
+    from extproc.fleet.workers import Worker, WorkerRegistry
     from extproc.sync.http import WorkerHttp
     from extproc.sync.load import LoadTracker
-    from extproc.sync.workers import Worker, WorkerRegistry
 
     worker = sglang_cpu_workers[0]
     router_view = Worker(id="w", url=worker.url, ip="127.0.0.1", port=worker.port)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extproc.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
-from extproc.sync.load import WorkerLoad
+from extproc.decision.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.fleet.reports import WorkerLoad
 
 PRIOR = PrefillModel(0.02, 4e-5, 1e-9)
 DECODE_PRIOR = DecodeModel(0.01, 1e-4)

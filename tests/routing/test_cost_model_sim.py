@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 
 from extproc.config import RouterConfig, WorkerConfig
-from extproc.policies.prefix_aware import PrefixAwarePolicy
-from extproc.request import ParsedRequest
-from extproc.router import Router
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.policies.prefix_aware import PrefixAwarePolicy
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 from sglang_workers.sim.timing import get_profile
@@ -56,17 +56,17 @@ async def _send(worker: Worker, parsed: ParsedRequest) -> None:
 
 async def test_each_worker_learns_its_own_gpus_constants(fleet: list[tuple[WorkerProcess, str]]) -> None:
     config = RouterConfig(workers=[WorkerConfig(url=w.url) for w, _ in fleet], load={"poll_interval_s": 0.2})
-    router = Router(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
-    policy = router.policy
+    app = RouterApp(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
+    policy = app.pipeline.policy
     assert isinstance(policy, PrefixAwarePolicy)
-    await router.start()
+    await app.start()
     rng = random.Random(7)
     documents = [_words(rng, rng.choice((200, 800, 1600))) for _ in range(6)]
     try:
-        workers = router.registry.workers
+        workers = app.registry.workers
         for i in range(160):  # one request at a time, each worker in turn (the other is out of the candidate set)
             for j, other in enumerate(workers):
-                router.registry.set_healthy(other, j == i % len(workers))
+                app.registry.set_healthy(other, j == i % len(workers))
             system = rng.choice(documents) if i % 3 else _words(rng, rng.choice((100, 400, 1200, 2400)))
             parsed = ParsedRequest(
                 path="/v1/chat/completions",
@@ -77,18 +77,18 @@ async def test_each_worker_learns_its_own_gpus_constants(fleet: list[tuple[Worke
                     {"role": "user", "content": _words(rng, rng.randint(5, 300))},
                 ],
             )
-            outcome = router.route(parsed)
+            outcome = app.router.route(parsed)
             try:
                 await _send(outcome.worker, parsed)
             finally:
-                router.finish(outcome)
+                app.router.finish(outcome)
             await asyncio.sleep(0.01)
         for other in workers:
-            router.registry.set_healthy(other, True)
+            app.registry.set_healthy(other, True)
         await asyncio.sleep(0.5)  # the last poll
-        for worker, (_, name) in zip(router.registry.workers, fleet):
+        for worker, (_, name) in zip(app.registry.workers, fleet):
             model = policy.cost_model(worker)
-            model.observe(router.loads.get(worker))
+            model.observe(app.loads.get(worker))
             profile = get_profile(name)
             learned = model.prefill
             print(
@@ -102,4 +102,4 @@ async def test_each_worker_learns_its_own_gpus_constants(fleet: list[tuple[Worke
                 truth = (profile.c0 + profile.a * new + profile.b * (new * new + 2 * cached * new)) / SPEEDUP
                 assert learned.seconds(new, cached) == pytest.approx(truth, rel=0.15), (name, new, cached)
     finally:
-        await router.stop()
+        await app.stop()

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from extproc.blocks import block_keys, chain_seed
 from extproc.config import EventsConfig, IndexConfig, RouterConfig
-from extproc.request import ParsedRequest
-from extproc.router import Router
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 
 
-def _router(count: int) -> tuple[Router, list[Worker]]:
+def _router(count: int) -> tuple[RouterApp, list[Worker]]:
     workers = [
         Worker(id=f"w{i}", url=f"http://127.0.0.1:{43000 + i}", ip="127.0.0.1", port=43000 + i) for i in range(count)
     ]
     config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=16))
-    return Router(config, WorkerRegistry(workers)), workers
+    return RouterApp(config, WorkerRegistry(workers)), workers
 
 
 def _generate(ids: list[int]) -> ParsedRequest:
@@ -22,33 +22,33 @@ def _generate(ids: list[int]) -> ParsedRequest:
 
 
 def test_a_new_server_info_changes_the_page_size_the_next_decision_uses() -> None:
-    router, (a, b) = _router(2)
+    app, (a, b) = _router(2)
     tokens = list(range(1, 129))
-    assert router.block_size_for(a) == 16
+    assert app.pipeline.layout.block_size(a) == 16
     a.info = {"page_size": 32}  # discovery replaces the dict on every refresh
-    assert router.block_size_for(a) == 32 and router.block_size_for(b) == 16
-    router.index.store("w0", block_keys(tokens, 32, chain_seed("")))  # w0 holds the prompt, in 32-token pages
-    outcome = router.route(_generate(tokens))
+    assert app.pipeline.layout.block_size(a) == 32 and app.pipeline.layout.block_size(b) == 16
+    app.index.store("w0", block_keys(tokens, 32, chain_seed("")))  # w0 holds the prompt, in 32-token pages
+    outcome = app.router.route(_generate(tokens))
     assert outcome.worker is a and outcome.matched_blocks == 4
     assert {c.worker.id: c.block_size for c in outcome.candidates} == {"w0": 32, "w1": 16}
     a.info = {}  # the page size is no longer reported: back to the default
-    assert router.block_size_for(a) == 16
+    assert app.pipeline.layout.block_size(a) == 16
 
 
 def test_a_worker_that_turns_out_to_run_two_ranks_is_looked_up_under_both() -> None:
-    router, (a, _b) = _router(2)
+    app, (a, _b) = _router(2)
     tokens = list(range(1, 65))
-    first = router.route(_generate(list(range(1000, 1064))))  # a decision before the ranks are known
-    router.finish(first)
+    first = app.router.route(_generate(list(range(1000, 1064))))  # a decision before the ranks are known
+    app.router.finish(first)
     a.info = {"dp_size": 2}
-    router.index.store("w0#dp1", block_keys(tokens, 16, chain_seed("")))  # rank 1 of w0 holds it
-    outcome = router.route(_generate(tokens))
+    app.index.store("w0#dp1", block_keys(tokens, 16, chain_seed("")))  # rank 1 of w0 holds it
+    outcome = app.router.route(_generate(tokens))
     assert outcome.worker is a and outcome.dp_rank == 1 and outcome.matched_blocks == 4
 
 
 def test_departed_workers_leave_the_layout() -> None:
-    router, workers = _router(3)
-    router.route(_generate(list(range(1, 33))))
-    assert router.layout.known() == set(workers)
-    router.registry.reconcile(workers[:2])
-    assert router.layout.known() == set(workers[:2])
+    app, workers = _router(3)
+    app.router.route(_generate(list(range(1, 33))))
+    assert app.pipeline.layout.known() == set(workers)
+    app.registry.reconcile(workers[:2])
+    assert app.pipeline.layout.known() == set(workers[:2])

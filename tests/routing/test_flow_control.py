@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from extproc.config import FlowControlConfig
-from extproc.flow_control import Admission, FlowController, ShedError
+from extproc.routing.flow_control import Admission, FlowController, ShedError
 
 
 class Room:
@@ -100,29 +100,29 @@ async def test_the_decision_span_records_the_wait() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from extproc.config import EventsConfig, RouterConfig
-    from extproc.request import ParsedRequest
-    from extproc.router import Router
-    from extproc.sync.workers import Worker, WorkerRegistry
+    from extproc.decision.request import ParsedRequest
+    from extproc.fleet.workers import Worker, WorkerRegistry
+    from extproc.serving.app import RouterApp
 
     config = RouterConfig(
         events=EventsConfig(enabled=False),
         flow_control=FlowControlConfig(enabled=True, max_in_flight_per_worker=1, poll_interval_s=0.01),
     )
-    router = Router(config, WorkerRegistry([Worker(id="w", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]))
+    app = RouterApp(config, WorkerRegistry([Worker(id="w", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]))
     exporter = InMemorySpanExporter()
-    router.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
+    app.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
 
     def parsed() -> ParsedRequest:
         return ParsedRequest(path="/generate", kind="generate", prompt_text="hello")
 
-    first = await router.aroute(parsed())
-    second = asyncio.create_task(router.aroute(parsed()))
+    first = await app.router.aroute(parsed())
+    second = asyncio.create_task(app.router.aroute(parsed()))
     await asyncio.sleep(0.1)  # the only worker is at its bound: the second waits
     assert not second.done()
-    router.finish(first)
+    app.router.finish(first)
     outcome = await asyncio.wait_for(second, 2)
     assert outcome.queue_wait_s >= 0.09
     waits: list[Any] = [dict(span.attributes or {})["router.queue_wait_ms"] for span in exporter.get_finished_spans()]
     assert waits[0] == 0 and waits[1] >= 90
-    router.finish(outcome)
-    await router.stop()
+    app.router.finish(outcome)
+    await app.stop()

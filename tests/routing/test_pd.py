@@ -16,16 +16,18 @@ import orjson
 import pytest
 from aiohttp import web
 
-from extproc.addresses import free_port
 from extproc.config import ConfigError, EventsConfig, PdConfig, RouterConfig, load_config
-from extproc.pd import ROOM_LIMIT, bootstrap_body, split_roles
-from extproc.pd_launch import PairLauncher
-from extproc.policies import Candidate, RoutingRequest, WorkerLoad
-from extproc.policies.decode_load import DecodeLoadPolicy, decode_queue
-from extproc.request import ParsedRequest
-from extproc.router import NoWorkerError, Router
-from extproc.sync.discovery import bootstrap_port, disaggregation_role
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.pipeline import NoWorkerError
+from extproc.decision.policies import Candidate, RoutingRequest
+from extproc.decision.policies.decode_load import DecodeLoadPolicy, decode_queue
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.info import bootstrap_port, disaggregation_role
+from extproc.fleet.reports import WorkerLoad
+from extproc.fleet.roles import split_roles
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.pd.bootstrap import ROOM_LIMIT, bootstrap_body
+from extproc.serving.app import RouterApp
+from prefix_common.addresses import free_port
 
 TOKENS = list(range(100, 164))  # four full pages of 16
 
@@ -37,19 +39,19 @@ def _worker(name: str, port: int, mode: str | None, bootstrap: int | None = None
     return Worker(id=name, url=f"http://127.0.0.1:{port}", ip="127.0.0.1", port=port, info=info)
 
 
-def _router(workers: list[Worker], **pd: Any) -> Router:
+def _router(workers: list[Worker], **pd: Any) -> RouterApp:
     config = RouterConfig(events=EventsConfig(enabled=False), pd=PdConfig(**pd))
-    return Router(config, WorkerRegistry(workers))
+    return RouterApp(config, WorkerRegistry(workers))
 
 
 def _parsed() -> ParsedRequest:
     return ParsedRequest(path="/generate", kind="generate", input_ids=list(TOKENS))
 
 
-def _hold(router: Router, worker_id: str, blocks: int) -> None:
+def _hold(app: RouterApp, worker_id: str, blocks: int) -> None:
     """The index says ``worker_id`` caches the prompt's first ``blocks`` pages (as its KV events would)."""
-    keys = router.prompts.chain(_parsed(), TOKENS, (16, ""))
-    router.index.store(worker_id, keys[:blocks])
+    keys = app.pipeline.prompts.chain(_parsed(), TOKENS, (16, ""))
+    app.index.store(worker_id, keys[:blocks])
 
 
 def test_roles_come_from_configuration_first_then_server_info() -> None:
@@ -97,27 +99,27 @@ def test_the_prefill_side_is_chosen_by_cache_and_the_decode_side_by_load() -> No
         _worker("d1", 3, "decode"),
         _worker("d2", 4, "decode"),
     ]
-    router = _router(workers)
-    _hold(router, "p2", 4)
-    _hold(router, "d1", 4)  # a decode worker's cache does not make it a prefill candidate
+    app = _router(workers)
+    _hold(app, "p2", 4)
+    _hold(app, "d1", 4)  # a decode worker's cache does not make it a prefill candidate
     workers[2].in_flight = 3  # d1 is busier
-    outcome = router.route(_parsed())
+    outcome = app.router.route(_parsed())
     assert outcome.prefill is not None
     assert outcome.prefill.worker.id == "p2" and outcome.prefill.matched_blocks == 4
     assert outcome.worker.id == "d2" and outcome.endpoints(2)[0] == "127.0.0.1:4"
     assert [w.in_flight for w in workers] == [0, 1, 3, 1]
-    router.finish(outcome)
+    app.router.finish(outcome)
     assert [w.in_flight for w in workers] == [0, 0, 3, 0]
 
 
 def test_an_aggregated_fleet_routes_as_before_and_half_a_pair_is_refused() -> None:
-    router = _router([_worker("a", 1, "null"), _worker("b", 2, None)])
-    outcome = router.route(_parsed())
+    app = _router([_worker("a", 1, "null"), _worker("b", 2, None)])
+    outcome = app.router.route(_parsed())
     assert outcome.prefill is None and outcome.worker.id in {"a", "b"}
     with pytest.raises(NoWorkerError, match="no healthy decode worker"):
-        _router([_worker("p", 1, "prefill")]).route(_parsed())
+        _router([_worker("p", 1, "prefill")]).router.route(_parsed())
     with pytest.raises(NoWorkerError, match="no healthy prefill worker"):
-        _router([_worker("d", 1, "decode")]).route(_parsed())
+        _router([_worker("d", 1, "decode")]).router.route(_parsed())
 
 
 def test_decode_load_ranks_by_in_flight_then_queued_then_kv_usage() -> None:
@@ -173,15 +175,14 @@ async def servers() -> AsyncIterator[dict[str, tuple[_Recorder, int]]]:
         await runner.cleanup()
 
 
-async def _launch(router: Router, retries: list[float] | None = None) -> Any:
+async def _launch(app: RouterApp, retries: list[float] | None = None) -> Any:
     async def on_retry(seconds: float) -> None:
         if retries is not None:
             retries.append(seconds)
 
-    launcher = PairLauncher(router)
     body = orjson.dumps({"input_ids": TOKENS, "sampling_params": {"max_new_tokens": 4}})
-    route = lambda: router.aroute(_parsed())  # noqa: E731
-    return await launcher.launch(route, "generate", "/generate", body, {"authorization": "x"}, on_retry)
+    route = lambda: app.router.aroute(_parsed())  # noqa: E731
+    return await app.pairs.launch(await route(), route, "generate", "/generate", body, {"authorization": "x"}, on_retry)
 
 
 async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_end(
@@ -191,9 +192,9 @@ async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_e
     _, decode_port = servers["decode"]
     prefill.delay_s = 0.2
     workers = [_worker("p", prefill_port, "prefill", 9300), _worker("d", decode_port, "decode")]
-    router = _router(workers)
+    app = _router(workers)
     try:
-        outcome, body, pair = await _launch(router)
+        outcome, body, pair = await _launch(app)
         assert pair is not None and outcome.worker.id == "d"
         data = orjson.loads(body)
         assert (data["bootstrap_host"], data["bootstrap_port"]) == ("127.0.0.1", 9300)
@@ -202,10 +203,10 @@ async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_e
         await asyncio.wait_for(pair.leg.task, 5)
         assert prefill.bodies == [data] and pair.leg.status == 200 and pair.failure is None
         assert workers[0].in_flight == 0 and workers[1].in_flight == 1
-        router.finish(outcome)
+        app.router.finish(outcome)
         assert workers[1].in_flight == 0
     finally:
-        await router.stop()
+        await app.stop()
 
 
 async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_answered(
@@ -215,30 +216,30 @@ async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_
     _, decode_port = servers["decode"]
     dead = _worker("dead", free_port(), "prefill")
     workers = [dead, _worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")]
-    router = _router(workers)
-    _hold(router, "dead", 4)  # the best cache is on the dead worker: it is tried first
+    app = _router(workers)
+    _hold(app, "dead", 4)  # the best cache is on the dead worker: it is tried first
     try:
         retries: list[float] = []
-        outcome, body, pair = await _launch(router, retries)
+        outcome, body, pair = await _launch(app, retries)
         assert outcome.prefill is not None and outcome.prefill.worker.id == "p"
         assert not dead.healthy and dead.in_flight == 0
-        assert retries == [router.config.pd.connect_timeout_s]  # Envoy was asked to wait for the second pair
+        assert retries == [app.config.pd.connect_timeout_s]  # Envoy was asked to wait for the second pair
         await asyncio.wait_for(pair.leg.task, 5)
         assert prefill.bodies[0]["bootstrap_room"] == orjson.loads(body)["bootstrap_room"]
-        sample = router.telemetry.metrics.get_sample_value
+        sample = app.telemetry.metrics.get_sample_value
         assert sample("prefix_router_pd_prefill_failures_total", {"reason": "refused", "retried": "true"}) == 1
-        router.finish(outcome)
-        router.registry.set_healthy(dead, True)
-        _hold(router, "p", 0)
+        app.router.finish(outcome)
+        app.registry.set_healthy(dead, True)
+        _hold(app, "p", 0)
         for worker in workers[:2]:  # both refuse now: each leaves the candidates, then 503
             worker.port = free_port()
             worker.url = f"http://127.0.0.1:{worker.port}"
-            router.registry.set_healthy(worker, True)
+            app.registry.set_healthy(worker, True)
         with pytest.raises(NoWorkerError, match="no healthy prefill worker"):
-            await _launch(router)
+            await _launch(app)
         assert workers[2].in_flight == 0
     finally:
-        await router.stop()
+        await app.stop()
 
 
 async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer(
@@ -248,23 +249,23 @@ async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer
     _, decode_port = servers["decode"]
     workers = [_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")]
     for warm_idle_s, waits_again in ((2.0, False), (0.0, True)):
-        router = _router(workers, warm_idle_s=warm_idle_s)
-        client = router.prefill_client
+        app = _router(workers, warm_idle_s=warm_idle_s)
+        client = app.prefill_client
         try:
-            outcome, _, pair = await _launch(router)
+            outcome, _, pair = await _launch(app)
             assert pair.leg.sent.is_set() and not pair.warm  # a new connection: waited for until on the wire
             await asyncio.wait_for(pair.leg.task, 5)
-            router.finish(outcome)
+            app.router.finish(outcome)
             assert client.warm(workers[0]) is not waits_again  # the connection went back to the pool
-            outcome, _, pair = await _launch(router)
+            outcome, _, pair = await _launch(app)
             assert pair.warm is not waits_again  # warm: not waited for, only given the loop's next turns
             assert pair.leg.sent.is_set()  # in which it went out
             assert not client.warm(workers[0])  # the pooled connection is that leg's now
             await asyncio.wait_for(pair.leg.task, 5)
             assert pair.leg.status == 200 and pair.failure is None
-            router.finish(outcome)
+            app.router.finish(outcome)
         finally:
-            await router.stop()
+            await app.stop()
     assert len(prefill.bodies) == 4
 
 
@@ -279,23 +280,23 @@ async def test_a_prefill_worker_that_died_is_cold_again_and_its_refusal_retries_
     await web.TCPSite(runner, "127.0.0.1", port).start()
     dead = _worker("dead", port, "prefill")
     workers = [dead, _worker("p", survivor_port, "prefill"), _worker("d", decode_port, "decode")]
-    router = _router(workers)
-    _hold(router, "dead", 4)  # the best cache is on the worker about to die: it is tried first
+    app = _router(workers)
+    _hold(app, "dead", 4)  # the best cache is on the worker about to die: it is tried first
     try:
-        outcome, _, pair = await _launch(router)
+        outcome, _, pair = await _launch(app)
         await asyncio.wait_for(pair.leg.task, 5)
-        router.finish(outcome)
-        assert outcome.prefill is not None and outcome.prefill.worker is dead and router.prefill_client.warm(dead)
+        app.router.finish(outcome)
+        assert outcome.prefill is not None and outcome.prefill.worker is dead and app.prefill_client.warm(dead)
         await runner.cleanup()  # the worker dies: its end closes the pooled connection
         await asyncio.sleep(0.05)
-        assert not router.prefill_client.warm(dead)
-        outcome, body, pair = await _launch(router)  # cold: waited for, refused, a new pair before Envoy hears
+        assert not app.prefill_client.warm(dead)
+        outcome, body, pair = await _launch(app)  # cold: waited for, refused, a new pair before Envoy hears
         assert outcome.prefill is not None and outcome.prefill.worker.id == "p" and not dead.healthy
         await asyncio.wait_for(pair.leg.task, 5)
         assert survivor.bodies[-1]["bootstrap_room"] == orjson.loads(body)["bootstrap_room"]
-        router.finish(outcome)
+        app.router.finish(outcome)
     finally:
-        await router.stop()
+        await app.stop()
         await runner.cleanup()
 
 
@@ -303,9 +304,9 @@ async def test_a_failed_prefill_leg_aborts_the_decode_side_by_rid(servers: dict[
     prefill, prefill_port = servers["prefill"]
     decode, decode_port = servers["decode"]
     prefill.status = 500
-    router = _router([_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")], abort_repeat_s=0.05)
+    app = _router([_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")], abort_repeat_s=0.05)
     try:
-        outcome, _, pair = await _launch(router)
+        outcome, _, pair = await _launch(app)
         await asyncio.wait_for(pair.leg.task, 5)
         await asyncio.sleep(0.2)
         assert pair.failure is not None and "answered 500" in pair.failure
@@ -316,44 +317,44 @@ async def test_a_failed_prefill_leg_aborts_the_decode_side_by_rid(servers: dict[
         count = len(decode.aborts)
         await asyncio.sleep(0.2)
         assert len(decode.aborts) == count
-        sample = router.telemetry.metrics.get_sample_value
+        sample = app.telemetry.metrics.get_sample_value
         assert sample("prefix_router_pd_prefill_failures_total", {"reason": "status", "retried": "false"}) == 1
         assert sample("prefix_router_pd_decode_aborts_total", {"accepted": "true"}) == 1
-        router.finish(outcome)
+        app.router.finish(outcome)
     finally:
-        await router.stop()
+        await app.stop()
 
 
 async def test_a_leg_cancelled_because_decode_ended_aborts_nothing(servers: dict[str, tuple[_Recorder, int]]) -> None:
     prefill, prefill_port = servers["prefill"]
     decode, decode_port = servers["decode"]
     prefill.delay_s = 5
-    router = _router([_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")])
+    app = _router([_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")])
     try:
-        outcome, _, pair = await _launch(router)
+        outcome, _, pair = await _launch(app)
         pair.leg.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pair.leg.task
         await asyncio.sleep(0.1)
         assert decode.aborts == [] and pair.failure is None
         assert outcome.prefill is not None and outcome.prefill.finished
-        router.finish(outcome)
+        app.router.finish(outcome)
     finally:
-        await router.stop()
+        await app.stop()
 
 
 def test_a_mostly_cached_prompt_skips_disaggregation_when_aggregated_workers_are_there() -> None:
     workers = [_worker("p", 1, "prefill"), _worker("d", 2, "decode"), _worker("a", 3, "null")]
-    router = _router(workers, aggregate_below_tokens=20)
-    outcome = router.route(_parsed())  # nothing cached: 64 tokens to prefill, a pair
+    app = _router(workers, aggregate_below_tokens=20)
+    outcome = app.router.route(_parsed())  # nothing cached: 64 tokens to prefill, a pair
     assert outcome.prefill is not None and outcome.prefill.worker.id == "p" and outcome.worker.id == "d"
-    router.finish(outcome)
-    _hold(router, "p", 3)  # 48 of 64 tokens cached on the prefill worker: 16 left, under 20
-    outcome = router.route(_parsed())
+    app.router.finish(outcome)
+    _hold(app, "p", 3)  # 48 of 64 tokens cached on the prefill worker: 16 left, under 20
+    outcome = app.router.route(_parsed())
     assert outcome.prefill is None and outcome.worker.id == "a"
-    assert router.telemetry.metrics.get_sample_value("prefix_router_pd_skipped_total") == 1
-    router.finish(outcome)
+    assert app.telemetry.metrics.get_sample_value("prefix_router_pd_skipped_total") == 1
+    app.router.finish(outcome)
     assert [w.in_flight for w in workers] == [0, 0, 0]
     always = _router([_worker("p", 1, "prefill"), _worker("d", 2, "decode"), _worker("a", 3, "null")])
     _hold(always, "p", 4)
-    assert always.route(_parsed()).prefill is not None  # 0 (the default): always paired
+    assert always.router.route(_parsed()).prefill is not None  # 0 (the default): always paired

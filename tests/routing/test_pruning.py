@@ -9,11 +9,12 @@ from pydantic import ValidationError
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.config import EventsConfig, IndexConfig, PolicyConfig, RouterConfig
-from extproc.policies import Candidate, WorkerLoad
-from extproc.pruning import CandidatePruner, load_of
-from extproc.request import ParsedRequest
-from extproc.router import Router
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.policies import Candidate
+from extproc.decision.pruning import CandidatePruner, load_of
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.reports import WorkerLoad
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 
 
 def _workers(count: int) -> list[Worker]:
@@ -22,13 +23,13 @@ def _workers(count: int) -> list[Worker]:
     ]
 
 
-def _router(count: int, max_candidates: int, clock: Clock = MONOTONIC) -> Router:
+def _router(count: int, max_candidates: int, clock: Clock = MONOTONIC) -> RouterApp:
     config = RouterConfig(
         events=EventsConfig(enabled=False),
         index=IndexConfig(default_block_size=16),
         policy=PolicyConfig(max_candidates=max_candidates),
     )
-    return Router(config, WorkerRegistry(_workers(count)), clock=clock)
+    return RouterApp(config, WorkerRegistry(_workers(count)), clock=clock)
 
 
 def _prompt(rng: random.Random, prefix: int) -> ParsedRequest:
@@ -45,8 +46,8 @@ def test_a_fleet_no_larger_than_the_shortlist_decides_exactly_as_without_pruning
     rng_a, rng_b = random.Random(3), random.Random(3)
     outstanding: list[tuple[object, object]] = []
     for step in range(120):
-        a = pruned.route(_prompt(rng_a, step % 5))
-        b = unpruned.route(_prompt(rng_b, step % 5))
+        a = pruned.router.route(_prompt(rng_a, step % 5))
+        b = unpruned.router.route(_prompt(rng_b, step % 5))
         assert a.worker.id == b.worker.id
         assert [w.id for w in a.decision.ranked] == [w.id for w in b.decision.ranked]
         assert a.decision.scores == b.decision.scores
@@ -54,8 +55,8 @@ def test_a_fleet_no_larger_than_the_shortlist_decides_exactly_as_without_pruning
         outstanding.append((a, b))
         if step % 3 == 0:  # some requests finish, some stay in flight: loads differ between workers
             done_a, done_b = outstanding.pop(0)
-            pruned.finish(done_a)  # type: ignore[arg-type]
-            unpruned.finish(done_b)  # type: ignore[arg-type]
+            pruned.router.finish(done_a)  # type: ignore[arg-type]
+            unpruned.router.finish(done_b)  # type: ignore[arg-type]
     assert len({o[0].worker.id for o in outstanding}) > 1  # type: ignore[attr-defined]
 
 
@@ -115,17 +116,17 @@ def test_equally_idle_workers_take_turns_on_the_shortlist() -> None:
 
 
 def test_the_holder_of_a_prompt_wins_on_a_pruned_large_fleet() -> None:
-    router = _router(128, 8)
+    app = _router(128, 8)
     rng = random.Random(11)
-    first = router.route(_prompt(rng, 1))
-    router.index.store(first.worker.id, first.request.block_keys)
-    router.finish(first)
+    first = app.router.route(_prompt(rng, 1))
+    app.index.store(first.worker.id, first.request.block_keys)
+    app.router.finish(first)
     for _ in range(20):
-        again = router.route(_prompt(rng, 1))
+        again = app.router.route(_prompt(rng, 1))
         assert len(again.candidates) == 8
         assert again.worker.id == first.worker.id
         assert again.matched_blocks > 0
-        router.finish(again)
+        app.router.finish(again)
 
 
 def test_a_shortlist_below_two_is_refused() -> None:

@@ -18,11 +18,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from extproc.addresses import free_ports
 from extproc.config import RouterConfig, WorkerConfig
-from extproc.request import ParsedRequest
-from extproc.router import Router
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
+from prefix_common.addresses import free_ports
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 
@@ -53,13 +53,13 @@ def fleet() -> Iterator[list[WorkerProcess]]:
             worker.stop()
 
 
-def _router(configs: list[WorkerConfig], **load: Any) -> Router:
+def _router(configs: list[WorkerConfig], **load: Any) -> RouterApp:
     config = RouterConfig(workers=configs, load={"poll_interval_s": 0.1, **load})
-    return Router(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
+    return RouterApp(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
 
 
 @pytest.fixture
-async def router(fleet: list[WorkerProcess]) -> AsyncIterator[Router]:
+async def app(fleet: list[WorkerProcess]) -> AsyncIterator[RouterApp]:
     r = _router([WorkerConfig(url=w.url) for w in fleet])
     await r.start()
     try:
@@ -85,32 +85,32 @@ async def _send(worker: Worker, parsed: ParsedRequest, max_tokens: int = 2) -> d
     return {"prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def _route_and_send(router: Router, parsed: ParsedRequest) -> tuple[Any, dict[str, int]]:
-    outcome = router.route(parsed)
+async def _route_and_send(app: RouterApp, parsed: ParsedRequest) -> tuple[Any, dict[str, int]]:
+    outcome = app.router.route(parsed)
     try:
         usage = await _send(outcome.worker, parsed)
     finally:
-        router.finish(outcome)
+        app.router.finish(outcome)
     return outcome, usage
 
 
-def _confirmed(router: Router, worker: Worker, keys: list[int]) -> bool:
-    held = router.index.blocks(worker.id)
+def _confirmed(app: RouterApp, worker: Worker, keys: list[int]) -> bool:
+    held = app.index.blocks(worker.id)
     return all(k in held for k in keys)
 
 
-async def test_same_prefix_lands_on_the_worker_that_caches_it(router: Router) -> None:
+async def test_same_prefix_lands_on_the_worker_that_caches_it(app: RouterApp) -> None:
     rng = random.Random(1)
     system = _words(rng, 300)
-    first, usage = await _route_and_send(router, _chat(system, "first question?"))
+    first, usage = await _route_and_send(app, _chat(system, "first question?"))
     assert usage["prompt"] == len(first.request.token_ids)  # router's tokens == the worker's
     assert usage["cached"] == 0
     keys = first.request.block_keys
-    await _until(lambda: _confirmed(router, first.worker, keys), what="KV events of the first request")
-    others = [w for w in router.registry.workers if w is not first.worker]
-    assert not any(router.index.blocks(w.id) & set(keys) for w in others)
+    await _until(lambda: _confirmed(app, first.worker, keys), what="KV events of the first request")
+    others = [w for w in app.registry.workers if w is not first.worker]
+    assert not any(app.index.blocks(w.id) & set(keys) for w in others)
 
-    second, usage = await _route_and_send(router, _chat(system, "a different question"))
+    second, usage = await _route_and_send(app, _chat(system, "a different question"))
     assert second.worker is first.worker
     assert second.decision.reason == "prefix-hit"
     # The index claims exactly what the worker then reports as cached.
@@ -118,29 +118,29 @@ async def test_same_prefix_lands_on_the_worker_that_caches_it(router: Router) ->
     assert usage["cached"] == second.matched_blocks * PAGE
 
 
-async def test_back_to_back_requests_share_a_worker_before_any_event(router: Router) -> None:
+async def test_back_to_back_requests_share_a_worker_before_any_event(app: RouterApp) -> None:
     rng = random.Random(2)
     system = _words(rng, 400)
-    a = router.route(_chat(system, "one"))
-    b = router.route(_chat(system, "two"))  # no event can have arrived: speculative entries decide
+    a = app.router.route(_chat(system, "one"))
+    b = app.router.route(_chat(system, "two"))  # no event can have arrived: speculative entries decide
     try:
         assert b.worker is a.worker and b.matched_blocks > 0
     finally:
-        router.finish(a)
-        router.finish(b)
+        app.router.finish(a)
+        app.router.finish(b)
 
 
-async def test_overloaded_holder_sheds_to_another_worker(router: Router) -> None:
+async def test_overloaded_holder_sheds_to_another_worker(app: RouterApp) -> None:
     rng = random.Random(3)
     system = _words(rng, 700)
-    first, _ = await _route_and_send(router, _chat(system, "warm up"))
+    first, _ = await _route_and_send(app, _chat(system, "warm up"))
     holder = first.worker
-    await _until(lambda: _confirmed(router, holder, first.request.block_keys), what="holder's events")
+    await _until(lambda: _confirmed(app, holder, first.request.block_keys), what="holder's events")
     # Another router's traffic swamps the holder: long distinct prompts it has to prefill.
     flood = [asyncio.create_task(_send(holder, _chat(_words(rng, 1500), str(i)), max_tokens=16)) for i in range(6)]
     try:
-        await _until(lambda: (router.loads.get(holder) or _NoLoad).num_waiting_reqs >= 3, what="holder's queue")
-        shed = router.route(_chat(system, "now"))
+        await _until(lambda: (app.loads.get(holder) or _NoLoad).num_waiting_reqs >= 3, what="holder's queue")
+        shed = app.router.route(_chat(system, "now"))
         try:
             candidate = next(c for c in shed.candidates if c.worker is holder)
             assert candidate.matched_blocks > 0
@@ -148,7 +148,7 @@ async def test_overloaded_holder_sheds_to_another_worker(router: Router) -> None
             usage = await _send(shed.worker, _chat(system, "now"))
             assert usage["cached"] == 0
         finally:
-            router.finish(shed)
+            app.router.finish(shed)
     finally:
         await asyncio.gather(*flood)
 

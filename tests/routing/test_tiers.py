@@ -10,26 +10,26 @@ from typing import TypeVar
 import pytest
 from prometheus_client import generate_latest
 
-from extproc.blocks import block_keys, chain_seed
 from extproc.config import RouterConfig
-from extproc.index import BlockIndex
-from extproc.policies import Candidate, Policy, RoutingRequest, create_policy
-from extproc.policies.prefix_aware import PrefixAwarePolicy
-from extproc.policies.prefix_aware.tier_cost import (
+from extproc.decision.policies import Candidate, Policy, RoutingRequest, create_policy
+from extproc.decision.policies.prefix_aware import PrefixAwarePolicy
+from extproc.decision.policies.prefix_aware.tier_cost import (
     PRIOR_STORAGE_OP_S,
     TierCosts,
     costs_from_report,
     kv_bytes_per_token,
     tier_extra,
 )
-from extproc.request import ParsedRequest
-from extproc.router import Router
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.index import BlockIndex
+from extproc.fleet.info import prefetch_threshold, storage_group
+from extproc.fleet.reports import TierReport, WorkerLoad
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 from extproc.sync.cache_view import WorkerCacheView
-from extproc.sync.discovery import storage_group
 from extproc.sync.event_wire import decode_payload
-from extproc.sync.load import WorkerLoad
-from extproc.sync.tier_stats import TierReport, parse_tier_metrics, prefetch_threshold
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.sync.tier_stats import parse_tier_metrics
 
 PAGE = 16
 
@@ -229,18 +229,18 @@ def test_the_router_reports_the_per_tier_match_in_spans_and_metrics() -> None:
     # Priors of an H100-class GPU, the hardware the transfer priors describe: with slower compute priors
     # the shared-tier prefetch on w1 would tie with w0's mixed match (this test is about reporting).
     h100 = {"prefill_floor_s": 0.015, "prefill_per_token_s": 23e-6, "attention_per_token2_s": 0.52e-9}
-    router = Router(RouterConfig(policy={"name": "prefix-aware", "prefix_aware": h100}), WorkerRegistry(workers))
+    app = RouterApp(RouterConfig(policy={"name": "prefix-aware", "prefix_aware": h100}), WorkerRegistry(workers))
     exporter = InMemorySpanExporter()
-    router.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
+    app.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
     ids = list(range(640))  # 40 blocks
     keys = block_keys(ids, PAGE, chain_seed("m"))
-    router.index.store("w0", keys[:10])
-    router.index.store("w0", keys[10:20], "host")
-    router.index.store_shared(storage_group(workers[0]) or "", keys[:30])
-    router.index.set_unknown("w0", False)
-    router.index.set_unknown("w1", False)
-    outcome = router.route(ParsedRequest(path="/generate", kind="generate", model="m", input_ids=ids))
-    router.finish(outcome)
+    app.index.store("w0", keys[:10])
+    app.index.store("w0", keys[10:20], "host")
+    app.index.store_shared(storage_group(workers[0]) or "", keys[:30])
+    app.index.set_unknown("w0", False)
+    app.index.set_unknown("w1", False)
+    outcome = app.router.route(ParsedRequest(path="/generate", kind="generate", model="m", input_ids=ids))
+    app.router.finish(outcome)
     tiers = {c.worker.id: c.tier_blocks for c in outcome.candidates}
     assert tiers == {"w0": {"gpu": 10, "host": 10, "shared": 10}, "w1": {"gpu": 0, "host": 0, "shared": 30}}
     assert outcome.worker.id == "w0"
@@ -249,7 +249,7 @@ def test_the_router_reports_the_per_tier_match_in_spans_and_metrics() -> None:
     assert list(attrs["router.candidates.host_blocks"]) == [10, 0]  # type: ignore[arg-type]
     assert list(attrs["router.candidates.shared_blocks"]) == [10, 30]  # type: ignore[arg-type]
     assert (attrs["router.chosen.gpu_blocks"], attrs["router.chosen.host_blocks"]) == (10, 10)
-    text = generate_latest(router.telemetry.metrics).decode()
+    text = generate_latest(app.telemetry.metrics).decode()
     assert 'prefix_router_matched_tier_blocks_total{policy="prefix-aware",tier="host"} 10.0' in text
     assert 'prefix_router_matched_tier_blocks_total{policy="prefix-aware",tier="shared"} 10.0' in text
     assert "prefix_router_index_shared_blocks{" in text

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from extproc.tokenization import DEFAULT_TOKENIZER_DIR, ModelTokenizer, load_tokenizer
+from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR, ModelTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
 
@@ -186,17 +186,19 @@ def test_tokenizer_with_a_normalizer_is_encoded_whole(tmp_path: Path) -> None:
 
 def test_router_uses_each_models_own_tokenizer(chatml_dir: Path) -> None:
     from extproc.config import ModelConfig, RouterConfig
-    from extproc.request import ParsedRequest
-    from extproc.router import Router
-    from extproc.sync.workers import Worker, WorkerRegistry
+    from extproc.decision.request import ParsedRequest
+    from extproc.fleet.workers import Worker, WorkerRegistry
+    from extproc.serving.app import RouterApp
 
     config = RouterConfig(models=[ModelConfig(name="small-chatml", tokenizer=str(chatml_dir))])
     workers = [Worker(id="w", url="http://127.0.0.1:1", ip="127.0.0.1", port=1)]
-    router = Router(config, WorkerRegistry(workers))
+    app = RouterApp(config, WorkerRegistry(workers))
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there\n\nfriend"}]
     for model, folder in (("small-chatml", chatml_dir), ("anything-else", DEFAULT_TOKENIZER_DIR)):
-        outcome = router.route(ParsedRequest(path="/v1/chat/completions", kind="chat", model=model, messages=messages))
-        router.finish(outcome)
+        outcome = app.router.route(
+            ParsedRequest(path="/v1/chat/completions", kind="chat", model=model, messages=messages)
+        )
+        app.router.finish(outcome)
         expected = _reference(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(expected, list):
             expected = expected["input_ids"]

@@ -11,17 +11,18 @@ from typing import Any, TypeVar
 import pytest
 from prometheus_client import generate_latest
 
-from extproc.blocks import block_keys
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
-from extproc.index import BlockIndex
+from extproc.decision.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, create_policy
+from extproc.decision.policies.prefix_aware import PrefixAwareOptions, PrefixAwarePolicy
+from extproc.decision.policies.prefix_aware.cost_model import PrefillModel
+from extproc.decision.policies.sgl_cache_aware import SglCacheAwarePolicy
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.blocks import block_keys
+from extproc.fleet.index import BlockIndex
+from extproc.fleet.reports import WorkerLoad
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.memory import BLOCK_BYTES, RECENT_BYTES
-from extproc.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, WorkerLoad, create_policy
-from extproc.policies.prefix_aware import PrefixAwareOptions, PrefixAwarePolicy
-from extproc.policies.prefix_aware.cost_model import PrefillModel
-from extproc.policies.sgl_cache_aware import SglCacheAwarePolicy
-from extproc.request import ParsedRequest
-from extproc.router import Router
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 
 
 class Clock:
@@ -119,7 +120,7 @@ def test_tiers_are_kept_apart() -> None:
 
 
 def test_key_cache_reuses_shared_prefixes_and_equals_block_keys() -> None:
-    from extproc.key_cache import KeyCache
+    from extproc.decision.key_cache import KeyCache
 
     cache = KeyCache(max_bytes=64 * 1024)
     rng = random.Random(5)
@@ -138,7 +139,7 @@ def test_key_cache_finds_each_sessions_own_turn_among_sessions_sharing_a_system_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Interleaved sessions over one system prompt: each turn hashes only the blocks its own last turn lacked."""
-    import extproc.key_cache as key_cache
+    import extproc.decision.key_cache as key_cache
 
     hashed: list[int] = []
 
@@ -456,8 +457,8 @@ def test_router_tokenizes_records_and_traces() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     config = RouterConfig(observability=ObservabilityConfig(exporter="none"))
-    router = Router(config, WorkerRegistry(_workers(3)))
-    untraced = router.route(
+    app = RouterApp(config, WorkerRegistry(_workers(3)))
+    untraced = app.router.route(
         ParsedRequest(
             path="/generate",
             kind="generate",
@@ -466,9 +467,9 @@ def test_router_tokenizes_records_and_traces() -> None:
             headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
         )
     )
-    router.finish(untraced)
+    app.router.finish(untraced)
     assert untraced.upstream_headers == {}  # exporter none: no span, the client's context goes on untouched
-    router.telemetry.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    app.telemetry.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     messages = [{"role": "system", "content": "You are terse. " * 400}, {"role": "user", "content": "hi"}]
     parsed = ParsedRequest(
         path="/v1/chat/completions",
@@ -477,24 +478,24 @@ def test_router_tokenizes_records_and_traces() -> None:
         messages=messages,
         headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
     )
-    first = router.route(parsed)
-    assert list(first.request.token_ids or []) == router.tokenizer_for("m").encode_chat(messages)
+    first = app.router.route(parsed)
+    assert list(first.request.token_ids or []) == app.pipeline.prompts.tokenizer_for("m").encode_chat(messages)
     assert first.worker.in_flight == 1
     header = first.upstream_headers["traceparent"]
     assert header.startswith("00-0af7651916cd43dd8448eb211c80319c-")  # joins the client's trace
-    second = router.route(parsed)
+    second = app.router.route(parsed)
     assert second.worker is first.worker and second.matched_blocks == len(first.request.block_keys)
-    router.finish(first)
-    router.finish(first)  # idempotent
-    router.finish(second)
+    app.router.finish(first)
+    app.router.finish(first)  # idempotent
+    app.router.finish(second)
     assert first.worker.in_flight == 0
-    text = generate_latest(router.telemetry.metrics).decode()
+    text = generate_latest(app.telemetry.metrics).decode()
     assert 'prefix_router_decisions_total{policy="prefix-aware",reason="prefix-hit-own-record"}' in text
     assert "prefix_router_decision_seconds_count" in text and 'prefix_router_worker_healthy{worker="w0"}' in text
 
 
 def test_untokenizable_request_is_still_routed() -> None:
-    router = Router(RouterConfig(), WorkerRegistry(_workers(2)))
+    app = RouterApp(RouterConfig(), WorkerRegistry(_workers(2)))
     bad = ParsedRequest(
         path="/v1/chat/completions",
         kind="chat",
@@ -502,8 +503,8 @@ def test_untokenizable_request_is_still_routed() -> None:
         messages=[{"role": "user", "content": "x"}],
         chat_template_kwargs={"messages": "clash"},
     )  # duplicate keyword: render fails
-    outcome = router.route(bad)
-    assert outcome.request.token_ids is None and outcome.worker in router.registry.workers
+    outcome = app.router.route(bad)
+    assert outcome.request.token_ids is None and outcome.worker in app.registry.workers
 
 
 def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
@@ -542,7 +543,8 @@ def test_load_reports_parse_from_loads_json_and_metrics_text() -> None:
 
 
 def test_every_field_of_sglang_0_5_23_loads_is_read() -> None:
-    from extproc.sync.load import WorkerLoad, parse_loads
+    from extproc.fleet.reports import WorkerLoad
+    from extproc.sync.load import parse_loads
 
     rank = {
         "timestamp": 100.0,
@@ -581,7 +583,7 @@ def test_every_field_of_sglang_0_5_23_loads_is_read() -> None:
 
 
 def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None:
-    from extproc.sync.discovery import event_endpoints, page_size
+    from extproc.fleet.info import event_endpoints, page_size
 
     worker = _workers(1)[0]
     worker.info = {
@@ -612,16 +614,16 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    router = Router(RouterConfig(), WorkerRegistry(_workers(3)))
+    app = RouterApp(RouterConfig(), WorkerRegistry(_workers(3)))
     exporter = InMemorySpanExporter()
-    router.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
+    app.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
     secret = "the launch codes are " + "zebra " * 80
-    outcome = router.route(
+    outcome = app.router.route(
         ParsedRequest(
             path="/v1/chat/completions", kind="chat", model="m", messages=[{"role": "user", "content": secret}]
         )
     )
-    router.finish(outcome)
+    app.router.finish(outcome)
     (span,) = exporter.get_finished_spans()
     attrs: dict[str, Any] = dict(span.attributes or {})
     assert attrs["router.chosen"] == outcome.worker.id and attrs["router.reason"] == outcome.decision.reason
@@ -869,36 +871,36 @@ def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
 
 
 def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:
-    from extproc.index import rank_key
-    from extproc.response import DP_RANK_HEADERS
+    from extproc.fleet.index import rank_key
+    from extproc.fleet.info import DP_RANK_HEADERS
 
     workers = _workers(2)
     for w in workers:
         w.info = {"dp_size": 2, "page_size": 16}
-    router = Router(RouterConfig(), WorkerRegistry(workers))
+    app = RouterApp(RouterConfig(), WorkerRegistry(workers))
     parsed = ParsedRequest(path="/generate", kind="generate", model="m", input_ids=list(range(160)))
-    keys = router.prompts.chain(parsed, list(range(160)), (16, ""))
-    router.index.store(rank_key("w1", 1), keys)  # rank 1 of w1 holds the prompt; rank 0 nothing
-    router.index.store(rank_key("w1", 0), keys[:2])
-    first = router.route(parsed)
+    keys = app.pipeline.prompts.chain(parsed, list(range(160)), (16, ""))
+    app.index.store(rank_key("w1", 1), keys)  # rank 1 of w1 holds the prompt; rank 0 nothing
+    app.index.store(rank_key("w1", 0), keys[:2])
+    first = app.router.route(parsed)
     assert first.worker.id == "w1" and first.dp_rank == 1
     assert first.matched_blocks == 10  # the worker's best rank
     assert all(first.upstream_headers[h] == "1" for h in DP_RANK_HEADERS)
     assert workers[1].rank_in_flight == {1: 1}
     # Its decision is recorded on rank 1's slot only; rank 0's slot keeps its own two blocks.
-    assert router.index.match(keys, [rank_key("w1", 0)]) == {rank_key("w1", 0): 2}
-    router.finish(first)
+    assert app.index.match(keys, [rank_key("w1", 0)]) == {rank_key("w1", 0): 2}
+    app.router.finish(first)
     assert workers[1].rank_in_flight == {1: 0}
     # No rank holds anything: the rank with fewer of our requests in flight wins the tie.
     workers[0].rank_in_flight[0] = 3
-    assert router._pin_rank(workers[0], [0, 0]) == 1
-    assert router._pin_rank(workers[0], [0, 0]) == 1  # 3 vs 1 in flight: still rank 1
-    assert router._pin_rank(workers[0], [4, 0]) == 0  # a match beats load
+    assert app.pipeline._pin_rank(workers[0], [0, 0]) == 1
+    assert app.pipeline._pin_rank(workers[0], [0, 0]) == 1  # 3 vs 1 in flight: still rank 1
+    assert app.pipeline._pin_rank(workers[0], [4, 0]) == 0  # a match beats load
     # A fallback must have the pinned rank: a single-rank worker is left out of the list.
     workers[0].info = {}
-    pinned = router.route(parsed)
+    pinned = app.router.route(parsed)
     assert pinned.dp_rank == 1 and pinned.endpoints(2) == [workers[1].endpoint]
-    metrics = generate_latest(router.telemetry.metrics).decode()
+    metrics = generate_latest(app.telemetry.metrics).decode()
     assert 'prefix_router_index_blocks{dp_rank="1",tier="gpu",worker="w1"} 10.0' in metrics
     assert 'prefix_router_index_blocks{dp_rank="0",tier="gpu",worker="w1"} 2.0' in metrics
     assert 'prefix_router_rank_in_flight{dp_rank="1",worker="w1"} 1.0' in metrics
@@ -941,17 +943,17 @@ def test_router_clock_reaches_index_loads_and_policy_and_departed_workers_are_fo
     clock = Clock()
     workers = _workers(3)
     registry = WorkerRegistry(workers)
-    router = Router(RouterConfig(), registry, clock=clock)
-    assert router.policy.clock is clock and router.loads.clock is clock
-    router.loads.set(workers[0], WorkerLoad(num_running_reqs=1))
-    assert router.loads.get(workers[0]).polled_at == clock.now  # type: ignore[union-attr]
+    app = RouterApp(RouterConfig(), registry, clock=clock)
+    assert app.pipeline.policy.clock is clock and app.loads.clock is clock
+    app.loads.set(workers[0], WorkerLoad(num_running_reqs=1))
+    assert app.loads.get(workers[0]).polled_at == clock.now  # type: ignore[union-attr]
     parsed = ParsedRequest(path="/generate", kind="generate", model="m", prompt_text="a shared prompt " * 200)
-    first = router.route(parsed)
-    router.finish(first)
-    assert router.route(parsed).worker is first.worker  # the speculative entry holds ...
-    clock.now += 2 * router.config.index.fallback_ttl_s  # no events here: the own record's life
-    assert router.index.match(first.request.block_keys, [first.worker.id])[first.worker.id] == 0  # ... then ages
-    policy = router.policy
+    first = app.router.route(parsed)
+    app.router.finish(first)
+    assert app.router.route(parsed).worker is first.worker  # the speculative entry holds ...
+    clock.now += 2 * app.config.index.fallback_ttl_s  # no events here: the own record's life
+    assert app.index.match(first.request.block_keys, [first.worker.id])[first.worker.id] == 0  # ... then ages
+    policy = app.pipeline.policy
     assert set(policy.costs) >= {workers[0].id, first.worker.id}  # type: ignore[attr-defined]
     registry.reconcile([w for w in workers if w.id != workers[0].id])
     assert workers[0].id not in policy.costs  # type: ignore[attr-defined]
@@ -959,7 +961,7 @@ def test_router_clock_reaches_index_loads_and_policy_and_departed_workers_are_fo
 
 def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> None:
     """A worker whose pool its open requests fill makes a new one wait about the share that must finish first."""
-    from extproc.policies.prefix_aware.in_flight import InFlightBook
+    from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
 
     book = InFlightBook()
     assert book.memory_wait_s("w0", 2000, 0, 10_000) == 0.0  # nothing open: nothing to wait for
@@ -978,7 +980,7 @@ def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> 
 
 def test_open_requests_hold_shared_pages_once_and_room_for_their_output() -> None:
     """Pages two open requests share count once; each request's output limit counts; release gives both back."""
-    from extproc.policies.prefix_aware.in_flight import InFlightBook
+    from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
 
     book = InFlightBook()
     prefix = list(range(100))  # 100 pages of 16 tokens: a 1,600-token system prompt
@@ -1001,7 +1003,7 @@ def test_open_requests_hold_shared_pages_once_and_room_for_their_output() -> Non
 def test_an_open_requests_output_is_held_as_written_plus_sglangs_reserve_and_a_new_one_needs_all_of_its() -> None:
     """Output counts as the share of a residence written plus SGLang's floor reserve for the rest; the new
     request's own clipped output must fit too (SGLang's admission check)."""
-    from extproc.policies.prefix_aware.in_flight import InFlightBook
+    from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
 
     book = InFlightBook()
     book.booked("w0", 1, 32, 0, now=0.0, keys=[1, 2], block_size=16, output_tokens=1000)
@@ -1018,7 +1020,7 @@ def test_an_open_requests_output_is_held_as_written_plus_sglangs_reserve_and_a_n
 
 def test_the_fleet_mean_is_kept_as_running_sums() -> None:
     """Each refit replaces its worker's share; a worker that leaves drops out; nobody measured: no mean."""
-    from extproc.policies.prefix_aware.cost_model import FleetMean
+    from extproc.decision.policies.prefix_aware.cost_model import FleetMean
 
     fleet = FleetMean()
     assert fleet.model is None

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from extproc.addresses import free_ports
+from prefix_common.addresses import free_ports
 
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

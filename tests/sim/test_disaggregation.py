@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from extproc.addresses import free_ports
+from prefix_common.addresses import free_ports
 from prefix_router.fleet import PdFleet, start_fleet, start_pd_fleet
 from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd, wait_for
 from tests.support.sim_fixtures import EventSubscriber, get_json, http, post_json, sse_events

@@ -23,8 +23,8 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
-from extproc.addresses import free_ports
-from extproc.tokenization import DEFAULT_TOKENIZER_DIR, load_tokenizer
+from prefix_common.addresses import free_ports
+from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.grpc_events import KvEventRelay, StreamError
 from sglang_workers.sim.grpc_server import SchedulerGrpcServer

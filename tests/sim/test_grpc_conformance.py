@@ -30,7 +30,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
-from extproc.addresses import free_port, free_ports
+from prefix_common.addresses import free_port, free_ports
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import Launch, WorkerProcess, spawn
 from tests.support.sim_fixtures import sha256_chain

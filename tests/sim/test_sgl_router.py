@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from extproc.addresses import free_ports
+from prefix_common.addresses import free_ports
 from prefix_router.fleet import start_fleet
 from tests.support.sim_fixtures import http
 

@@ -43,7 +43,7 @@ def generated_envoy_config(path: Path) -> dict[str, Any]:
     returns the generated bootstrap."""
     import argparse
 
-    from extproc import envoy_config, envoy_config_command
+    from prefix_router import envoy_config, envoy_config_command
 
     text = path.read_text()
     prefix = "#   prefix-router envoy-config"

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from extproc.tokenization import load_tokenizer
+from prefix_common.tokenization import load_tokenizer
 
 PAGE = 16
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from extproc.addresses import free_port
 from extproc.sync.sources import pod_worker
+from prefix_common.addresses import free_port
 
 dnslib = pytest.importorskip("dnslib")
 from dnslib import RR, A  # noqa: E402

@@ -2,7 +2,7 @@
 
 Oracle independent of the decoder: the block set each step should leave is derived from the
 scenario's operations (the token ids inserted) and the recorded event list in golden.json; the
-router's own keys are recomputed from those token ids with ``extproc.blocks``.
+router's own keys are recomputed from those token ids with ``extproc.fleet.blocks``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from extproc.blocks import block_keys, chain_seed
-from extproc.index import BlockIndex
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.event_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgpack
 
-from extproc.blocks import block_keys, chain_seed
-from extproc.index import BlockIndex
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
 
 PAGE = 4

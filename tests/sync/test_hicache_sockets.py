@@ -17,11 +17,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from extproc.blocks import block_keys, chain_seed
 from extproc.config import RouterConfig, WorkerConfig
-from extproc.request import ParsedRequest
-from extproc.router import Router
-from extproc.sync.workers import Worker, WorkerRegistry
+from extproc.decision.request import ParsedRequest
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.serving.app import RouterApp
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 from sglang_workers.sim.kv_events import BlockRemoved, BlockStored, KVEvent
@@ -56,12 +56,12 @@ def tier_events(batches: list[tuple[int, list[KVEvent], bytes]]) -> list[tuple[s
     return out
 
 
-def router_for(workers: list[WorkerProcess]) -> Router:
+def router_for(workers: list[WorkerProcess]) -> RouterApp:
     config = RouterConfig(
         workers=[WorkerConfig(url=w.url) for w in workers],
         load={"poll_interval_s": 0.1, "tier_poll_interval_s": 0.1},
     )
-    return Router(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
+    return RouterApp(config, WorkerRegistry([Worker.from_config(c) for c in config.workers]))
 
 
 def parsed(ids: list[int]) -> ParsedRequest:
@@ -83,12 +83,12 @@ async def test_host_tier_events_on_the_wire_and_in_the_router_index() -> None:
         "sim", 1, page_size=PAGE, profile="instant", capacity_tokens=256, enable_hierarchical_cache=True
     )
     sub = EventSubscriber(worker)
-    router = router_for([worker])
+    app = router_for([worker])
     try:
         sub.sync()
-        await router.start()
-        (w,) = router.registry.workers
-        await until(lambda: router.events.state(w) == "synced", "synced events")
+        await app.start()
+        (w,) = app.registry.workers
+        await until(lambda: app.events.state(w) == "synced", "synced events")
         a_hashes, b_hashes = sha256_chain(A, PAGE), sha256_chain(B, PAGE)
 
         first = await generate(worker.url, A)
@@ -105,10 +105,10 @@ async def test_host_tier_events_on_the_wire_and_in_the_router_index() -> None:
         assert ("BlockRemoved", "CPU_PINNED", a_hashes) not in events
 
         a_keys = router_keys(w, A)
-        await until(lambda: not router.index.blocks(w.id, "gpu") & set(a_keys), "the GPU removal in the index")
-        assert set(a_keys) <= router.index.blocks(w.id, "host")
-        outcome = router.route(parsed(A))
-        router.finish(outcome)
+        await until(lambda: not app.index.blocks(w.id, "gpu") & set(a_keys), "the GPU removal in the index")
+        assert set(a_keys) <= app.index.blocks(w.id, "host")
+        outcome = app.router.route(parsed(A))
+        app.router.finish(outcome)
         (candidate,) = outcome.candidates
         assert candidate.tier_blocks == {"gpu": 0, "host": 10, "shared": 0}
 
@@ -119,15 +119,15 @@ async def test_host_tier_events_on_the_wire_and_in_the_router_index() -> None:
         events = tier_events(sub.drain())
         assert ("BlockStored", "GPU", a_hashes) in events  # the load-back's GPU store
         assert ("BlockRemoved", "GPU", b_hashes) in events  # room made for it
-        await until(lambda: set(a_keys) <= router.index.blocks(w.id, "gpu"), "the load-back in the index")
-        assert set(a_keys) <= router.index.blocks(w.id, "host")  # the host copy stays
+        await until(lambda: set(a_keys) <= app.index.blocks(w.id, "gpu"), "the load-back in the index")
+        assert set(a_keys) <= app.index.blocks(w.id, "host")  # the host copy stays
 
         # The worker's reported load-back figures reach the policy's inputs.
-        await until(lambda: router.tier_stats.get(w) is not None, "tier metrics")
-        report = router.tier_stats.get(w)
+        await until(lambda: app.tier_stats.get(w) is not None, "tier metrics")
+        report = app.tier_stats.get(w)
         assert report is not None and report.load_back_tokens == 160
     finally:
-        await router.stop()
+        await app.stop()
         sub.close()
         worker.stop()
 
@@ -146,12 +146,12 @@ async def test_file_storage_is_shared_between_two_workers(tmp_path: Path) -> Non
     )
     writer, reader = workers
     sub = EventSubscriber(reader)
-    router = router_for(workers)
+    app = router_for(workers)
     try:
         sub.sync()
-        await router.start()
-        w_writer, w_reader = router.registry.workers
-        await until(lambda: all(router.events.state(w) == "synced" for w in (w_writer, w_reader)), "synced events")
+        await app.start()
+        w_writer, w_reader = app.registry.workers
+        await until(lambda: all(app.events.state(w) == "synced" for w in (w_writer, w_reader)), "synced events")
         prompt = list(range(20_000, 20_000 + 600))  # 37 full pages: over the 256-token prefetch threshold
         hashes = sha256_chain(prompt, PAGE)
 
@@ -162,9 +162,9 @@ async def test_file_storage_is_shared_between_two_workers(tmp_path: Path) -> Non
 
         # The router credits the pages to every worker of the storage group, before the reader has them.
         keys = router_keys(w_writer, prompt)
-        await until(lambda: set(keys) <= router.index.blocks(w_writer.id, "host"), "the writer's host stores")
-        outcome = router.route(parsed(prompt))
-        router.finish(outcome)
+        await until(lambda: set(keys) <= app.index.blocks(w_writer.id, "host"), "the writer's host stores")
+        outcome = app.router.route(parsed(prompt))
+        app.router.finish(outcome)
         tiers = {c.worker.id: c.tier_blocks for c in outcome.candidates}
         assert tiers[w_reader.id] == {"gpu": 0, "host": 0, "shared": 37}
         assert tiers[w_writer.id]["gpu"] == 37
@@ -187,7 +187,7 @@ async def test_file_storage_is_shared_between_two_workers(tmp_path: Path) -> Non
         assert status == 200
         assert info["hicache_storage_backend"] == "file" and info["enable_hierarchical_cache"] is True
     finally:
-        await router.stop()
+        await app.stop()
         sub.close()
         for worker in workers:
             worker.stop()

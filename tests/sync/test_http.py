@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from extproc.addresses import free_port
 from extproc.config import RouterConfig, WorkerConfig
-from extproc.router import Router
+from extproc.fleet.workers import WorkerRegistry
+from extproc.serving.app import RouterApp
 from extproc.sync.http import Poller, WorkerHttp
-from extproc.sync.workers import WorkerRegistry
+from prefix_common.addresses import free_port
 
 
 @pytest.fixture
@@ -72,9 +72,9 @@ async def test_poller_survives_a_failing_round() -> None:
 async def test_router_shares_one_client_across_the_sync_path() -> None:
     config = RouterConfig(workers=[WorkerConfig(url="http://127.0.0.1:9")])
     http = WorkerHttp()
-    router = Router(config, WorkerRegistry.from_configs(config.workers), http=http)
-    assert router.loads.http is http and router.tier_stats.http is http and router.events.http is http
-    await router.start()
-    await router.stop()
+    app = RouterApp(config, WorkerRegistry.from_configs(config.workers), http=http)
+    assert app.loads.http is http and app.tier_stats.http is http and app.events.http is http
+    await app.start()
+    await app.stop()
     assert not http.session.closed  # the caller's client outlives the router; its owner closes it
     await http.close()

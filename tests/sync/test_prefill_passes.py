@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from extproc.addresses import free_port
 from extproc.config import LoadConfig
+from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import WorkerHttp
 from extproc.sync.load import LoadTracker, parse_prefill_passes
-from extproc.sync.workers import Worker, WorkerRegistry
+from prefix_common.addresses import free_port
 from prefix_router.fleet import start_fleet
 from tests.support.gateway_http import post
 

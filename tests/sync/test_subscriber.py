@@ -17,12 +17,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from extproc.addresses import free_ports
-from extproc.blocks import block_keys, chain_seed
 from extproc.config import EventsConfig
-from extproc.index import BlockIndex
+from extproc.fleet.blocks import block_keys, chain_seed
+from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.subscriber import EventSubscriber
+from prefix_common.addresses import free_ports
 
 pytestmark = pytest.mark.timeout(60)
 

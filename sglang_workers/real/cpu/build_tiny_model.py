@@ -6,7 +6,7 @@ written out here, the weights are drawn from a seeded generator, and the tokeniz
 copied from the directory given (the project's default tokenizer). The model is small enough that a
 2-core CPU prefills 512 tokens in well under 0.1 s, so tests and benchmarks run real SGLang in seconds.
 
-    python build_tiny_model.py --tokenizer extproc/default_tokenizer --out ~/.cache/.../tiny-llama
+    python build_tiny_model.py --tokenizer prefix_common/default_tokenizer --out ~/.cache/.../tiny-llama
 """
 
 from __future__ import annotations

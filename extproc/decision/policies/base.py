@@ -1,0 +1,141 @@
+"""The one small interface every routing policy implements.
+
+Like sgl-router's policies: a policy gets the request and the candidate workers (healthy, with
+their in-flight counts, reported load and, for policies that need tokens, how many leading blocks
+of the prompt each one holds) in one context, and returns a ranking. Optional hooks default to
+nothing. Policies never do I/O: the router gathers inputs, the policy decides.
+
+Each policy owns its options: a ``PolicyOptions`` model (unknown keys refused, every field
+described) named by its ``Options`` class attribute, validated once here, in the base class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import ValidationError
+
+from extproc.clock import MONOTONIC, Clock
+from extproc.config import Section
+from extproc.fleet.reports import TierReport, WorkerLoad
+from extproc.fleet.workers import Worker
+
+__all__ = ["Candidate", "Decision", "Policy", "PolicyError", "PolicyOptions", "RoutingRequest", "WorkerLoad"]
+
+
+class PolicyError(ValueError):
+    """Bad policy name or options (reported at start-up, not per request)."""
+
+
+class PolicyOptions(Section):
+    """Base of each policy's options model (a policy without constants keeps this empty one)."""
+
+
+@dataclass
+class RoutingRequest:
+    """One request as policies see it."""
+
+    model: str
+    path: str
+    prompt_text: str = ""  # rendered prompt; character-based peer policies match on it
+    token_ids: Sequence[int] | None = None
+    block_keys: list[int] = field(default_factory=list)  # full pages only (of the first candidate group)
+    block_size: int = 16
+    headers: Mapping[str, str] = field(default_factory=dict)
+    lora: str | None = None
+    cache_salt: str | None = None
+    max_new_tokens: int | None = None  # the body's output limit (None: not given)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else len(self.prompt_text) // 4
+
+
+@dataclass
+class Candidate:
+    """One healthy worker with everything a policy may weigh."""
+
+    worker: Worker
+    in_flight: int = 0
+    load: WorkerLoad | None = None
+    matched_blocks: int = 0  # leading blocks of the prompt this worker holds in GPU memory (index + speculative)
+    host_matched_blocks: int = 0  # ... counting its host-memory tier too (>= matched_blocks when reported)
+    shared_matched_blocks: int = 0  # ... counting the storage tier it shares with others too (>= host_matched)
+    index_state: str = "synced"  # synced | unknown (events lost or absent; matched_blocks from own record)
+    block_size: int = 16  # this worker's page size (tokens per block)
+    cached_blocks: int = 0  # blocks the worker's GPU cache holds as far as the index knows (its fill)
+    storage_group: str | None = None  # the shared storage tier it reads (HiCache L3), if any
+    tier_report: TierReport | None = None  # its reported load-back / storage-prefetch figures (HiCache workers)
+
+    @property
+    def tier_blocks(self) -> dict[str, int]:
+        """Leading blocks by tier: on its GPU, then in its host memory, then in the shared storage tier."""
+        host = max(self.host_matched_blocks, self.matched_blocks)
+        shared = max(self.shared_matched_blocks, host)
+        return {"gpu": self.matched_blocks, "host": host - self.matched_blocks, "shared": shared - host}
+
+
+@dataclass
+class Decision:
+    """Workers best first (primary, then fallbacks), why, and per-worker figures for the span."""
+
+    ranked: list[Worker]
+    reason: str
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'options'}: {err['msg']}" for err in exc.errors())
+
+
+class Policy(ABC):
+    """Base class: set ``name`` (and ``Options`` if the policy has constants); override ``select``.
+
+    ``sections`` holds every policy's configured section by policy name, for policies composed of
+    others (``session`` places new sessions with its fallback policy, configured in its own section).
+    ``clock`` is the router's: a policy that ages or stamps state reads it, never ``time`` directly.
+    """
+
+    name: ClassVar[str]
+    Options: ClassVar[type[PolicyOptions]] = PolicyOptions
+    needs_tokens: bool = False  # True: the router tokenizes and fills matched_blocks
+    needs_text: bool = False  # True: the router renders the prompt text (character-based peers)
+
+    def __init__(
+        self,
+        options: Mapping[str, Any] | None = None,
+        sections: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock = MONOTONIC,
+    ) -> None:
+        self.clock = clock
+        try:
+            self.opts = self.Options.model_validate(dict(options or {}))
+        except ValidationError as exc:
+            raise PolicyError(f"invalid {self.name} options: {_problems(exc)}") from exc
+        self.sections = dict(sections or {})
+        self.setup()
+
+    def setup(self) -> None:  # noqa: B027 (optional hook)
+        """Build the policy's own state; ``opts``, ``sections`` and ``clock`` are set (one constructor for all)."""
+
+    def compose(self, create: Callable[[str], Policy]) -> None:  # noqa: B027 (optional hook)
+        """Called once after construction with the registry's factory: a policy made of others creates them here."""
+
+    @abstractmethod
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """Rank ``candidates`` (never empty) for ``request``."""
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:  # noqa: B027 (optional hook)
+        """Called after a decision is sent to Envoy (update own state)."""
+
+    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:  # noqa: B027 (optional hook)
+        """Called when the request's ext_proc stream ends (response fully sent)."""
+
+    def on_load(self, worker: Worker, load: WorkerLoad) -> None:  # noqa: B027 (optional hook)
+        """Called with each load report as it arrives (learn from it here; ``select`` only reads)."""
+
+    def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
+        """Called when a worker left the fleet (or moved to another address): forget what was kept on it."""

@@ -1,0 +1,494 @@
+"""``prefix-aware`` (the default): each request goes where it costs the fleet least, now and later.
+
+For every healthy worker the policy predicts time-to-first-token as
+
+    queued prefill + wait for KV room + prefill of the uncached tokens + the wait for the decode step under way
+
+with prefill ``c0 + a*L + b*(L^2 + 2*P*L)`` for ``L`` uncached tokens after ``P`` cached ones, the
+constants of that worker learned online from what it reports (``cost_model``; the configured constants
+are only priors; ``c0`` is paid once per prefill batch where the worker counts its batches, so a
+request that joins the batch forming behind the running prefill adds none of its own). Reports reach
+the model through ``on_load``; ranking only reads it. The queued prefill is the worker's own report
+(``num_waiting_uncached_tokens``) plus what the router sent since, drained in real time (the router's
+own account stands while a reported batch runs: a prefill under way counts as running, never as
+waiting). The wait for KV room comes from the router's own open requests on the worker against its
+reported pool (``in_flight``): below saturation a full pool, not the prefill queue, is what makes a
+request wait.
+
+The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
+Recomputing a prefix that another worker holds delays every request that later queues behind it on
+the worker that recomputes; in a queue at utilisation ``rho`` that is about ``rho / (1 - rho)``
+requests (the mean number waiting in an M/G/1 queue). So the price of a second of prefill on a
+worker is ``clamp(rho / (1 - rho), min_work_price, max_work_price)``, with ``rho`` the worker's
+measured prefill utilisation, or the time-averaged number of requests in the worker (running +
+waiting, from its load reports) when that is less: a worker kept busy by one client that sends its
+next request only after the last one finished is busy all the time but delays nobody, and its
+prefix must not be moved away from it (measured on real SGLang: the second turn of a chat left its
+holder before this). Lightly loaded workers spend cheap seconds: a hot prefix whose holder
+is busy spills to an idle worker (replication, as Preble does). As the fleet nears saturation every
+second becomes expensive, requests stay with the workers that hold their prefixes, and total work
+stays as low as the cache allows: the "death spiral on misses" cannot start, because moving a
+prefix off its holder only pays when the holder's queue is longer than the recomputation times its
+price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together on a busy fleet.
+On a lightly loaded fleet (fewer than ``idle_fleet_busy_share`` of the candidates have anything of the
+router's queued), on a worker that is idle now and whose cache has room for the new tokens (nothing
+evicted), the least price is instead the fleet's own mean price when that is lower
+(``idle_fleet_price``): such a worker's second delays no queue and pushes out no prefix, so a request
+whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
+fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
+a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
+Where a new prefix is placed (no worker holds any of the prompt), evictions are priced too
+(``eviction_weight``): the new tokens a full cache must push out, times the fleet's mean reuse of a cached
+token, beyond the least any candidate would push out. Without that a new prefix lands wherever its first
+prefill is shortest, and on a fleet of fast and slow GPUs every new system prompt went to the fast workers
+until their caches thrashed.
+
+Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
+recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
+it will least unbalance the fleet, since it attracts its followers there, instead of every tie
+herding onto one argmax. Exact ties fall to rendezvous hashing of the first block not every tied
+worker holds, so placement is deterministic per prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Literal
+
+import xxhash
+from pydantic import Field
+
+from extproc.decision.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.decision.policies.prefix_aware.cost_model import DecodeModel, FleetMean, PrefillModel, WorkerCostModel
+from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
+from extproc.decision.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
+from extproc.fleet.reports import WorkerLoad
+from extproc.fleet.workers import Worker
+
+__all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
+
+_TOUCHED_PER_WORKER = 8192  # prefixes whose last use is remembered per worker (the oldest forgotten first)
+
+# SGLang (0.5.23) estimates a request's output as at most this many tokens when it reserves KV room for it
+# (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION).
+_OUTPUT_CLIP = 4096
+
+
+def _output_of(request: RoutingRequest) -> int:
+    """The output a request may write, as SGLang estimates it when it reserves KV room (0: none named)."""
+    limit = request.max_new_tokens
+    return min(limit, _OUTPUT_CLIP) if limit is not None else 0
+
+
+class PrefixAwareOptions(PolicyOptions):
+    """Constants of the ``prefix-aware`` policy.
+
+    The time constants are priors: each worker's own are learned from its reports within seconds
+    of traffic, and a worker that reports nothing keeps these. They describe an 8B-class model on
+    one current datacenter GPU to an order of magnitude, not any measured setup.
+    """
+
+    prefill_floor_s: float = Field(
+        0.02,
+        ge=0,
+        description=(
+            "Prior c0: fixed cost of one prefill batch (one request's, on a worker whose /metrics does not count "
+            "its prefill batches)."
+        ),
+    )
+    prefill_per_token_s: float = Field(4e-5, gt=0, description="Prior a: seconds per uncached prompt token.")
+    attention_per_token2_s: float = Field(1e-9, ge=0, description="Prior b: attention seconds per token^2 of context.")
+    decode_step_s: float = Field(0.01, ge=0, description="Prior d0: one decode step of a small batch.")
+    decode_per_request_s: float = Field(1e-4, ge=0, description="Prior d1: added per request in the decode batch.")
+    prior_weight: float = Field(
+        1.0, gt=0, description="Confidence in the priors (an inverse variance of their scale): higher learns slower."
+    )
+    memory_s: float = Field(
+        10.0, gt=0, description="Time constant of the learned constants' memory (how fast a changed worker is tracked)."
+    )
+    utilization_window_s: float = Field(
+        5.0, gt=0, description="Time constant of the measured prefill utilisation that prices GPU time."
+    )
+    min_attributed_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A worker's load window is fitted only if at least this share of its prefilled tokens are "
+        "requests this router sent (with several replicas, the rest are the others' and can only be guessed).",
+    )
+    work_price: Literal["lesser", "concurrency", "utilization"] = Field(
+        "lesser",
+        description="What prices a second of prefill: rho / (1 - rho) of the worker's measured prefill "
+        "utilisation ('utilization'), its time-averaged requests in flight, running + waiting ('concurrency'), "
+        "or the lesser of the two ('lesser': a worker kept busy by one client at a time is not congested).",
+    )
+    min_work_price: float = Field(
+        1.0, ge=0, description="Least price of a second of prefill, in seconds of TTFT (0: rank by TTFT alone)."
+    )
+    max_work_price: float = Field(30.0, ge=0, description="Highest price of a second of prefill (a saturated worker).")
+    idle_fleet_price: bool = Field(
+        True,
+        description="On a lightly loaded fleet, on a worker with nothing queued and cache room for the new tokens, "
+        "the least price is the fleet's mean price of a second of prefill when that is below min_work_price "
+        "(False: min_work_price everywhere).",
+    )
+    idle_fleet_busy_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="The fleet counts as lightly loaded (for idle_fleet_price) while fewer than this share of the "
+        "candidates have anything of the router's queued.",
+    )
+    eviction_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the future recomputation a full cache's avoidable evictions cause (beyond the "
+        "least any candidate causes) where a new prefix is placed, priced at the fleet's mean reuse of cached "
+        "tokens (0: ignore evictions; a new prefix then lands wherever its first prefill is shortest, which on "
+        "a mixed fleet fills the fast workers' caches and evicts).",
+    )
+    cache_full_fraction: float = Field(
+        0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
+    )
+    tie_abs_s: float = Field(0.003, ge=0, description="Scores within this many seconds of the best count as a tie.")
+    tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
+    cold_tie_rel: float = Field(
+        0.15,
+        ge=0,
+        description="A request no candidate holds any block of: candidates within this fraction of the best score "
+        "and with no more queue than the best's (plus tie_abs_s) are a near-tie too (0: the tie_rel band only).",
+    )
+    balance_window_s: float = Field(
+        10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window."
+    )
+
+
+class PrefixAwarePolicy(Policy):
+    name = "prefix-aware"
+    Options = PrefixAwareOptions
+    opts: PrefixAwareOptions
+    needs_tokens = True
+
+    def setup(self) -> None:
+        o = self.opts
+        self._prior = PrefillModel(o.prefill_floor_s, o.prefill_per_token_s, o.attention_per_token2_s)
+        self._decode_prior = DecodeModel(o.decode_step_s, o.decode_per_request_s)
+        self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
+        self.fleet = FleetMean()  # the measured workers' mean constants (judge the unmeasured ones)
+        self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
+        self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
+        self._stored: dict[str, float] = {}  # worker id -> uncached tokens the router has sent it, cumulative
+        self._touch: dict[str, OrderedDict[int, float]] = {}  # worker id -> block key -> _stored when last used
+        self.book = InFlightBook()  # what the router sent each worker and has not seen finish
+        # Each measured worker's mean requests delayed per second of prefill (its price before the bounds),
+        # and their sum: the fleet's mean price, kept as a running sum so a report costs O(1).
+        self._queued: dict[str, float] = {}
+        self._queued_sum = 0.0
+        self._reuse_sum = 0.0  # the sum of the cost models' reuse (the fleet's mean prices an eviction)
+        self._turn = 0
+
+    def _new_model(self) -> WorkerCostModel:
+        o = self.opts
+        return WorkerCostModel(
+            self._prior,
+            self._decode_prior,
+            memory_s=o.memory_s,
+            prior_weight=o.prior_weight,
+            min_attributed_share=o.min_attributed_share,
+            utilization_window_s=o.utilization_window_s,
+            fleet=self.fleet,
+        )
+
+    def cost_model(self, worker: Worker) -> WorkerCostModel:
+        """The worker's learned cost model, created from the priors on first report or send."""
+        model = self.costs.get(worker.id)
+        if model is None:
+            model = self.costs[worker.id] = self._new_model()
+            self._reuse_sum += model.reuse
+        return model
+
+    def on_load(self, worker: Worker, load: WorkerLoad) -> None:
+        """Learn from a report (a refit also moves the fleet's mean, which judges unmeasured workers).
+
+        Why the fleet's mean and not the priors: against the priors a fresh worker would look faster or
+        slower than measured ones for no reason but ignorance (on real SGLang CPU workers the holder of a
+        chat's history, the only worker measured so far, looked slower than the prior said the idle one
+        was, and the second turn left it). Workers behind one router usually run one model on one kind of
+        GPU; a fleet that mixes them is told apart after each worker's first measured window.
+        """
+        model = self.cost_model(worker)
+        model.observe(load)
+        if model.windows:
+            queued = self._queued_of(model)
+            self._queued_sum += queued - self._queued.get(worker.id, 0.0)
+            self._queued[worker.id] = queued
+
+    def _queued_of(self, cost: WorkerCostModel) -> float:
+        """How many requests a second of prefill on this worker delays (``work_price``), before the bounds."""
+        rho = min(cost.utilization, 0.999)
+        if self.opts.work_price == "concurrency":
+            return cost.concurrency
+        if self.opts.work_price == "lesser":
+            return min(rho / (1.0 - rho), cost.concurrency)
+        return rho / (1.0 - rho)
+
+    def fleet_reuse(self) -> float:
+        """The mean over the workers' cost models of the share of prompt tokens sent there cached (a prior of 0.5)."""
+        return self._reuse_sum / len(self.costs) if self.costs else 0.5
+
+    def fleet_price(self) -> float:
+        """The measured workers' mean of ``_queued_of`` (infinite while none has measured itself)."""
+        return self._queued_sum / len(self._queued) if self._queued else math.inf
+
+    def remove_worker(self, worker_id: str) -> None:
+        model = self.costs.pop(worker_id, None)
+        if model is not None:
+            self.fleet.remove(model)
+            self._reuse_sum -= model.reuse
+        self._traffic.pop(worker_id, None)
+        self._stored.pop(worker_id, None)
+        self._touch.pop(worker_id, None)
+        self._queued_sum -= self._queued.pop(worker_id, 0.0)
+        self.book.forget(worker_id)
+
+    def predict(
+        self, request: RoutingRequest, c: Candidate, now: float, light: bool = False, new_prefix: bool = True
+    ) -> dict[str, float]:
+        """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
+
+        ``light``: the fleet counts as lightly loaded (``light_fleet``); ``new_prefix``: no candidate holds any
+        of the prompt (only then are evictions priced). Reads the learned state and changes nothing.
+        """
+        opts = self.opts
+        cost = self.costs.get(c.worker.id) or self._unseen
+        model = cost.prefill
+        total = request.prompt_tokens
+        limit = max(total - 1, 0)  # SGLang always computes at least the last prompt token
+        gpu = min(c.matched_blocks * c.block_size, limit)
+        host = max(min(c.host_matched_blocks * c.block_size, limit) - gpu, 0)
+        shared = max(min(c.shared_matched_blocks * c.block_size, limit) - gpu - host, 0)
+        # Host hits load back overlapping the prefill; shared-storage hits are read first (tier_cost.py).
+        # The transfer costs are the worker's own reports, documented priors until it has made one.
+        compute = model.seconds(total - gpu - host - shared, gpu + host + shared)
+        tier_costs = costs_from_report(c.tier_report, kv_bytes_per_token(c.load))
+        tiers = tier_extra(host, shared, tier_costs, compute, c.block_size)
+        new = total - gpu - tiers.host_tokens - tiers.shared_tokens
+        # On a light fleet, what the router's own queued sends will evict of the matched prefix before this
+        # request is admitted is computed again, not reused. (Past the knee every holder has such a queue,
+        # and spilling on that prediction moves the recomputation elsewhere, where it evicts in turn: virtual
+        # fleet, 4 workers docqa and gsp at 1.3 x knee, mean +225 % and +52 %.)
+        lost = self._lost_before_admission(request, c, cost, gpu, now) if light and gpu > 0 else 0
+        new += lost
+        prefill = model.seconds(new, total - new) + tiers.load_back_s
+        queue = cost.queued_seconds(now)
+        if prefill > 0 and cost.joins_forming_batch(now):
+            prefill = max(0.0, prefill - model.c0)  # it joins the batch waiting there: that batch pays the floor
+        load = c.load
+        running = load.num_running_reqs if load else c.in_flight
+        # A request that arrives during a decode step waits for its end: half a step on average.
+        step_wait = cost.decode.step_seconds(running) / 2
+        rho = min(cost.utilization, 0.999)
+        # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
+        # cached token is reused about reuse / (1 - reuse) times (hits per miss), so an evicted one costs
+        # that many recomputations later. The reuse is the fleet's mean, not this worker's: a worker that
+        # drew cold prompts would otherwise look cheap to evict on and draw more of them.
+        capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
+        evicted = 0.0
+        if capacity:
+            # Past ``cache_full_fraction`` of the pool the rest is running requests' working room
+            # (SGLang reserves for their decodes): new tokens there push cached ones out.
+            room = opts.cache_full_fraction * capacity - c.cached_blocks * c.block_size
+            evicted = min(float(new), max(0.0, new - room))
+        # An idle worker with cache room in a lightly loaded fleet: its seconds delay no queue and push out
+        # no prefix, so they cost what the fleet's average delays (below saturation, less than the least price).
+        least = opts.min_work_price
+        if light and queue <= 0 and evicted <= 0:
+            least = min(least, self.fleet_price())
+        price = min(max(self._queued_of(cost), least), opts.max_work_price)
+        reuse = min(self.fleet_reuse(), 0.95)
+        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
+        output = _output_of(request)
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now)
+        ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
+        return {
+            "matched_blocks": c.matched_blocks,
+            "cached_tokens": total - new,
+            "host_tokens": tiers.host_tokens,
+            "shared_tokens": tiers.shared_tokens,
+            "tier_s": tiers.seconds,
+            "new_tokens": new,
+            "lost_tokens": lost,
+            "queue_s": queue,
+            "memory_wait_s": memory_wait,
+            "prefill_s": prefill,
+            "in_flight": c.in_flight,
+            "utilization": rho,
+            "work_price": price,
+            "ttft_s": ttft,
+            "eviction_s": eviction,
+            "score": ttft + price * (prefill + eviction),
+        }
+
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        now = self.clock()
+        light = self.light_fleet(candidates, now)
+        # Evictions are priced only where a new prefix is placed (no candidate holds any of it): that choice
+        # decides where its followers go. For a prompt some worker holds, the choice is its holder or a spill,
+        # which the price of GPU time already governs; charging the spill's evictions too kept hits waiting
+        # behind cold prefills on their holders (virtual fleet: 4 workers docqa, 16 workers multi-turn).
+        new_prefix = not any(c.matched_blocks for c in candidates)
+        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix) for c in candidates}
+        # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
+        # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
+        unavoidable = min(f["eviction_s"] for f in figures.values())
+        if unavoidable > 0:
+            for f in figures.values():
+                f["eviction_s"] -= unavoidable
+                f["score"] -= f["work_price"] * unavoidable
+        score = {wid: f["score"] for wid, f in figures.items()}
+        best = min(score.values())
+        band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
+        top = max(c.matched_blocks for c in candidates)
+        tied = [c for c in candidates if score[c.worker.id] <= band]
+        held = any(c.matched_blocks or c.host_matched_blocks or c.shared_matched_blocks for c in candidates)
+        if not held and self.opts.cold_tie_rel > self.opts.tie_rel:
+            tied = self._cold_ties(candidates, figures, tied)
+        winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
+        rest = sorted((c for c in candidates if c is not winner), key=lambda c: score[c.worker.id])
+        ranked = [winner, *rest]
+        if winner.matched_blocks and winner.matched_blocks == top:
+            reason = "prefix-hit"
+        elif top:
+            reason = "prefix-spill"  # a holder exists but recomputing here costs the fleet less
+        else:
+            reason = "cold"
+        if winner.index_state != "synced" and winner.matched_blocks:
+            reason += "-own-record"
+        return Decision(ranked=[c.worker for c in ranked], reason=reason, scores=figures)
+
+    def _cold_ties(
+        self, candidates: list[Candidate], figures: dict[str, dict[str, float]], tied: list[Candidate]
+    ) -> list[Candidate]:
+        """A request nobody holds any of: ``tied`` and those within ``cold_tie_rel`` that wait no longer.
+
+        Such a request places a new prefix, and its followers go where it goes. What sets its candidates
+        apart is then their learned prefill speed, and like workers' learned constants differ by their
+        measurement noise (~10% between two identical simulated prefill workers under cache pressure,
+        2026-12-02): outside the ``tie_rel`` band the same worker took 40 of 66 cold requests, held more
+        prefixes than its cache and thrashed (docs/benchmarks.md, issue 19). The queue is measured, not
+        learned, so a candidate that would wait longer than the best stays out of the wider band.
+        """
+        o = self.opts
+        best = min(candidates, key=lambda c: figures[c.worker.id]["score"])
+        top = figures[best.worker.id]
+
+        def wait(f: dict[str, float]) -> float:
+            return f["queue_s"] + f["memory_wait_s"]
+
+        limit, band = wait(top) + o.tie_abs_s, top["score"] * (1.0 + o.cold_tie_rel)
+        inside = {c.worker.id for c in tied}
+        wider = [
+            c
+            for c in candidates
+            if c.worker.id not in inside
+            and figures[c.worker.id]["score"] <= band
+            and wait(figures[c.worker.id]) <= limit
+        ]
+        return tied + wider
+
+    def light_fleet(self, candidates: list[Candidate], now: float) -> bool:
+        """Whether idle workers' least price may fall (``idle_fleet_price``): few candidates have a queue.
+
+        The router's own account of each worker's queue, not its utilisation: on a fleet past the knee the
+        measured utilisation and the fleet's mean price can be as low as below it (hits are cheap), but most
+        workers have something waiting, and a request spilled onto the one that is momentarily idle costs
+        the holder's followers their cache (16 workers, multi-turn, 1.3 x knee: mean 147 vs 121 ms).
+        """
+        if not self.opts.idle_fleet_price or not candidates:
+            return False
+        busy = sum(1 for c in candidates if (self.costs.get(c.worker.id) or self._unseen).queued_seconds(now) > 0)
+        return busy < self.opts.idle_fleet_busy_share * len(candidates)
+
+    def _break_tie(self, request: RoutingRequest, tied: list[Candidate]) -> Candidate:
+        keys = request.block_keys
+        if not keys:
+            # Nothing to hash (untokenized request): least in-flight, rotating among equals.
+            self._turn += 1
+            fewest = min(c.in_flight for c in tied)
+            idle = [c for c in tied if c.in_flight == fewest]
+            return idle[self._turn % len(idle)]
+        depth = min(*(c.matched_blocks for c in tied), len(keys) - 1)
+        key = keys[depth].to_bytes(8, "little")
+        now = self.clock()
+        return min(
+            tied,
+            key=lambda c: (
+                round(self._recent_traffic(c.worker.id, now), 3),
+                -xxhash.xxh3_64_intdigest(key + c.worker.id.encode()),
+            ),
+        )
+
+    def _lost_before_admission(
+        self, request: RoutingRequest, c: Candidate, cost: WorkerCostModel, gpu: int, now: float
+    ) -> int:
+        """Matched tokens the router's own sends queued on this worker will push out before ``request`` is admitted.
+
+        SGLang admits in order and, when new pages need room, evicts the least recently used cached ones.
+        The sends queued there (predicted not started yet) store their new tokens; beyond the room the
+        cached prefixes leave (``cache_full_fraction`` of the pool), as many cached tokens go, oldest first.
+        The prefix this request matches was last used when the router had sent the worker ``stamp`` new
+        tokens: what was stored since is newer, the rest of the cache is older, and eviction reaches the
+        prefix once the older part is gone (a prefix never seen used counts as the oldest). Virtual fleet,
+        docqa, 4 workers, 0.5 x knee: questions predicted as 76-token hits on a document's holder computed
+        the 6.2k-token document cold, pushed out by cold documents queued ahead of them there.
+        """
+        capacity = c.load.max_total_num_tokens if c.load else None
+        if not capacity:
+            return 0
+        cached = c.cached_blocks * c.block_size
+        excess = cost.pending_new_tokens(now) - max(self.opts.cache_full_fraction * capacity - cached, 0.0)
+        if excess <= 0:
+            return 0
+        depth = gpu // max(c.block_size, 1)
+        stamps = self._touch.get(c.worker.id)
+        stamp = stamps.get(request.block_keys[depth - 1]) if stamps and 0 < depth <= len(request.block_keys) else None
+        older = 0.0 if stamp is None else max(0.0, cached - gpu - (self._stored.get(c.worker.id, 0.0) - stamp))
+        return int(min(gpu, max(0.0, excess - older)))
+
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+        worker = decision.ranked[0]
+        figures = decision.scores.get(worker.id)
+        if figures is None:
+            return
+        now = self.clock()
+        new, cached = int(figures["new_tokens"]), int(figures["cached_tokens"])
+        model = self.cost_model(worker)
+        before = model.reuse
+        model.sent(new, cached, now)
+        self._reuse_sum += model.reuse - before
+        output = _output_of(request)
+        self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size, output)
+        self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
+        # Recency as the worker's LRU sees it: how many new tokens the router had sent it when each prefix
+        # (the matched one, and the whole prompt) was last used there.
+        stored = self._stored.get(worker.id, 0.0) + new
+        self._stored[worker.id] = stored
+        stamps = self._touch.setdefault(worker.id, OrderedDict())
+        keys = request.block_keys
+        for depth in {int(figures.get("matched_blocks", 0)), len(keys)}:
+            if 0 < depth <= len(keys):
+                stamps[keys[depth - 1]] = stored
+                stamps.move_to_end(keys[depth - 1])
+        while len(stamps) > _TOUCHED_PER_WORKER:
+            stamps.popitem(last=False)
+
+    def _recent_traffic(self, worker_id: str, now: float) -> float:
+        count, stamp = self._traffic.get(worker_id, (0.0, now))
+        return count * math.exp(-(now - stamp) / self.opts.balance_window_s)
+
+    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
+        self.book.released(worker.id, id(request), self.clock())
+        model = self.costs.get(worker.id)
+        if worker.in_flight == 0 and model is not None:
+            model.idle()  # nothing outstanding from this router: no queue of its own either
