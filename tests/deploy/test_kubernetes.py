@@ -311,6 +311,17 @@ def test_router_config_as_the_pods_load_it(rendered: tuple[str, Objects], tmp_pa
         assert str(config.models[0].tokenizer).startswith(mounts["models"])
 
 
+def test_the_documented_trace_patch_turns_traces_on(tmp_path: Path) -> None:
+    """docs/deploy.md's patch, added to an overlay, gives the router an OTLP exporter and endpoint."""
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    section = docs[docs.index("**Traces** are off") :]
+    snippet = yaml.safe_load(section[section.index("```yaml") + 7 : section.index("```", section.index("```yaml") + 7)])
+    objects = render("gpu", **snippet)
+    observability = router_config(objects, tmp_path).observability
+    assert observability.exporter == "otlp-grpc"
+    assert urlsplit(observability.otlp_endpoint or "").port == 4317
+
+
 def test_router_replicas_share_decisions_through_the_deployed_valkey(
     rendered: tuple[str, Objects], tmp_path: Path
 ) -> None:
