@@ -59,8 +59,10 @@ class ServerConfig(Section):
     """The ext_proc gRPC listener."""
 
     host: str = Field("127.0.0.1", description="Bind address; loopback by default so only the local Envoy reaches it.")
-    port: int = Field(9002, description="gRPC port of the ext_proc + health service.")
-    metrics_port: int | None = Field(9102, description="Prometheus /metrics port on the same host; null disables.")
+    port: int = Field(9002, description="gRPC port of the ext_proc + health service; 0: any free port.")
+    metrics_port: int | None = Field(
+        9102, description="Prometheus /metrics port on the same host; 0: any free port; null disables."
+    )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, description="Bodies over this get 413 (Envoy's buffer limit should match)."
     )
