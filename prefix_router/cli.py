@@ -76,6 +76,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text.lower() or action.default in (None, False, [], argparse.SUPPRESS):
             return text
+        if action.default == "":
+            return f"{text} (default: empty)"
         return super()._get_help_string(action)
 
 

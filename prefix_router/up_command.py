@@ -28,7 +28,7 @@ from prefix_router.stack import CrashLoopError, GatewayStack
 __all__ = ["configure", "main"]
 
 
-log = logging.getLogger("prefix_router.up")
+log = logging.getLogger(__name__)
 
 ENGINES = ("sim", "sglang-cpu")
 DEFAULT_WORKERS = {"sim": 4, "sglang-cpu": 2}  # a CPU worker takes ~4 GB and a core while busy

@@ -184,7 +184,7 @@ def test_json_log_records_are_one_object_per_line() -> None:
     stream = StringIO()
     configure_logging("info", "json", stream)
     try:
-        log = logging.getLogger("prefix_router.test")
+        log = logging.getLogger(__name__)
         log.debug("below the level")
         log.info("worker %s joined", "w1", extra={"worker": "w1"})
         try:
@@ -199,7 +199,7 @@ def test_json_log_records_are_one_object_per_line() -> None:
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
     assert (first["level"], first["logger"], first["message"], first["worker"]) == (
         "info",
-        "prefix_router.test",
+        __name__,
         "worker w1 joined",
         "w1",
     )
@@ -253,7 +253,7 @@ def test_up_logs_json_everywhere_at_the_level_given(envoy_bin: str, tmp_path: Pa
         up.send_signal(signal.SIGTERM)
         assert up.wait(30) == 0
         own = [json.loads(line) for line in up.stderr.read().splitlines()]
-        assert any(r["logger"] == "prefix_router.up" and r["message"] == "stopped." for r in own), own
+        assert any(r["logger"] == "prefix_router.up_command" and r["message"] == "stopped." for r in own), own
         router = [json.loads(line) for line in (tmp_path / "router.log").read_text().splitlines()]
         assert any(r["level"] == "debug" and r["message"].startswith("routed /v1/chat/completions") for r in router)
     finally:
