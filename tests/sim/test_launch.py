@@ -56,7 +56,7 @@ def test_run_without_sglang_explains_how_to_install() -> None:
         pytest.skip("SGLang is installed here: --run would really launch a server")
     done = _run("--model-path", "m", "--run")
     assert done.returncode == 1
-    assert "prefix-router[sglang]" in done.stderr and "Traceback" not in done.stderr
+    assert "pip install -e '.[sglang]' in the prefix-router checkout" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_rejects_bad_page_size() -> None:
