@@ -382,7 +382,7 @@ class ObservabilityConfig(Section):
 
 
 class SharedStateConfig(Section):
-    """Router replicas sharing their unconfirmed decisions (see extproc/shared_state.py, docs/deploy.md)."""
+    """Router replicas sharing their unconfirmed decisions (see extproc/sync/shared_state.py, docs/deploy.md)."""
 
     backend: Literal["none", "redis"] = Field(
         "none",
@@ -445,7 +445,7 @@ class FlowControlConfig(Section):
         gt=0,
         description=(
             "Longest wait in the router; then 429. Envoy's ext_proc max_message_timeout must exceed it "
-            "(`prefix-router envoy-config --flow-control-ttl-s` sets it)."
+            "(`prefix-router envoy-config --max-message-timeout-ms` sets it; its default covers this one's)."
         ),
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of a 429.")

