@@ -84,22 +84,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="buffered",
         help="Envoy's ext_proc body mode: buffered, or streamed (FULL_DUPLEX_STREAMED, as GIE gateways run it).",
     )
+    # --speedup and --profile shape simulated workers only: None (not given) lets up refuse them for other fleets.
     parser.add_argument(
         "--speedup",
         type=float,
-        default=1.0,
-        help="Simulated workers run this many times faster than the GPU they model (as sim-worker's --speedup).",
+        help="Simulated workers run this many times faster than the GPU they model (as sim-worker's --speedup; "
+        "default 1).",
     )
     parser.add_argument(
         "--profile",
-        default="llama-3.1-8b-h100",
         help="Timing profile of the simulated workers, or a comma-separated list cycled over them "
-        "(a mixed fleet, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100); see `prefix-router sim-worker --help`.",
+        "(a mixed fleet, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100); see `prefix-router sim-worker --help` "
+        "(default llama-3.1-8b-h100).",
     )
     # The names these flags had before they matched sim-worker's and bench's: accepted, not advertised.
-    for legacy, dest in (("--sim-workers", "workers"), ("--sim-speedup", "speedup"), ("--sim-profile", "profile")):
-        kind = {"workers": int, "speedup": float, "profile": str}[dest]
-        parser.add_argument(legacy, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    legacy: tuple[tuple[str, str, type], ...] = (
+        ("--sim-workers", "workers", int),
+        ("--sim-speedup", "speedup", float),
+        ("--sim-profile", "profile", str),
+    )
+    for flag, dest, kind in legacy:
+        parser.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
     parser.add_argument(
         "--max-restarts",
@@ -207,9 +212,9 @@ def _announce(stack: GatewayStack, args: argparse.Namespace) -> None:
 
 async def _run_up(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
-    if args.speedup != 1.0:
+    if args.speedup is not None:
         options["speedup"] = args.speedup
-    if args.profile:
+    if args.profile is not None:
         options["profile"] = args.profile
     options["log_level"], options["log_format"] = args.log_level, args.log_format
     count = 0 if args.worker else worker_count(args)
@@ -289,6 +294,13 @@ def main(args: argparse.Namespace) -> int:
     if args.pd is not None and (args.worker or args.workers is not None):
         log.error("--pd sets the fleet itself; give it without --worker / --workers")
         return 2
+    sim_only = [flag for flag, value in (("--profile", args.profile), ("--speedup", args.speedup)) if value is not None]
+    if sim_only and (args.worker or args.engine != "sim"):
+        log.error(
+            "%s: only simulated workers take it, and with --worker or --engine sglang-cpu none start",
+            " and ".join(sim_only),
+        )
+        return 2
     if args.worker:
         try:
             [split_host_port(w) for w in args.worker]
@@ -305,7 +317,7 @@ def main(args: argparse.Namespace) -> int:
         if reason is not None:
             log.error("%s", reason)
             return 1
-    else:
+    elif args.profile is not None:
         from sglang_workers.sim.timing import profile_list
 
         try:

@@ -90,7 +90,8 @@ def test_one_name_and_one_metavar_per_thing() -> None:
     assert "--profile" in shown and "--speedup" in shown and "--sim-" not in shown
     legacy = up.parse_args(["--sim-workers", "3", "--sim-profile", "instant", "--sim-speedup", "2"])
     assert (legacy.workers, legacy.profile, legacy.speedup) == (3, "instant", 2.0)
-    assert up.parse_args([]).profile == "llama-3.1-8b-h100"  # the hidden aliases do not blank the default
+    refused = _cli("up", "--engine", "sglang-cpu", "--profile", "instant", "--speedup", "2")
+    assert refused.returncode == 2 and "--profile and --speedup: only simulated workers take it" in refused.stderr
     for parser in (subcommand_parser("sim-worker")[1], up):  # the same words for the same knobs
         assert {"--profile", "--speedup", "--log-level", "--log-format"} <= set(parser._option_string_actions)
 
