@@ -183,6 +183,7 @@ async def run(
     await router.start()
     await server.start()
     await mark_ready(health_servicer, True)
+    router.telemetry.set_ready(True)
     healthy = sum(w.healthy for w in registry.workers)
     log.info(
         "ext_proc listening on %s (%s, policy %s, %d/%d workers healthy)",
@@ -201,6 +202,7 @@ async def run(
         await sources.stop()
         log.info("shutting down: %.1fs grace for in-flight requests", config.server.grace_period_s)
         await mark_ready(health_servicer, False)
+        router.telemetry.set_ready(False)
         await mark_serving(health_servicer, False)
         await server.stop(config.server.grace_period_s)
         await router.stop()
