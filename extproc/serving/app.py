@@ -211,6 +211,7 @@ async def serve(
     await app.start()
     await server.start()
     await mark_ready(health_servicer, True)
+    app.telemetry.set_ready(True)
     healthy = sum(w.healthy for w in registry.workers)
     log.info(
         "ext_proc listening on %s (%s, policy %s, %d/%d workers healthy); metrics %s",
@@ -230,6 +231,7 @@ async def serve(
         await sources.stop()
         log.info("shutting down: %.1fs grace for in-flight requests", config.server.grace_period_s)
         await mark_ready(health_servicer, False)
+        app.telemetry.set_ready(False)
         await mark_serving(health_servicer, False)
         await server.stop(config.server.grace_period_s)
         await app.stop()
