@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -45,7 +46,16 @@ from benchmarks.metrics import RequestResult, percentile
 from benchmarks.replicas import burst_workload
 from benchmarks.workloads import Workload, prefix_hash
 
-__all__ = ["StackFigures", "first_holder_share", "main", "measure", "recreate_stack", "wait_for_gateway"]
+__all__ = [
+    "StackFigures",
+    "first_holder_share",
+    "main",
+    "measure",
+    "recreate_stack",
+    "replica_addresses",
+    "replica_decisions",
+    "wait_for_gateway",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulated workers' model (deploy/compose/router-sim.yaml)
@@ -132,25 +142,71 @@ def recreate_stack(compose: Sequence[str], env: Mapping[str, str], *, build: boo
         raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
 
 
-async def wait_for_gateway(base_url: str, healthy_workers: int = 2, timeout_s: float = 180.0) -> None:
-    """Until chat completions through the gateway have been served by ``healthy_workers`` distinct workers.
+def replica_decisions(address: str) -> float:
+    """A router replica's routing decisions so far (its metrics port, 9102, on the compose network).
 
-    Each probe is a new short prompt, so the router places each afresh and the probes reach every worker.
+    The compose network is a bridge on this host (Linux), so its addresses are reachable from here.
+    """
+    with urllib.request.urlopen(f"http://{address}:9102/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("prefix_router_decisions_total"))
+
+
+def replica_addresses(compose: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """The compose-network address of every router replica of the ``sim`` profile."""
+
+    def run(argv: list[str]) -> str:
+        environ = {**os.environ, **env}
+        return subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=60, check=True).stdout
+
+    template = "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
+    return [
+        run(["docker", "inspect", "-f", template, i]).strip() for i in run([*compose, "ps", "-q", "router-sim"]).split()
+    ]
+
+
+async def wait_for_gateway(
+    base_url: str,
+    replicas: Sequence[str] = (),
+    healthy_workers: int = 2,
+    consecutive: int = 8,
+    timeout_s: float = 180.0,
+) -> None:
+    """Until requests through the gateway reach every router replica and every worker.
+
+    Done when ``consecutive`` chat completions in a row succeeded, ``healthy_workers`` distinct workers
+    served them, and each replica at ``replicas`` has made a routing decision: Envoy finds the replicas by
+    DNS (refreshed every 5 s), so right after start it may know only the first one; a replica that has not
+    seen a worker healthy yet answers 503. Each probe is a new short prompt, placed afresh by the router.
     """
     seen: set[str] = set()
+    streak = 0
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for probe in range(1_000_000):
-            if len(seen) >= healthy_workers:
-                return
+            if len(seen) >= healthy_workers and streak >= consecutive:
+                try:
+                    decided = [await asyncio.to_thread(replica_decisions, a) for a in replicas]
+                except OSError:
+                    decided = [0.0]
+                if all(decided):
+                    return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway at {base_url} did not serve from {healthy_workers} workers in time")
+                raise RuntimeError(
+                    f"the gateway at {base_url} did not reach every replica ({', '.join(replicas)}) and "
+                    f"{healthy_workers} workers in {timeout_s:.0f} s (workers seen: {sorted(seen)}, streak {streak})"
+                )
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"probe {probe}"}], "max_tokens": 1}
+            served = None
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with session.post(f"{base_url}/v1/chat/completions", json=body) as response:
-                    if response.status == 200 and response.headers.get("x-upstream-host"):
-                        seen.add(response.headers["x-upstream-host"])
-            await asyncio.sleep(0.2)
+                    if response.status == 200:
+                        served = response.headers.get("x-upstream-host")
+            streak = streak + 1 if served else 0
+            if served:
+                seen.add(served)
+            else:
+                await asyncio.sleep(0.5)
 
 
 def small_burst(seed: int) -> Workload:
@@ -209,7 +265,7 @@ async def _run(args: argparse.Namespace) -> list[StackFigures]:
                 "ROUTER_REPLICAS": str(args.replicas),
             }
             await asyncio.to_thread(recreate_stack, compose, env, build=index == 0)
-            await wait_for_gateway(base_url)
+            await wait_for_gateway(base_url, await asyncio.to_thread(replica_addresses, compose, env))
             workload = burst_workload(
                 groups=args.groups,
                 burst_size=args.burst_size,

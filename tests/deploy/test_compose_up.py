@@ -37,7 +37,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from benchmarks.compose_replicas import MODEL, compose_argv, measure, small_burst, wait_for_gateway
+from benchmarks.compose_replicas import (
+    MODEL,
+    compose_argv,
+    measure,
+    replica_decisions,
+    small_burst,
+    wait_for_gateway,
+)
 from benchmarks.workloads import block_text
 from extproc.addresses import free_port
 from tests.support.container_engine import DockerEngine, engine_unavailable_reason
@@ -77,6 +84,12 @@ class Stack:
 
     def address(self, container: str) -> str:
         return self.inspect(container, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+
+    def describe(self, container: str) -> str:
+        """State, restarts and the end of the log of one container: what a failure message needs."""
+        state = self.inspect(container, "{{.State.Status}} restarts={{.RestartCount}} started={{.State.StartedAt}}")
+        log = self.engine.docker("logs", "--tail", "40", container, check=False)
+        return f"{container}: {state}\n{log.stdout[-3000:]}{log.stderr[-3000:]}"
 
     def logs(self, service: str) -> str:
         return self.compose("logs", "--no-color", service, check=False).stdout
@@ -124,7 +137,8 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
             step = time.monotonic()
             try:
                 up.compose("up", "-d", "--build")
-                asyncio.run(wait_for_gateway(up.gateway))
+                replicas = [up.address(c) for c in up.containers(ROUTER_SERVICE)]
+                asyncio.run(wait_for_gateway(up.gateway, replicas))
                 say(f"docker compose --profile sim up -d --build: serving in {time.monotonic() - step:.0f} s")
                 yield up
             finally:
@@ -235,7 +249,15 @@ async def test_every_generation_path_through_the_gateway(stack: Stack, path: str
 async def test_a_repeated_long_prompt_is_served_from_one_workers_cache_through_both_replicas(stack: Stack) -> None:
     replicas = {c: stack.address(c) for c in stack.containers(ROUTER_SERVICE)}
     assert len(replicas) == 2, replicas
-    before = {c: _router_metric(a, "prefix_router_decisions_total") for c, a in replicas.items()}
+
+    def decisions(container: str) -> float:
+        try:
+            return replica_decisions(replicas[container])
+        except OSError as exc:
+            where = f"metrics of {container} at {replicas[container]}"
+            raise AssertionError(f"{where}: {exc}\n{stack.describe(container)}") from exc
+
+    before = {c: decisions(c) for c in replicas}
     prompt = block_text("compose-test/long", 0, 1200)  # 1,200 tokens of the default tokenizer
     replies = []
     async with _session() as session:
@@ -245,7 +267,7 @@ async def test_a_repeated_long_prompt_is_served_from_one_workers_cache_through_b
                 await _send(session, stack.gateway, "/v1/completions", _payload("/v1/completions", prompt, stream))
             )
     assert all(r.ok for r in replies), replies
-    decided = {c: _router_metric(a, "prefix_router_decisions_total") - before[c] for c, a in replicas.items()}
+    decided = {c: decisions(c) - before[c] for c in replicas}
     assert all(count >= 1 for count in decided.values()), f"decisions per replica: {decided}"
     upstreams = {r.upstream for r in replies}
     assert len(upstreams) == 1, f"the prompt went to {upstreams}"
