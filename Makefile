@@ -4,6 +4,7 @@
 # Both create .venv and install the project into it on first use.
 #   make sglang-cpu   real SGLang 0.5.23 for this CPU (own venv in ~/.cache, ~11 GB once): enables the
 #                     real-SGLang tests, `prefix-router up --engine sglang-cpu` and `bench --engine sglang-cpu`
+#   make compose-images   the compose `sim` profile's images without an image registry (docs/deploy.md)
 
 PYTHON ?= python3
 VENV ?= .venv
