@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,6 @@ from tests.support.local_images import ENV_FILE, build_local_images, images_unav
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "prefix-router-test"
 WORKER_SERVICES = ("sim-worker-0", "sim-worker-1")
 ROUTER_SERVICE = "router-sim"
@@ -60,15 +59,14 @@ ROUTER_SERVICE = "router-sim"
 
 @dataclass
 class Stack:
-    """The running stack: the engine, the compose command line, the published ports and a reporter."""
+    """The running stack: its engine, the published ports (``env``, for compose) and the test's reporter."""
 
     engine: DockerEngine
     env: dict[str, str]
     gateway: str
     prometheus: str
-    say: Any
+    say: Callable[[str], None]
     down_done: bool = False
-    started: float = field(default_factory=time.monotonic)
 
     def compose(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
         """``docker compose`` on the repository's file, the local images' env file, this project, profile sim."""
@@ -95,7 +93,7 @@ class Stack:
         return self.compose("logs", "--no-color", service, check=False).stdout
 
 
-def _reporter(request: pytest.FixtureRequest) -> Any:
+def _reporter(request: pytest.FixtureRequest) -> Callable[[str], None]:
     terminal = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
 
@@ -132,7 +130,6 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
                 gateway=f"http://127.0.0.1:{ports['GATEWAY_PORT']}",
                 prometheus=f"http://127.0.0.1:{ports['PROMETHEUS_PORT']}",
                 say=say,
-                started=started,
             )
             step = time.monotonic()
             try:

@@ -28,9 +28,8 @@ import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
@@ -158,12 +157,7 @@ class DockerEngine(DockerClient):
     caller's to remove (``docker compose down -v``); ``stop()`` removes the daemon's host side.
     """
 
-    def __init__(
-        self,
-        root: Path,
-        *,
-        keep_data: bool = False,
-    ) -> None:
+    def __init__(self, root: Path, *, keep_data: bool = False) -> None:
         self.root = root
         # Names and addresses of its own, derived from the root: two engines on two roots can run at once.
         digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()
@@ -321,16 +315,6 @@ class DockerEngine(DockerClient):
             for rule in before:  # dockerd sets FORWARD's policy to DROP: put back what was there
                 if rule.startswith("-P ") and rule not in after:
                     subprocess.run(["iptables", "-t", table, *rule.split()], capture_output=True, timeout=30)
-
-
-@contextlib.contextmanager
-def engine(root: Path | None = None, *, keep_data: bool = False) -> Iterator[DockerEngine]:
-    """A started engine under ``root`` (a fresh temporary directory by default), stopped on exit."""
-    with contextlib.ExitStack() as stack:
-        if root is None:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="prefix-router-docker-")))
-        with DockerEngine(root, keep_data=keep_data) as started:
-            yield started
 
 
 def main(argv: Sequence[str] | None = None) -> int:
