@@ -15,7 +15,7 @@ Stand-ins, said where they matter: Valkey is Debian's Redis 7.0 (bookworm has no
 OpenTelemetry Collector and Jaeger are Rotel (PyPI ``rotel``), which really receives OTLP, so the span
 check proves spans leave the router and cross two OTLP hops, not that the real collector's config is
 right. Needs root, the Debian packages docker.io, containerd, iptables and debootstrap, and the package
-indexes (Debian, PyPI); skipped with the reason otherwise. ~5 minutes from nothing on 2 cores; set
+indexes (Debian, PyPI); skipped with the reason otherwise. ~3 minutes from nothing on 2 cores; set
 PREFIX_ROUTER_DOCKER_ROOT to a directory to keep the engine's images there between runs.
 """
 
