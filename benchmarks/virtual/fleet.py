@@ -47,7 +47,7 @@ from sglang_workers.sim.timing import get_profile
 
 __all__ = ["FLOOR", "FLOORS", "FLOOR_PHASE_BLIND", "VirtualResult", "run_virtual", "virtual_fleet_of"]
 
-FLOOR = "floor"  # the perfect-information reference (benchmarks.floor), not a router policy
+FLOOR = "floor"  # the perfect-information reference (``floor.py``), not a router policy
 FLOOR_PHASE_BLIND = "floor-phase-blind"  # the same, blind to the phase of the decode step under way
 FLOORS = (FLOOR, FLOOR_PHASE_BLIND)
 
