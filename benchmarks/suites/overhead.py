@@ -345,15 +345,15 @@ def _peers(value: str) -> tuple[str, ...]:
 
     if value.strip() == "none":
         return ()
-    names_ = names()(value)
-    for name in names_:
+    peers = names()(value)
+    for name in peers:
         try:
             peer = create_contender(name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if name.startswith("ours:") or peer.worker_transport != "http":
             raise argparse.ArgumentTypeError(f"{name}: not a peer over HTTP workers (ours: use --policies)")
-    return names_
+    return peers
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
