@@ -1,92 +1,71 @@
-"""``prefix-router bench``: side-by-side benchmarks, one suite per module, picked by ``--suite`` or ``--matrix``.
+"""``prefix-router bench``: every benchmark of this project, one suite per ``--suite NAME``.
 
-This module only dispatches: ``--suite routing`` (the default) is ``benchmarks.suites.compare``,
-``--suite tiered`` ``benchmarks.suites.tiered``, ``--suite pd`` ``benchmarks.suites.pd``, ``--suite overhead``
-``benchmarks.router_overhead``
-and ``--matrix`` ``benchmarks.suites.matrix_suite``. Each suite declares only its own flags, so
-``prefix-router bench --suite tiered --help`` lists what the tiered suite takes, and a flag another
-suite owns is an error rather than silently ignored.
+This module only dispatches: ``--suite NAME`` (default ``routing``) picks ``benchmarks/suites/NAME.py``
+(``benchmarks.suites.SUITES`` lists them), and the command's parser gets that suite's flags and no
+other's, so ``prefix-router bench --suite tiered --help`` lists what the tiered suite takes and a flag
+another suite owns is an error rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
-from benchmarks import router_overhead
-from benchmarks.suites import compare, matrix_suite, pd, tiered
+from benchmarks.suites import DEFAULT_SUITE, SUITES, suite_module
 
-__all__ = ["SUITES", "BenchSuite", "suite_for"]
+__all__ = ["BenchSuite", "suite_for"]
 
-# --suite name -> (its module's configure and main, one line of help)
-SUITES = {
-    "routing": (compare, "the workload through every contender, each on a fresh identical cluster (the default)"),
-    "overhead": (
-        router_overhead,
-        "what each gateway adds to a request, on instant workers (Envoy direct vs ours vs peers)",
-    ),
-    "tiered": (
-        tiered,
-        "the tiered-KV-cache scenario (long-context QA + multi-turn chat, a GPU pool smaller than the working set) "
-        "through every contender x {no HiCache, host tier, host + shared storage tier}",
-    ),
-    "pd": (
-        pd,
-        "prefill/decode disaggregated fleets (2P2D, 3P1D) through smg's PD mode, sgl-router's mini-lb and ours, "
-        "beside the same fleet aggregated: TTFT, TPOT, goodput",
-    ),
-}
-MATRIX_HELP = "every workload x offered load x fleet against every contender (a report of cells)"
 
-DESCRIPTION = (
-    "Side-by-side benchmarks of gateways and routing policies. Every contender gets its own fresh, identical "
-    "cluster of simulated SGLang workers and the same request bytes at the same open-loop arrival times. The "
-    "default suite prints a Markdown table (TTFT p50/p90/p99/mean, end-to-end latency, output tokens/s, cache "
-    "hit rate, requests per worker max/mean, errors, ratios to round robin and to sgl-router) and the "
-    "pooled-cache oracle hit rate. See docs/benchmarks.md."
-)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The suite's docstring as written (its paragraphs and lists), and every flag's default that says something."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help  # "(default: None)" says nothing the help does not
+        return super()._get_help_string(action)
+
+
+def _epilog() -> str:
+    width = max(len(name) for name in SUITES) + 4
+    lines = [
+        textwrap.fill(text, 100, initial_indent=f"  {name:<{width - 2}}", subsequent_indent=" " * width)
+        for name, text in SUITES.items()
+    ]
+    return "suites (`prefix-router bench --suite NAME --help` for each one's flags):\n" + "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class BenchSuite:
-    """The chosen suite as a subcommand: the selector flags plus its own, and its ``main``."""
+    """The chosen suite as a subcommand: the selector flag plus the suite's own, and its ``main``."""
 
-    name: str  # a --suite name, or "matrix"
-    configure_suite: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+    name: str
+    module: ModuleType
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        this = MATRIX_HELP if self.name == "matrix" else SUITES[self.name][1]
-        parser.description = (
-            f"{DESCRIPTION} This help is for --{'matrix' if self.name == 'matrix' else 'suite ' + self.name}: {this}."
-        )
-        parser.epilog = (
-            "Suites (each takes only its own flags; see `prefix-router bench --suite NAME --help`): "
-            + "; ".join(f"--suite {name}: {help_text}" for name, (_, help_text) in SUITES.items())
-            + f"; --matrix: {MATRIX_HELP} (`prefix-router bench --matrix --help`)."
-        )
+        parser.formatter_class = _HelpFormatter
+        doc = (self.module.__doc__ or "").strip().replace("``", "`")
+        parser.description = f"{doc}\n\nSee docs/benchmarks.md for what the figures show and the latest results."
+        parser.epilog = _epilog()
         selector = parser.add_argument_group("suite")
-        selector.add_argument("--suite", choices=list(SUITES), default="routing", help="Which benchmark to run.")
-        if self.name != "matrix":  # the matrix suite's own flags include --matrix
-            selector.add_argument("--matrix", action="store_true", help=f"Run the matrix instead: {MATRIX_HELP}.")
-        self.configure_suite(parser)
+        selector.add_argument(
+            "--suite",
+            choices=list(SUITES),
+            default=DEFAULT_SUITE,
+            metavar="NAME",
+            help="Which benchmark to run (the list below).",
+        )
+        self.module.configure(parser)
 
     def main(self, args: argparse.Namespace) -> int:
-        if self.name == "matrix" and args.suite != "routing":
-            print(f"prefix-router bench: --matrix is a suite of its own; drop --suite {args.suite}", file=sys.stderr)
-            return 2
-        return self.run(args)
+        return int(self.module.main(args))
 
 
 def suite_for(argv: Sequence[str]) -> BenchSuite:
-    """The suite ``argv`` selects (``--matrix``, else ``--suite``, else routing); its flags are its own."""
+    """The suite ``argv`` selects (``--suite NAME``, else the default); its flags are its own."""
     selector = argparse.ArgumentParser(prog="prefix-router bench", add_help=False, allow_abbrev=False)
-    selector.add_argument("--suite", choices=list(SUITES), default="routing")
-    selector.add_argument("--matrix", action="store_true")
+    selector.add_argument("--suite", choices=list(SUITES), default=DEFAULT_SUITE)
     chosen, _ = selector.parse_known_args(list(argv))
-    if chosen.matrix:
-        return BenchSuite("matrix", matrix_suite.configure, matrix_suite.main)
-    module, _ = SUITES[chosen.suite]
-    return BenchSuite(chosen.suite, module.configure, module.main)
+    return BenchSuite(chosen.suite, suite_module(chosen.suite))

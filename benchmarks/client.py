@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from benchmarks.metrics import RequestResult
-from benchmarks.workloads import BenchRequest, prefix_hash
+from benchmarks.workloads.base import BenchRequest, prefix_hash
 
 __all__ = ["PREFIX_HEADER", "UPSTREAM_HEADER", "ClientOptions", "LatencyProbe", "run_load"]
 

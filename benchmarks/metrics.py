@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "BOOTSTRAP_CONFIDENCE",
-    "BOOTSTRAP_RESAMPLES",
-    "FleetFigures",
-    "RequestResult",
-    "Summary",
-    "bootstrap_intervals",
-    "distribution",
-    "failed",
-    "max_over_mean",
-    "percentile",
-    "summarize",
-]
+from benchmarks.stats import bootstrap_intervals, distribution
+
+__all__ = ["FleetFigures", "RequestResult", "Summary", "failed", "max_over_mean", "summarize"]
 
 
 @dataclass
@@ -36,67 +25,6 @@ class RequestResult:
     output_tokens: int = 0
     upstream: str | None = None  # worker that served it, when the gateway says (x-upstream-host)
     error: str | None = None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]; NaN for no values."""
-    if not values:
-        return math.nan
-    return _sorted_percentile(sorted(values), q)
-
-
-def distribution(values: Sequence[float]) -> dict[str, float]:
-    """p50/p90/p99/mean of ``values`` (NaN when empty, so a failed run never looks fast)."""
-    return {
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "mean": sum(values) / len(values) if values else math.nan,
-    }
-
-
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_CONFIDENCE = 0.95
-
-
-def _nan_interval() -> list[float]:
-    return [math.nan, math.nan]
-
-
-def bootstrap_intervals(
-    values: Sequence[float],
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    confidence: float = BOOTSTRAP_CONFIDENCE,
-    seed: int = 0,
-) -> dict[str, list[float]]:
-    """Percentile-bootstrap confidence intervals ``[low, high]`` of the p50, p99 and mean of ``values``.
-
-    Why: one run's p99 of a few hundred requests rests on its handful of slowest requests, so two
-    contenders' p99s are only told apart when their intervals say so. Each resample draws
-    ``len(values)`` values with replacement (a fixed ``seed``: the same run prints the same
-    interval); the interval is the resampled statistics' central ``confidence`` share. NaN
-    intervals for fewer than two values (nothing to resample).
-    """
-    if len(values) < 2:
-        return {"p50": _nan_interval(), "p99": _nan_interval(), "mean": _nan_interval()}
-    rng = random.Random(seed)
-    data = list(values)
-    n = len(data)
-    stats: dict[str, list[float]] = {"p50": [], "p99": [], "mean": []}
-    for _ in range(resamples):
-        sample = sorted(rng.choices(data, k=n))
-        stats["p50"].append(_sorted_percentile(sample, 50))
-        stats["p99"].append(_sorted_percentile(sample, 99))
-        stats["mean"].append(sum(sample) / n)
-    tail = (1.0 - confidence) / 2.0 * 100.0
-    return {name: [percentile(xs, tail), percentile(xs, 100.0 - tail)] for name, xs in stats.items()}
-
-
-def _sorted_percentile(data: Sequence[float], q: float) -> float:
-    pos = (len(data) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 @dataclass
@@ -122,10 +50,6 @@ class FleetFigures:
             "busy_prefill_s": self.busy_prefill_s,
             "busy_decode_s": self.busy_decode_s,
         }
-
-
-class ClusterError(RuntimeError):
-    """The workers could not be started (the message carries the worker's own error)."""
 
 
 @dataclass

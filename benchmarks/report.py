@@ -1,4 +1,4 @@
-"""Results -> a Markdown table, a JSON file and PNG plots.
+"""The routing suite's results -> a Markdown table, a JSON file and PNG plots (and the figure formats others use).
 
 Ratios are taken against the round-robin baseline (``envoy-rr``, else ``ours:round-robin``) and
 against ``sgl-router`` at the same offered load, so a row reads "x times the baseline's TTFT".
@@ -17,12 +17,14 @@ from benchmarks.metrics import Summary
 
 __all__ = [
     "BenchReport",
-    "TieredReport",
+    "fmt",
+    "json_safe",
     "markdown_table",
+    "ms",
     "ms_with_interval",
     "plot_ttft_cdf",
     "plot_ttft_vs_load",
-    "tiered_table",
+    "ratio",
     "write_json",
 ]
 
@@ -65,7 +67,7 @@ class BenchReport:
         return seen
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = _clean(
+        out: dict[str, Any] = json_safe(
             {
                 "workload": self.workload,
                 "params": self.params,
@@ -73,7 +75,7 @@ class BenchReport:
                 "oracle_hit_rate": self.oracle_hit_rate,
                 "contenders": [
                     s.to_json()
-                    | {"hit_rate_vs_oracle": _ratio(s.hit_rate, self.oracle(s.rate)), **_ratios(s, self.summaries)}
+                    | {"hit_rate_vs_oracle": ratio(s.hit_rate, self.oracle(s.rate)), **_ratios(s, self.summaries)}
                     for s in self.summaries
                 ],
             }
@@ -81,18 +83,19 @@ class BenchReport:
         return out
 
 
-def _clean(value: Any) -> Any:
-    # JSON has no NaN: a figure that could not be measured is null.
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None: JSON has no NaN, an unmeasured figure is null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """``a / b``, NaN where either is not finite or ``b`` is 0 (a figure that could not be measured)."""
     if not (math.isfinite(a) and math.isfinite(b)) or b == 0:
         return math.nan
     return a / b
@@ -115,28 +118,30 @@ def _ratios(s: Summary, summaries: Sequence[Summary]) -> dict[str, Any]:
             if ref is None
             else {
                 "reference": ref.name,
-                "ttft_p50": _ratio(s.ttft_s["p50"], ref.ttft_s["p50"]),
-                "ttft_p99": _ratio(s.ttft_s["p99"], ref.ttft_s["p99"]),
+                "ttft_p50": ratio(s.ttft_s["p50"], ref.ttft_s["p50"]),
+                "ttft_p99": ratio(s.ttft_s["p99"], ref.ttft_s["p99"]),
             }
         )
     return out
 
 
-def _fmt(value: float | None, digits: int = 3) -> str:
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A figure with ``digits`` decimals; "-" for one that could not be measured."""
     if value is None or not math.isfinite(value):
         return "-"
     return f"{value:.{digits}f}"
 
 
-def _ms(value: float) -> str:
+def ms(value: float) -> str:
+    """Seconds as whole milliseconds; "-" for a figure that could not be measured."""
     return "-" if not math.isfinite(value) else f"{value * 1000:.0f}"
 
 
 def ms_with_interval(value: float, interval: Sequence[float] | None) -> str:
     """``1764 [1500-2100]``: a figure in ms with its 95% bootstrap interval (just the figure without one)."""
     if not interval or len(interval) != 2 or not all(v is not None and math.isfinite(v) for v in interval):
-        return _ms(value)
-    return f"{_ms(value)} [{_ms(interval[0])}-{_ms(interval[1])}]"
+        return ms(value)
+    return f"{ms(value)} [{ms(interval[0])}-{ms(interval[1])}]"
 
 
 def markdown_table(report: BenchReport) -> str:
@@ -153,7 +158,7 @@ def markdown_table(report: BenchReport) -> str:
         title = f"offered load {rate:g} req/s" if rate is not None else "trace arrivals"
         oracle = report.oracle(rate)
         lines += [
-            f"**{report.workload}, {title}** (pooled-cache oracle hit rate {_fmt(oracle)})",
+            f"**{report.workload}, {title}** (pooled-cache oracle hit rate {fmt(oracle)})",
             "",
             "| contender | requests | errors | TTFT p50 ms [95% CI] | TTFT p90 ms | TTFT p99 ms [95% CI] "
             "| TTFT mean ms [95% CI] "
@@ -169,12 +174,12 @@ def markdown_table(report: BenchReport) -> str:
             rr, sgl = r["vs_round_robin"] or {}, r["vs_sgl_router"] or {}
             lines.append(
                 f"| {s.name} | {s.requests} | {s.errors} | {ms_with_interval(s.ttft_s['p50'], s.ttft_ci_s['p50'])} "
-                f"| {_ms(s.ttft_s['p90'])} | {ms_with_interval(s.ttft_s['p99'], s.ttft_ci_s['p99'])} "
+                f"| {ms(s.ttft_s['p90'])} | {ms_with_interval(s.ttft_s['p99'], s.ttft_ci_s['p99'])} "
                 f"| {ms_with_interval(s.ttft_s['mean'], s.ttft_ci_s['mean'])} "
-                f"| {_ms(s.e2e_s['p50'])} | {_ms(s.e2e_s['p99'])} "
-                f"| {_fmt(s.output_tok_s, 0)} | {_fmt(s.hit_rate)} | {_fmt(_ratio(s.hit_rate, oracle), 2)} "
-                f"| {_fmt(s.max_mean_requests, 2)} | {_fmt(rr.get('ttft_p50'), 2)} | {_fmt(rr.get('ttft_p99'), 2)} "
-                f"| {_fmt(sgl.get('ttft_p50'), 2)} | {_fmt(sgl.get('ttft_p99'), 2)} |"
+                f"| {ms(s.e2e_s['p50'])} | {ms(s.e2e_s['p99'])} "
+                f"| {fmt(s.output_tok_s, 0)} | {fmt(s.hit_rate)} | {fmt(ratio(s.hit_rate, oracle), 2)} "
+                f"| {fmt(s.max_mean_requests, 2)} | {fmt(rr.get('ttft_p50'), 2)} | {fmt(rr.get('ttft_p99'), 2)} "
+                f"| {fmt(sgl.get('ttft_p50'), 2)} | {fmt(sgl.get('ttft_p99'), 2)} |"
             )
         errors = [s for s in rows if s.error_samples]
         for s in errors:
@@ -254,164 +259,3 @@ def plot_ttft_vs_load(report: BenchReport, out_dir: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-# -- the tiered-cache suite -------------------------------------------------------------------------
-OURS = "ours:prefix-aware"
-TIER_LABELS = {"none": "no HiCache", "host": "host tier", "host+shared": "host + shared storage tier"}
-
-
-class TieredReport:
-    """``--suite tiered``: per tier setting, every contender's figures (and each request's TTFT)."""
-
-    def __init__(
-        self,
-        workload: str,
-        params: dict[str, Any],
-        oracle: float,
-        rows: Sequence[tuple[str, Summary, list[float]]],
-        slo_s: float,
-        setup: dict[str, Any],
-    ) -> None:
-        self.workload = workload
-        self.params = params
-        self.oracle = oracle
-        self.rows = list(rows)
-        self.slo_s = slo_s
-        self.setup = setup
-
-    def tiers(self) -> list[str]:
-        return list(dict.fromkeys(tier for tier, _s, _t in self.rows))
-
-    def find(self, tier: str, name: str) -> Summary | None:
-        for t, s, _ttfts in self.rows:
-            if t == tier and s.name == name and s.start_error is None:
-                return s
-        return None
-
-    def goodput(self, summary: Summary, ttfts: Sequence[float]) -> tuple[float, float]:
-        """(requests/s that met the TTFT SLO, their share of all requests)."""
-        met = sum(1 for t in ttfts if t <= self.slo_s)
-        rate = met / summary.duration_s if summary.duration_s else math.nan
-        return rate, met / summary.requests if summary.requests else math.nan
-
-    def targets(self) -> list[tuple[str, bool | None, str]]:
-        """The scenario's targets (docs/benchmarks.md): (what, met or None when not measurable, figures)."""
-        out: list[tuple[str, bool | None, str]] = []
-        ours_host, rr_none = self.find("host", OURS), self.find("none", "envoy-rr")
-        if ours_host is not None and rr_none is not None:
-            cut = 1 - _ratio(ours_host.ttft_s["p50"], rr_none.ttft_s["p50"])
-            out.append(
-                ("ours (host tier) TTFT p50 >= 40% below round robin without HiCache", cut >= 0.40, f"{cut:.0%} lower")
-            )
-            ours_gpu, rr_gpu = gpu_seconds_per_request(ours_host), gpu_seconds_per_request(rr_none)
-            saved = 1 - _ratio(ours_gpu, rr_gpu)
-            out.append(
-                (
-                    "ours (host tier) >= 25% fewer GPU-seconds per request than round robin without HiCache",
-                    saved >= 0.25 if math.isfinite(saved) else None,
-                    f"{saved:.0%} fewer ({_fmt(ours_gpu)} vs {_fmt(rr_gpu)} s)",
-                )
-            )
-        else:
-            out.append(("ours (host tier) vs round robin without HiCache", None, "a run is missing"))
-        for tier in self.tiers():
-            ours = self.find(tier, OURS)
-            peers = [s for t, s, _ in self.rows if t == tier and s.name != OURS and s.start_error is None]
-            if ours is None or not peers:
-                out.append((f"{TIER_LABELS.get(tier, tier)}: ours at or below every peer", None, "a run is missing"))
-                continue
-            worse = [
-                f"{p.name} {q} {_ms(p.ttft_s[q])} < ours {_ms(ours.ttft_s[q])} ms"
-                for p in peers
-                for q in ("p50", "p99")
-                if ours.ttft_s[q] > p.ttft_s[q]
-            ]
-            out.append(
-                (
-                    f"{TIER_LABELS.get(tier, tier)}: ours TTFT p50 and p99 at or below every peer's",
-                    not worse,
-                    "; ".join(worse) if worse else f"peers: {', '.join(p.name for p in peers)}",
-                )
-            )
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        rows = []
-        for tier, summary, ttfts in self.rows:
-            rate, share = self.goodput(summary, ttfts)
-            fleet = summary.fleet
-            rows.append(
-                summary.to_json()
-                | {
-                    "tier": tier,
-                    "goodput_req_s": rate,
-                    "goodput_share": share,
-                    "gpu_seconds_per_request": gpu_seconds_per_request(summary),
-                    "hit_rate_by_tier": {src: fleet.hit_rate(src) for src in ("device", "host", "storage")}
-                    if fleet
-                    else None,
-                }
-            )
-        out: dict[str, Any] = _clean(
-            {
-                "suite": "tiered",
-                "workload": self.workload,
-                "params": self.params,
-                "setup": self.setup,
-                "slo_ttft_s": self.slo_s,
-                "gpu_only_oracle_hit_rate": self.oracle,
-                "rows": rows,
-                "targets": [{"target": t, "met": m, "figures": f} for t, m, f in self.targets()],
-            }
-        )
-        return out
-
-
-def gpu_seconds_per_request(summary: Summary) -> float:
-    """Simulated GPU seconds (prefill + decode, whole fleet) per successful request."""
-    done = summary.requests - summary.errors
-    if summary.fleet is None or done <= 0:
-        return math.nan
-    return summary.fleet.gpu_seconds / done
-
-
-def tiered_table(report: TieredReport) -> str:
-    """One table per tier setting, then the targets; ratios are against round robin without HiCache."""
-    slo_ms = report.slo_s * 1000
-    rr = report.find("none", "envoy-rr")
-    lines: list[str] = []
-    for tier in report.tiers():
-        lines += [
-            f"**{report.workload}, {TIER_LABELS.get(tier, tier)}** (TTFT SLO {slo_ms:.0f} ms; GPU-only pooled "
-            f"oracle hit rate {_fmt(report.oracle)})",
-            "",
-            "| contender | requests | errors | TTFT p50 ms | TTFT p99 ms | hit GPU | hit host | hit storage "
-            f"| goodput req/s (share) @{slo_ms:.0f} ms | GPU-s / req | p50 / RR-none | GPU-s / RR-none |",
-            "|" + "---|" * 12,
-        ]
-        for t, s, ttfts in report.rows:
-            if t != tier:
-                continue
-            if s.start_error is not None:
-                lines.append(f"| {s.name} | did not start: {s.start_error[:160].replace('|', '/')} |" + " |" * 10)
-                continue
-            fleet = s.fleet
-            hits = [fleet.hit_rate(src) if fleet else math.nan for src in ("device", "host", "storage")]
-            rate, share = report.goodput(s, ttfts)
-            gpu = gpu_seconds_per_request(s)
-            lines.append(
-                f"| {s.name} | {s.requests} | {s.errors} | {_ms(s.ttft_s['p50'])} | {_ms(s.ttft_s['p99'])} "
-                f"| {_fmt(hits[0])} | {_fmt(hits[1])} | {_fmt(hits[2])} | {_fmt(rate, 2)} ({_fmt(share, 2)}) "
-                f"| {_fmt(gpu)} | {_fmt(_ratio(s.ttft_s['p50'], rr.ttft_s['p50']) if rr else math.nan, 2)} "
-                f"| {_fmt(_ratio(gpu, gpu_seconds_per_request(rr)) if rr else math.nan, 2)} |"
-            )
-        lines.append("")
-    lines += ["**Targets**", ""]
-    for target, met, figures in report.targets():
-        mark = "n/a" if met is None else ("met" if met else "NOT met")
-        lines.append(f"- {target}: **{mark}** ({figures})")
-    missing = report.setup.get("missing_contenders") or []
-    if missing:
-        lines.append(f"- not in this build, not run: {', '.join(missing)}")
-    return "\n".join(lines) + "\n"

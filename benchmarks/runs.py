@@ -7,11 +7,12 @@ import sys
 from typing import Any
 
 from benchmarks.client import ClientOptions, run_load
-from benchmarks.cluster import Cluster, ClusterError, ClusterSpec, CpuWorkerPool
-from benchmarks.contenders import ContenderError, create_contender
+from benchmarks.fleet.cluster import Cluster, ClusterError, ClusterSpec, CpuWorkerPool
+from benchmarks.fleet.contenders import create_contender
+from benchmarks.fleet.pd_contenders import PdContender, create_pd_contender
+from benchmarks.fleet.process import ContenderError
 from benchmarks.metrics import RequestResult, Summary, failed, summarize
-from benchmarks.pd_contenders import PdContender, create_pd_contender
-from benchmarks.workloads import Workload
+from benchmarks.workloads.base import Workload
 
 __all__ = ["progress_bar", "run_one"]
 

@@ -256,15 +256,13 @@ def _parsers_for(name: str, words: list[str]) -> list[argparse.ArgumentParser]:
     """The parser(s) a command line is read by: a bench suite's own, all of them when the suite is a placeholder."""
     if name != "bench":
         return [_parser(name, ())]
-    from benchmarks.bench_command import SUITES
+    from benchmarks.suites import SUITES
 
-    if "--matrix" in words:
-        return [_parser("bench", ("--matrix",))]
     if "--suite" in words and words.index("--suite") + 1 < len(words):
         chosen = words[words.index("--suite") + 1]
         if chosen in SUITES:
             return [_parser("bench", ("--suite", chosen))]
-        return [_parser("bench", ("--suite", s)) for s in SUITES] + [_parser("bench", ("--matrix",))]
+        return [_parser("bench", ("--suite", s)) for s in SUITES]
     return [_parser("bench", ())]
 
 
@@ -408,3 +406,57 @@ def test_the_checks_catch_what_they_are_for() -> None:
     ]
     prose = Text(ROOT / "README.md", 1, "prefix-router gateway is up: http://127.0.0.1:8080", True)
     assert list(_problems(prose)) == []  # output, not a command
+
+
+DOCS = (
+    "README.md",
+    "docs/benchmarks.md",
+    "docs/benchmarks-log.md",
+    "docs/deploy.md",
+    "docs/gateway.md",
+    "docs/routing.md",
+    "docs/sim-worker.md",
+    "docs/architecture.md",
+)
+# Placeholders the docs write for a value the reader picks.
+_PLACEHOLDERS = {"S": "0", "W": "gsp", "FILE": "x.json", "NAME": "routing", "N": "2"}
+
+
+def _bench_commands(text: str) -> list[list[str]]:
+    """Every ``prefix-router bench ...`` command in ``text``'s code (blocks and inline, which may wrap lines)."""
+    import re
+    import shlex
+
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.M | re.S)
+    prose = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.M | re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+    out = []
+    for line in lines:
+        for match in re.finditer(r"prefix-router bench(?: [^#]*)?", line):
+            words = shlex.split(match.group(0).replace("[", "").replace("]", ""))[2:]
+            if "..." in words:
+                continue  # "the same command, with ..."
+            out.append([_PLACEHOLDERS.get(w, w.split("|")[0]) for w in words])
+    return out
+
+
+def test_every_bench_command_in_the_docs_exists_with_its_flags() -> None:
+    """A doc's ``prefix-router bench`` command names a suite that exists and flags that suite takes."""
+    import argparse
+
+    from benchmarks.bench_command import suite_for
+
+    commands = [(doc, argv) for doc in DOCS for argv in _bench_commands((ROOT / doc).read_text())]
+    assert len(commands) > 40  # the search found the docs' commands
+    bad = []
+    for doc, argv in commands:
+        if "--help" in argv:
+            continue
+        try:
+            parser = argparse.ArgumentParser(prog="prefix-router bench", exit_on_error=False)
+            suite_for(argv).configure(parser)
+            parser.parse_args(argv)
+        except (argparse.ArgumentError, SystemExit) as exc:
+            bad.append(f"{doc}: prefix-router bench {' '.join(argv)}: {exc}")
+    assert bad == []

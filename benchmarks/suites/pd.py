@@ -21,15 +21,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.argtypes import positive
 from benchmarks.client import ClientOptions
-from benchmarks.contenders import create_contender
+from benchmarks.fleet.contenders import create_contender
+from benchmarks.fleet.pd_contenders import PD_CONTENDERS, create_pd_contender
 from benchmarks.metrics import Summary
-from benchmarks.pd_contenders import PD_CONTENDERS, create_pd_contender
 from benchmarks.runs import run_one
-from benchmarks.suites.shared import add_fleet_arguments, add_run_arguments, fleet_spec, positive, versions
-from benchmarks.workloads import Workload, gsp_workload, multiturn_workload
+from benchmarks.suites.shared import add_fleet_arguments, add_run_arguments, fleet_spec, versions
+from benchmarks.workloads.flags import add_workload_arguments, workload_from_args
 
-__all__ = ["Layout", "PdRow", "configure", "layouts", "main", "pd_table", "pd_workload", "run_pd"]
+__all__ = ["Layout", "PdRow", "configure", "layouts", "main", "pd_table", "run_pd"]
 
 DEFAULT_PD = "smg-pd,sgl-router-minilb,ours-pd:prefix-aware"
 DEFAULT_AGGREGATED = "smg,ours:prefix-aware"
@@ -88,7 +89,7 @@ class PdRow:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("PD fleets and the workload")
+    g = parser.add_argument_group("PD fleets")
     g.add_argument("--layouts", type=layouts, default=layouts("2P2D,3P1D"), help="PD fleet shapes, e.g. 2P2D,3P1D.")
     g.add_argument(
         "--aggregated-contenders",
@@ -97,30 +98,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "contender; empty: none).",
     )
     g.add_argument(
-        "--workload",
-        choices=["gsp", "multiturn"],
-        default="gsp",
-        help="gsp: groups of questions sharing a system prompt; multiturn: chat sessions whose history grows.",
-    )
-    g.add_argument("--rate", type=positive(float), default=4.0, help="Poisson arrival rate (req/s).")
-    g.add_argument("--gsp-groups", type=positive(int), default=8, help="Shared system prompts.")
-    g.add_argument("--gsp-prompts-per-group", type=positive(int), default=8, help="Questions per system prompt.")
-    g.add_argument("--gsp-system-len", type=positive(int), default=2048, help="System prompt tokens.")
-    g.add_argument("--gsp-question-len", type=positive(int), default=128, help="Question tokens.")
-    g.add_argument("--mt-sessions", type=positive(int), default=24, help="multiturn: number of chat sessions.")
-    g.add_argument("--mt-turns", type=positive(int), default=5, help="multiturn: turns per session.")
-    g.add_argument("--mt-system-len", type=positive(int), default=512, help="multiturn: shared system prompt tokens.")
-    g.add_argument("--mt-question-len", type=positive(int), default=256, help="multiturn: user message tokens a turn.")
-    g.add_argument(
-        "--mt-answer-len", type=positive(int), default=256, help="multiturn: assistant tokens a turn in the history."
-    )
-    g.add_argument(
-        "--mt-turn-interval", type=float, default=4.0, help="multiturn: seconds between a session's turns (fixed)."
-    )
-    g.add_argument("--output-len", type=positive(int), default=32, help="Output tokens per request.")
-    g.add_argument(
         "--slo-ttft-ms", type=positive(float), default=1000.0, help="TTFT service level for goodput (wall ms)."
     )
+    add_workload_arguments(parser, ("gsp", "multiturn"), defaults={"rate": 4.0, "gsp_groups": 8})
     add_fleet_arguments(parser, DEFAULT_SPEEDUP)
     add_run_arguments(
         parser,
@@ -134,31 +114,6 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
-def pd_workload(args: argparse.Namespace) -> Workload:
-    """The workload `--workload` names, sized by its flags."""
-    if args.workload == "multiturn":
-        return multiturn_workload(
-            sessions=args.mt_sessions,
-            turns=args.mt_turns,
-            system_prompt_len=args.mt_system_len,
-            question_len=args.mt_question_len,
-            answer_len=args.mt_answer_len,
-            output_len=args.output_len,
-            turn_interval_s=args.mt_turn_interval,
-            rate=args.rate,
-            seed=args.seed,
-        )
-    return gsp_workload(
-        groups=args.gsp_groups,
-        prompts_per_group=args.gsp_prompts_per_group,
-        system_prompt_len=args.gsp_system_len,
-        question_len=args.gsp_question_len,
-        output_len=args.output_len,
-        rate=args.rate,
-        seed=args.seed,
-    )
-
-
 async def run_pd(args: argparse.Namespace) -> tuple[list[PdRow], dict[str, Any]]:
     """Every PD contender on a fresh PD fleet, every aggregated one on a fresh aggregated fleet, per layout."""
     pd_names, agg_names = _names(args.contenders), _names(args.aggregated_contenders)
@@ -166,7 +121,7 @@ async def run_pd(args: argparse.Namespace) -> tuple[list[PdRow], dict[str, Any]]
         create_pd_contender(name)  # typos fail before any fleet starts
     for name in agg_names:
         create_contender(name)
-    workload = pd_workload(args)
+    workload = workload_from_args(args)
     options = ClientOptions(request_timeout_s=args.request_timeout, prefix_chars=args.ringhash_prefix_chars)
     print(
         f"# {workload.name}: {len(workload.requests)} requests over {workload.duration_s:.1f} s "

@@ -1,52 +1,16 @@
-"""What several ``prefix-router bench`` suites share: argument types, the common flags, provenance."""
+"""What the suites that compare gateways share: the contender and fleet flags, the fleet they describe, provenance."""
 
 from __future__ import annotations
 
 import argparse
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import ClusterSpec
+from benchmarks.argtypes import positive, profiles
+from benchmarks.fleet.cluster import ClusterSpec
 
-__all__ = ["add_fleet_arguments", "add_run_arguments", "fleet_spec", "positive", "profiles", "rates", "versions"]
-
-
-def rates(text: str) -> list[float]:
-    """``1,2,4`` -> positive floats (an argparse type)."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError("wants positive numbers")
-    return values
-
-
-def positive(kind: type) -> Callable[[str], Any]:
-    """An argparse type: a positive ``kind`` (int or float), with a clear message otherwise."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
-def profiles(text: str) -> str:
-    """A timing profile or a comma-separated list of them, checked against the simulator's."""
-    from sglang_workers.sim.timing import profile_list
-
-    try:
-        return ",".join(profile_list(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+__all__ = ["add_fleet_arguments", "add_run_arguments", "fleet_spec", "versions"]
 
 
 CONTENDER_NAMES = (
@@ -69,8 +33,19 @@ def add_run_arguments(
     return g
 
 
-def add_fleet_arguments(parser: argparse.ArgumentParser, speedup_default: float) -> argparse._ArgumentGroup:
-    """The simulated fleet every contender gets a fresh, identical copy of, and the JSON output."""
+def add_fleet_arguments(
+    parser: argparse.ArgumentParser,
+    speedup_default: float,
+    capacity_default: int = 24576,
+    *,
+    ringhash: bool = True,
+    page_size: bool = False,
+) -> argparse._ArgumentGroup:
+    """The simulated fleet every contender gets a fresh, identical copy of, and the JSON output.
+
+    ``ringhash``: the flag of the ``envoy-ringhash`` contender; ``page_size``: ``--page-size`` here, for a
+    suite without ``add_run_arguments`` (which has it).
+    """
     c = parser.add_argument_group("cluster (fresh and identical for every contender)")
     c.add_argument("--workers", type=positive(int), default=4, help="Workers per cluster.")
     c.add_argument(
@@ -84,24 +59,27 @@ def add_fleet_arguments(parser: argparse.ArgumentParser, speedup_default: float)
         "--speedup",
         type=positive(float),
         default=speedup_default,
-        help=f"Simulated GPU time is divided by this ({speedup_default:g}: a GPU {1 / speedup_default:g} times "
-        "slower than the profile, so a 2-core machine can offer loads at which prefill time and queueing matter). "
-        "Arrival times are NOT scaled by it: the same utilisation at speedup S needs the rate (or --time-scale) "
-        "multiplied by S. Gateway overheads are real time, so they weigh 1/S times less than on a real GPU of the "
-        "profile; see `--suite overhead` for them.",
+        help="Simulated GPU time is divided by this (0.25: every prefill and decode step takes 4x the profile's "
+        "time, so that a 2-core machine can offer loads at which prefill time and queueing matter). Arrival times "
+        "are NOT scaled by it: the same utilisation at speedup S needs the rate (or --time-scale) multiplied by S. "
+        "Gateway overheads are real time, so they weigh 1/S times less than on a real GPU of the profile; see "
+        "`--suite overhead` for them.",
     )
     c.add_argument(
         "--capacity-tokens",
         type=positive(int),
-        default=24576,
+        default=capacity_default,
         help="KV cache capacity per worker in tokens (small enough that placement matters).",
     )
-    c.add_argument(
-        "--ringhash-prefix-chars",
-        type=positive(int),
-        default=8192,
-        help="envoy-ringhash: the client hashes this many leading prompt characters into x-prefix-hash.",
-    )
+    if ringhash:
+        c.add_argument(
+            "--ringhash-prefix-chars",
+            type=positive(int),
+            default=8192,
+            help="envoy-ringhash: the client hashes this many leading prompt characters into x-prefix-hash.",
+        )
+    if page_size:
+        c.add_argument("--page-size", type=positive(int), default=16, help="KV page size (= router block size).")
     c.add_argument("--json", type=Path, default=None, help="Write the results as JSON here.")
     return c
 

@@ -7,13 +7,14 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.replica_drift import drift, gpu_blocks
+from benchmarks.fleet.replica_drift import drift, gpu_blocks
 from extproc.config import EventsConfig
 from extproc.fleet.index import BlockIndex
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.routing.telemetry import FleetCollector
 from extproc.sync.http import WorkerHttp
 from extproc.sync.hub import EventHub
+from prefix_router.cli import main as cli_main
 
 
 def _metrics_text(held: dict[str, int]) -> str:
@@ -45,18 +46,16 @@ def test_drift_is_zero_when_replicas_agree_and_the_relative_spread_otherwise() -
 
 
 def test_the_decision_digest_is_reproducible_and_sees_a_changed_decision() -> None:
-    from benchmarks import decision_digest
+    from benchmarks.suites.decision_digest import digest
 
-    assert decision_digest.digest(64, 40) == decision_digest.digest(64, 40)  # what makes two commits comparable
+    assert digest(64, 40) == digest(64, 40)  # what makes two commits comparable
     # Scoring all 256 workers instead of the shortlist of 16 decides differently, and the digest says so.
-    assert decision_digest.digest(256, 40) != decision_digest.digest(256, 40, max_candidates=1_000_000)
+    assert digest(256, 40) != digest(256, 40, max_candidates=1_000_000)
 
 
 def test_the_poll_cost_tool_times_both_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import poll_cost
-
-    assert poll_cost.main(["--workers", "1", "--polls", "3"]) == 0
+    assert cli_main(["bench", "--suite", "poll-cost", "--workers", "1", "--polls", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("/v1/loads only: ") and "(prefill batches)" in lines[1]
     with pytest.raises(SystemExit):
-        poll_cost.main(["--polls", "0"])
+        cli_main(["bench", "--suite", "poll-cost", "--polls", "0"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.dynamo_proxy import sequence_hashes
+from benchmarks.fleet.dynamo_proxy import sequence_hashes
 from prefix_router.cli import main as cli_main
 
 

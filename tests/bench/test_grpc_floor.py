@@ -1,10 +1,11 @@
-"""The gRPC floor benchmark over real gRPC: every stream is answered, and the server's CPU is counted."""
+"""The do-nothing ext_proc server over real gRPC (``--suite grpc-stream-cost``), and behind the real Envoy."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.grpc_floor import measure
+from benchmarks.suites.grpc_stream_cost import measure
+from prefix_router.cli import main as cli_main
 
 
 @pytest.mark.parametrize(("kind", "lockstep"), [("aio", False), ("sync", False), ("aio", True)])
@@ -15,17 +16,15 @@ def test_a_do_nothing_server_answers_every_stream_and_its_cpu_is_read(kind: str,
 
 
 def test_unknown_servers_are_refused_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks.grpc_floor import main
-
     with pytest.raises(SystemExit) as exit_:
-        main(["--servers", "tonic"])
+        cli_main(["bench", "--suite", "grpc-stream-cost", "--servers", "tonic"])
     assert exit_.value.code == 2
-    assert "--servers takes aio, sync" in capsys.readouterr().err
+    assert "list of aio, sync" in capsys.readouterr().err
 
 
 def test_the_floor_gateway_routes_every_request_to_its_fixed_worker_through_envoy(envoy_bin: str) -> None:
-    """``router_overhead --extproc-floor``'s gateway: the real Envoy, the do-nothing server in the router's place."""
-    from benchmarks.grpc_floor import floor_command
+    """``--suite overhead --extproc-floor``'s gateway: the real Envoy, the do-nothing server in the router's place."""
+    from benchmarks.fleet.floor_server import floor_command
     from prefix_router.stack import GatewayStack
     from tests.support.gateway_http import envoy_stats, post
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from benchmarks.decision_latency import FULL_AFTER, event_ingestion
+from benchmarks.probes.ingestion import FULL_AFTER, event_ingestion
 
 
 def test_full_cache_ingestion_is_exact() -> None:

@@ -8,17 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.matrix import (
-    FLEETS,
-    WORKLOADS,
-    MatrixOptions,
-    cell_figures,
-    find_knee,
-    matrix_markdown,
-    plot_heatmap,
-)
-from benchmarks.metrics import Summary, distribution
-from benchmarks.workloads import Workload, docqa_workload, hot_burst_workload
+from benchmarks.fleet.shapes import FLEETS
+from benchmarks.matrix.report import matrix_markdown, plot_heatmap
+from benchmarks.matrix.run import MatrixOptions, cell_figures, find_knee
+from benchmarks.metrics import Summary
+from benchmarks.stats import distribution
+from benchmarks.workloads.base import Workload
+from benchmarks.workloads.cells import WORKLOADS
+from benchmarks.workloads.generated import docqa_workload, hot_burst_workload
 
 
 def _summary(name: str, p50: float, p99: float, hit: float = 0.5, start_error: str | None = None) -> Summary:

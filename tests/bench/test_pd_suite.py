@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.metrics import RequestResult, summarize
-from benchmarks.suites.pd import Layout, configure, layouts, pd_workload
+from benchmarks.suites.pd import Layout, configure, layouts
+from benchmarks.workloads.flags import workload_from_args
 from prefix_router.cli import main as cli_main
 
 
@@ -25,9 +26,9 @@ def test_layouts_parse_and_refuse_bad_shapes() -> None:
 def test_the_workload_flag_picks_gsp_or_growing_chat_sessions() -> None:
     parser = argparse.ArgumentParser()
     configure(parser)
-    gsp = pd_workload(parser.parse_args(["--gsp-groups", "3", "--gsp-prompts-per-group", "2"]))
+    gsp = workload_from_args(parser.parse_args(["--gsp-groups", "3", "--gsp-prompts-per-group", "2"]))
     assert gsp.name == "gsp" and len(gsp.requests) == 6
-    chat = pd_workload(parser.parse_args(["--workload", "multiturn", "--mt-sessions", "3", "--mt-turns", "4"]))
+    chat = workload_from_args(parser.parse_args(["--workload", "multiturn", "--mt-sessions", "3", "--mt-turns", "4"]))
     assert chat.name == "multiturn" and len(chat.requests) == 12
     last = max(chat.requests, key=lambda r: len(r.messages or []))
     assert len(last.messages or []) == 1 + 4 + 3  # system, four questions, three answers in the history

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from benchmarks.contenders import Smg
+from benchmarks.fleet.sgl_routers import Smg
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 

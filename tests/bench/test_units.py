@@ -11,16 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.metrics import (
-    RequestResult,
-    Summary,
-    bootstrap_intervals,
-    distribution,
-    failed,
-    max_over_mean,
-    percentile,
-    summarize,
-)
+from benchmarks.metrics import RequestResult, Summary, failed, max_over_mean, summarize
 from benchmarks.oracle import PooledCache, oracle_hit_rate
 from benchmarks.report import (
     BenchReport,
@@ -30,18 +21,10 @@ from benchmarks.report import (
     plot_ttft_vs_load,
     write_json,
 )
-from benchmarks.workloads import (
-    TraceError,
-    TraceWindow,
-    block_text,
-    gsp_workload,
-    iter_token_ids,
-    multiturn_workload,
-    prefix_hash,
-    read_trace,
-    trace_workload,
-    word_vocabulary,
-)
+from benchmarks.stats import bootstrap_intervals, distribution, percentile
+from benchmarks.workloads.base import block_text, iter_token_ids, prefix_hash, word_vocabulary
+from benchmarks.workloads.generated import gsp_workload, multiturn_workload
+from benchmarks.workloads.trace import TraceError, TraceWindow, read_trace, trace_workload
 from prefix_common.tokenization import load_tokenizer
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "mooncake-conversation.jsonl"
@@ -308,7 +291,8 @@ def test_report_table_json_and_plots(tmp_path: Path) -> None:
 def test_baseline_envoy_configs_validate(name: str, tmp_path: Path) -> None:
     import subprocess
 
-    from benchmarks.contenders import ContenderError, EnvoyBaseline, envoy_binary
+    from benchmarks.fleet.envoy_baselines import EnvoyBaseline, envoy_binary
+    from benchmarks.fleet.process import ContenderError
 
     try:
         binary = envoy_binary()
@@ -339,7 +323,7 @@ def test_sglang_cpu_engine_fills_only_the_defaults_not_given(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from benchmarks.suites.compare import CPU_DEFAULTS, apply_engine_defaults, configure
+    from benchmarks.suites.routing import CPU_DEFAULTS, apply_engine_defaults, configure
 
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -367,7 +351,7 @@ def test_cpu_reports_say_they_are_cpu_figures() -> None:
 
 # -- the tiered suite ---------------------------------------------------------------------------------
 def test_longctx_mixes_document_qa_and_growing_chat_sessions() -> None:
-    from benchmarks.workloads import longctx_workload
+    from benchmarks.workloads.generated import longctx_workload
 
     kwargs = {
         "docs": 3,
@@ -397,7 +381,7 @@ def test_longctx_mixes_document_qa_and_growing_chat_sessions() -> None:
 
 def test_tiered_report_goodput_gpu_seconds_and_targets() -> None:
     from benchmarks.metrics import FleetFigures
-    from benchmarks.report import TieredReport, gpu_seconds_per_request, tiered_table
+    from benchmarks.suites.tiered import TieredReport, gpu_seconds_per_request, tiered_table
 
     def run(name: str, ttft: float, busy: float, cached: dict[str, int]) -> tuple[Summary, list[float]]:
         results = [
@@ -432,7 +416,8 @@ def test_tiered_report_goodput_gpu_seconds_and_targets() -> None:
 
 
 def test_smg_contenders_talk_to_their_own_door_with_their_own_ports() -> None:
-    from benchmarks.contenders import Smg, create_contender
+    from benchmarks.fleet.contenders import create_contender
+    from benchmarks.fleet.sgl_routers import Smg
 
     http, grpc_ = create_contender("smg"), create_contender("smg-grpc", page_size=64)
     assert (http.name, http.worker_transport) == ("smg", "http")

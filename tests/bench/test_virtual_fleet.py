@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.matrix import FLEETS, WORKLOADS, MatrixOptions
-from benchmarks.virtual_fleet import run_virtual, virtual_fleet_of
+from benchmarks.fleet.shapes import FLEETS
+from benchmarks.virtual.fleet import run_virtual, virtual_fleet_of
+from benchmarks.workloads.cells import WORKLOADS, CellSize
 
 
 def test_runs_repeat_exactly_and_faster_than_real_time() -> None:
     fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
-    workload = WORKLOADS["gsp"](20.0, MatrixOptions(requests=64))
+    workload = WORKLOADS["gsp"](20.0, CellSize(requests=64))
     started = time.monotonic()
     first = run_virtual("prefix-aware", workload, fleet)
     wall = time.monotonic() - started
@@ -24,7 +25,7 @@ def test_runs_repeat_exactly_and_faster_than_real_time() -> None:
 def test_the_index_is_fed_by_the_workers_events() -> None:
     """A prefix-aware router on the virtual fleet finds the shared system prompts that round robin scatters."""
     fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
-    workload = WORKLOADS["gsp"](10.0, MatrixOptions(requests=64))
+    workload = WORKLOADS["gsp"](10.0, CellSize(requests=64))
     ours = run_virtual("prefix-aware", workload, fleet).summary(fleet.workers)
     rr = run_virtual("round-robin", workload, fleet).summary(fleet.workers)
     assert ours["hit_rate"] > rr["hit_rate"] + 0.2
@@ -33,11 +34,12 @@ def test_the_index_is_fed_by_the_workers_events() -> None:
 
 def test_the_floor_reads_true_state_and_gap_closed_is_measured_against_it() -> None:
     """The perfect-information floor finds shared prefixes from the workers' real caches, with no router."""
-    from benchmarks.virtual_fleet import FLOOR, gap_closed
+    from benchmarks.virtual.cells import gap_closed
+    from benchmarks.virtual.fleet import FLOOR
 
     fleet = virtual_fleet_of(FLEETS["4x8b-h100"], 8)
     assert fleet.workers == 8
-    workload = WORKLOADS["gsp"](20.0, MatrixOptions(requests=64))
+    workload = WORKLOADS["gsp"](20.0, CellSize(requests=64))
     floor = run_virtual(FLOOR, workload, fleet).summary(fleet.workers)
     rr = run_virtual("round-robin", workload, fleet).summary(fleet.workers)
     assert floor["errors"] == 0 and floor["hit_rate"] > rr["hit_rate"] + 0.2
@@ -47,7 +49,7 @@ def test_the_floor_reads_true_state_and_gap_closed_is_measured_against_it() -> N
 
 
 def test_cached_prefix_reads_the_tree_without_touching_it() -> None:
-    from benchmarks.floor import cached_prefix
+    from benchmarks.virtual.floor import cached_prefix
     from sglang_workers.sim.radix_cache import RadixCache
 
     cache = RadixCache(4, enable_events=False)
@@ -62,7 +64,7 @@ def test_the_phase_blind_floor_charges_half_a_decode_step_where_the_floor_sees_i
     """The one thing the phase-blind floor does not see: where the decode step under way is."""
     import asyncio
 
-    from benchmarks.floor import ObservedScheduler, PerfectInformationFloor
+    from benchmarks.virtual.floor import ObservedScheduler, PerfectInformationFloor
     from sglang_workers.sim.config import SimWorkerConfig
     from sglang_workers.sim.radix_cache import RadixCache
     from sglang_workers.sim.request import Request
@@ -93,7 +95,8 @@ def test_the_phase_blind_floor_charges_half_a_decode_step_where_the_floor_sees_i
 
 
 def test_a_figure_without_a_gap_is_judged_by_the_same_inequality_as_a_bound() -> None:
-    from benchmarks.virtual_fleet import FLOOR, meets_targets
+    from benchmarks.virtual.cells import meets_targets
+    from benchmarks.virtual.fleet import FLOOR
 
     def cell(rr: float, ours: float, floor: float, rr99: float, ours99: float, floor99: float) -> dict[str, object]:
         runs = {
@@ -118,7 +121,7 @@ def test_a_figure_without_a_gap_is_judged_by_the_same_inequality_as_a_bound() ->
 def test_a_recorded_run_keeps_each_request_and_decides_the_same() -> None:
     """Per-request records (the policy's prediction beside the floor's view) change no decision."""
     fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
-    workload = WORKLOADS["gsp"](20.0, MatrixOptions(requests=48))
+    workload = WORKLOADS["gsp"](20.0, CellSize(requests=48))
     plain = run_virtual("prefix-aware", workload, fleet)
     recorded = run_virtual("prefix-aware", workload, fleet, record=True)
     assert recorded.ttft_s == plain.ttft_s and recorded.per_worker == plain.per_worker and not plain.records

@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from benchmarks.compose_replicas import (
+from benchmarks.suites.compose_replicas import (
     MODEL,
     compose_argv,
     measure,
@@ -45,7 +45,7 @@ from benchmarks.compose_replicas import (
     small_burst,
     wait_for_gateway,
 )
-from benchmarks.workloads import block_text
+from benchmarks.workloads.base import block_text
 from prefix_common.addresses import free_port
 from tests.support.container_engine import DockerEngine, engine_unavailable_reason
 from tests.support.local_images import ENV_FILE, build_local_images, images_unavailable_reason
@@ -274,7 +274,7 @@ async def test_a_repeated_long_prompt_is_served_from_one_workers_cache_through_b
 
 
 async def test_prefix_bursts_stay_on_their_first_holder(stack: Stack) -> None:
-    """benchmarks/compose_replicas.py's measurement on a small burst workload (its figures are printed)."""
+    """benchmarks/suites/compose_replicas.py's measurement on a small burst workload (its figures are printed)."""
     figures = await measure(stack.gateway, small_burst(seed=7), shared_state="redis", seed=7)
     assert figures.errors == 0, figures
     assert figures.hit_rate > 0.5, figures  # the 2nd..4th request of a burst and every 2nd burst reuse the prefix

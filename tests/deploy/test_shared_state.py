@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.replicas import redis_server
+from benchmarks.fleet.replica_gateway import redis_server
 from extproc.config import IndexConfig, SharedStateConfig, load_config
 from extproc.fleet.index import BlockIndex
 from extproc.sync.shared_state import SharedDecisions

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from benchmarks.replicas import ReplicaGateway
+from benchmarks.fleet.replica_gateway import ReplicaGateway
 from prefix_router.fleet import start_fleet
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_timing import SHAPES, fit_decode, fit_prefill
+from benchmarks.gpu_timing import SHAPES
+from benchmarks.suites.gpu_timing_fit import fit_decode, fit_prefill
 from sglang_workers.sim.timing import get_profile
 
-DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_timing.py"  # run as a script on a GPU machine
+DATA = SCRIPT.parent / "data"
 RUNS = sorted(DATA.glob("gpu-timing-h200-run*.json"))
 
 
@@ -78,7 +80,7 @@ def test_a_prefill_batch_pays_its_floor_once() -> None:
 
 def test_fit_command_prints_the_constants_and_refuses_a_missing_file(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_timing", "fit", str(RUNS[0])],
+        [sys.executable, "-m", "prefix_router", "bench", "--suite", "gpu-timing-fit", str(RUNS[0])],
         capture_output=True,
         text=True,
         check=False,
@@ -86,7 +88,7 @@ def test_fit_command_prints_the_constants_and_refuses_a_missing_file(tmp_path: P
     assert done.returncode == 0, done.stderr
     assert "NVIDIA H200" in done.stdout and "decode: d0 6.28 ms" in done.stdout
     missing = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_timing", "fit", str(tmp_path / "none.json")],
+        [sys.executable, "-m", "prefix_router", "bench", "--suite", "gpu-timing-fit", str(tmp_path / "none.json")],
         capture_output=True,
         text=True,
         check=False,
@@ -97,7 +99,7 @@ def test_fit_command_prints_the_constants_and_refuses_a_missing_file(tmp_path: P
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is installed here")
 def test_measure_without_pytorch_says_what_it_needs(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_timing", "measure", "--out", str(tmp_path / "t.json")],
+        [sys.executable, str(SCRIPT), "measure", "--out", str(tmp_path / "t.json")],
         capture_output=True,
         text=True,
         check=False,

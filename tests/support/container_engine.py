@@ -1,6 +1,6 @@
 """A Docker engine of the caller's own: ``dockerd`` on its own socket, data, bridge and containerd, stopped by PID.
 
-Why its own: the compose test (and ``benchmarks/compose_replicas.py``) must neither depend on nor disturb a
+Why its own: the compose test (and ``benchmarks/suites/compose_replicas.py``) must neither depend on nor disturb a
 Docker the machine may already run. So the daemon gets its own ``--host`` socket, ``--data-root``,
 ``--exec-root`` (where it starts a containerd of its own), ``--pidfile``, containerd namespace, a default
 bridge of its own (not ``docker0``) and its own pool of network addresses. Stopping it SIGTERMs that PID,

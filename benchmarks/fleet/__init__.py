@@ -1,0 +1,1 @@
+"""What the benchmarks start: worker clusters, the gateways they compare, replicas, helper servers, /proc figures."""

@@ -1,0 +1,118 @@
+"""``prefix-router bench --suite virtual-fleet``: the real router and simulated workers in one process on a
+virtual clock (deterministic, faster than real time), beside a perfect-information floor.
+
+Every worker is the simulator's own scheduler and radix cache at the profiles' own GPU speed; the
+router is the real one with the chosen policy, fed the workers' KV events and load reports; the event
+loop's clock jumps to the next timer whenever every task waits, so a run of 1,000 requests takes
+seconds and two runs with one seed print the same figures. ``floor`` is no router: the perfect-
+information reference, which reads each simulated worker's true state and sends each request where
+its TTFT would be lowest now; ``floor-phase-blind`` is the same, blind to the phase of the decode step
+under way (which no router can see). Per cell (workload x load x fleet size) every policy runs over
+every seed; the table shows each figure's mean (range) over the seeds and, for ``prefix-aware``, the
+share of round robin's excess over the floor that it removes. Only the router's own CPU time is
+missing (decisions take no virtual time): ``--suite overhead`` measures that. Peers run as this
+project's re-implementations of their policies (``sgl-cache-aware``, ``dynamo-cost``), not their
+binaries. How: ``benchmarks/virtual/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.argtypes import integers, key_value, names, positive, positive_list
+from benchmarks.fleet.shapes import FLEETS
+from benchmarks.virtual.cells import cell_markdown, meets_targets, run_cell
+from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, virtual_fleet_of
+from benchmarks.workloads.cells import WORKLOADS
+
+__all__ = ["configure", "main"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cells")
+    g.add_argument(
+        "--workloads",
+        type=names(list(WORKLOADS)),
+        default="gsp",
+        help=f"Comma-separated subset of: {', '.join(WORKLOADS)}.",
+    )
+    g.add_argument(
+        "--fleets",
+        type=names(list(FLEETS)),
+        default="4x8b-h100",
+        help=f"Comma-separated subset of: {', '.join(FLEETS)}.",
+    )
+    g.add_argument(
+        "--sizes",
+        type=positive_list(int),
+        default=None,
+        help="Fleet sizes to run each fleet at, e.g. 4,16,64 (default: the fleet's own).",
+    )
+    g.add_argument(
+        "--loads",
+        type=positive_list(float),
+        default="0.5,1.3",
+        help="Offered loads as multiples of round robin's knee.",
+    )
+    g.add_argument(
+        "--policies",
+        type=names(),
+        default=f"round-robin,sgl-cache-aware,dynamo-cost,prefix-aware,{FLOOR}",
+        help=f"Router policies, '{FLOOR}' (the perfect-information reference) and '{FLOOR_PHASE_BLIND}' (the "
+        "same, blind to the phase of the decode step under way, which no router sees).",
+    )
+    g.add_argument("--requests", type=positive(int), default=1000, help="Requests per run.")
+    g.add_argument("--seeds", type=integers, default="0,1,2", help="Comma-separated seeds; tables show mean (range).")
+    g.add_argument(
+        "--option",
+        type=key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="An option of the prefix-aware policy (repeatable), e.g. max_work_price=10.",
+    )
+    g.add_argument("--out", type=Path, default=None, help="Write cells as JSON lines here (appended per cell).")
+    g.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Write every run's per-request records here, one JSON-lines file a run: the worker chosen and why, "
+        "the policy's predicted TTFT, the floor's estimate there and on its best worker at that moment, the "
+        "cache found then and at admission, the TTFT (slower: the floor's view is computed per request).",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        overrides: dict[str, Any] = {key: float(value) for key, value in args.option}
+    except (TypeError, ValueError):
+        print("prefix-router bench: --option takes KEY=NUMBER", file=sys.stderr)
+        return 2
+    policies = list(args.policies)
+    met = total = 0
+    for fleet_name in args.fleets:
+        for size in args.sizes or [0]:
+            fleet = virtual_fleet_of(FLEETS[fleet_name], size or None)
+            for workload in args.workloads:
+                for load in args.loads:
+                    cell = run_cell(
+                        workload, fleet, load, policies, args.requests, args.seeds, overrides, _stderr, args.records
+                    )
+                    print("\n".join(cell_markdown(cell)), flush=True)
+                    total += 1
+                    met += meets_targets(cell)
+                    if args.out is not None:
+                        with args.out.open("a") as out:
+                            out.write(json.dumps(cell) + "\n")
+    if FLOOR in policies and "prefix-aware" in policies and "round-robin" in policies:
+        print(f"Cells where prefix-aware closes >= 90 % (mean) and >= 80 % (p99) of the gap: {met} of {total}.")
+    return 0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
