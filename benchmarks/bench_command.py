@@ -23,8 +23,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The suite's docstring as written (its paragraphs and lists), and every flag's default that says something."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help  # "(default: None)" says nothing the help does not
+        if action.default is None or action.default is False or "default" in (action.help or "").lower():
+            return action.help  # "(default: None)" says nothing; a help that states its default needs no second
         return super()._get_help_string(action)
 
 

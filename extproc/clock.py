@@ -2,7 +2,7 @@
 
 Everything that stamps or ages state on the read path (the index's speculative entries, load reports,
 the policies' learned queues and traffic) takes it from the router, so a harness can run the whole
-router on a virtual clock (``benchmarks.virtual_fleet``) without patching ``time`` for everyone.
+router on a virtual clock (``prefix-router bench --suite virtual-fleet``) without patching ``time`` for everyone.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 # One confirmed (key, worker slot) entry: holders dict + per-slot LRU order. Measured with one holder per key on a
-# 256-worker fleet (benchmarks/scale.py: 203 B at 16 workers, 231 B at 256: a high slot's bitmask is a longer int).
+# 256-worker fleet (benchmarks/suites/scale.py: 203 B at 16 workers, 231 B at 256: a high slot's bitmask is a
+# longer int).
 BLOCK_BYTES = 232
 HASH_BYTES = 150  # one engine hash -> (own key, tier bits) mapping of an event stream
 RECENT_BYTES = 290  # one key of the router's own record: per-key dict + the decision FIFO

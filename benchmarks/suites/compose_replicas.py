@@ -1,4 +1,5 @@
-"""Router replicas with and without shared state, measured through the real compose stack.
+"""``prefix-router bench --suite compose-replicas``: router replicas with and without shared state, measured
+through the real compose stack.
 
 The ``replicas`` suite runs replicas as processes on loopback; this runs the shipped
 ``docker-compose.yml`` (profile ``sim``: Envoy, ``ROUTER_REPLICAS`` router containers, two simulated

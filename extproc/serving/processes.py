@@ -15,7 +15,7 @@ those requests are still served, by least request) until it is back.
 
 The processes see the same KV events, so their confirmed views agree; what one cannot see is
 another's decisions not yet confirmed by an event, exactly as between replicas
-(``benchmarks.replicas``, docs/deploy.md). ``shared_state`` (Redis) shares those as it does for
+(``prefix-router bench --suite replicas``, docs/deploy.md). ``shared_state`` (Redis) shares those as it does for
 replicas.
 """
 
