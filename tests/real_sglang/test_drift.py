@@ -166,6 +166,13 @@ def test_drift_is_near_zero_with_events_and_visible_once_they_are_cut(
         time.sleep(2.5)  # past index.speculative_ttl_s: the router's record of A's last sends has expired
         run(stack, [(name, f"Question {last} for the {name} desk") for name in SYSTEMS])
     report("after each worker flushed", stack, before, roles)
+    view = request(f"http://127.0.0.1:{stack.metrics_port}/debug/decisions?limit=8").json()
+    for row in reversed(view["decisions"]):
+        served = row["served"] or {}
+        print(
+            f"  {row['worker']:<16} {row['reason']:<24} predicted {row['predicted_cached_tokens']:>4}"
+            f"  served {served.get('cached_tokens')!s:>4}  prompt {row['prompt_tokens']}"
+        )
     flushed = drift(stack)
     after_a, after_b = delta(flushed, before, a), delta(flushed, before, b)
     assert after_a["mismatched"] <= 0.1 * after_a["samples"], after_a  # A's flushes were seen
