@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 up: $(VENV)/.installed
-	$(BIN)/prefix-router up --sim-workers $(WORKERS) --port $(PORT)
+	$(BIN)/prefix-router up --workers $(WORKERS) --port $(PORT)
 
 test: check
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -448,7 +448,7 @@ class Smg(_ProcessContender):
 # bookings) and ``benchmarks.dynamo_proxy`` in front (tokenize, select and reserve, forward, report the lifecycle).
 # Each worker is registered with the endpoints its ``/server_info`` ``kv_events`` block names and its page size.
 
-DYNAMO_INSTALL_HINT = "pip install 'prefix-router[dynamo]' (ai-dynamo-runtime 1.6.1)"
+DYNAMO_INSTALL_HINT = "pip install -e '.[dynamo]' in the prefix-router checkout (ai-dynamo-runtime 1.6.1)"
 
 
 async def _server_info(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:

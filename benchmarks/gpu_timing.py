@@ -24,7 +24,7 @@ materialised mask instead of the flash kernel.
 on relative error (the points span three orders of magnitude), printing each point's residual.
 
     python3 benchmarks/gpu_timing.py measure --out timing.json     # on the GPU machine
-    python -m benchmarks.gpu_timing fit benchmarks/data/gpu-timing-h200.json
+    python -m benchmarks.gpu_timing fit benchmarks/data/gpu-timing-h200-run1.json
 """
 
 from __future__ import annotations

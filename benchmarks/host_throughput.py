@@ -158,7 +158,7 @@ class Gateway:
             port = _port_run(processes)
             extproc = ("127.0.0.1", port)
             args = [sys.executable, "-m", "prefix_router", "serve", "--processes", str(processes), "--port", str(port)]
-            args += ["--metrics-port", "0", "--log-level", "warning", *(f"--worker={u}" for u in worker_urls)]
+            args += ["--no-metrics", "--log-level", "warning", *(f"--worker={u}" for u in worker_urls)]
             self.children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.router_pid = self.children[-1].pid
         spec = GatewaySpec(

@@ -60,8 +60,10 @@ class ServerConfig(Section):
     """The ext_proc gRPC listener."""
 
     host: str = Field("127.0.0.1", description="Bind address; loopback by default so only the local Envoy reaches it.")
-    port: int = Field(9002, description="gRPC port of the ext_proc + health service.")
-    metrics_port: int | None = Field(9102, description="Prometheus /metrics port on the same host; null disables.")
+    port: int = Field(9002, description="gRPC port of the ext_proc + health service; 0: any free port.")
+    metrics_port: int | None = Field(
+        9102, description="Prometheus /metrics port on the same host; 0: any free port; null disables."
+    )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, description="Bodies over this get 413 (Envoy's buffer limit should match)."
     )
@@ -413,7 +415,7 @@ class DebugConfig(Section):
 
 
 class SharedStateConfig(Section):
-    """Router replicas sharing their unconfirmed decisions (see extproc/shared_state.py, docs/deploy.md)."""
+    """Router replicas sharing their unconfirmed decisions (see extproc/sync/shared_state.py, docs/deploy.md)."""
 
     backend: Literal["none", "redis"] = Field(
         "none",
@@ -476,7 +478,7 @@ class FlowControlConfig(Section):
         gt=0,
         description=(
             "Longest wait in the router; then 429. Envoy's ext_proc max_message_timeout must exceed it "
-            "(`prefix-router envoy-config --flow-control-ttl-s` sets it)."
+            "(`prefix-router envoy-config --max-message-timeout-ms` sets it; its default covers this one's)."
         ),
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of a 429.")

@@ -7,6 +7,7 @@ simulated worker launcher and the tests (free loopback ports).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from urllib.parse import urlsplit
 
@@ -15,6 +16,7 @@ __all__ = [
     "WILDCARD_HOSTS",
     "free_port",
     "free_ports",
+    "is_loopback",
     "parse_worker_url",
     "resolve_endpoint",
     "split_host_port",
@@ -26,6 +28,17 @@ LOOPBACK = "127.0.0.1"
 # Bind-all addresses a worker may report for its own sockets (e.g. ``tcp://*:5557``): a client must
 # connect to the worker's own host instead.
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only this host can reach (``127.0.0.0/8``, ``::1``, ``localhost``)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve to anything
+        return False
 
 
 def parse_worker_url(value: str) -> str:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Protocol
 
-__all__ = ["main"]
+__all__ = ["SUBCOMMANDS", "HelpFormatter", "build_parser", "main", "subcommand_parser", "version"]
 
 
 class Command(Protocol):
@@ -64,36 +65,70 @@ def _command(name: str, argv: Sequence[str]) -> Command:
     raise KeyError(name)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default or there is none.
+
+    A default of None, False or an empty list means "not given": printing it would say nothing, and a help
+    text that explains its own default ("default: 4 simulated, 2 sglang-cpu") must not get a second one.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        if action.default == "":
+            return f"{text} (default: empty)"
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or ``unknown`` when run from an uninstalled tree."""
+    try:
+        return metadata.version("prefix-router")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The top level: ``--help``, ``--version`` and the subcommand names (each subcommand parses its own flags)."""
     parser = argparse.ArgumentParser(
         prog="prefix-router",
         description="Prefix-aware routing gateway for SGLang fleets (Envoy ext_proc).",
+        epilog="`prefix-router COMMAND --help` lists a command's flags.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        if argv and argv[0] not in ("-h", "--help") and not argv[0].startswith("-"):
-            parser.print_usage(sys.stderr)
-            print(f"prefix-router: unknown command {argv[0]!r}; see 'prefix-router --help'", file=sys.stderr)
-            return 2
-        parser.print_help()
-        return 0
-    name, rest = argv[0], argv[1:]
-    command = _command(name, rest)
-    sub_parser = argparse.ArgumentParser(
+def subcommand_parser(name: str, argv: Sequence[str] = ()) -> tuple[Command, argparse.ArgumentParser]:
+    """The module behind subcommand ``name`` and its parser, configured (``argv`` picks a bench suite)."""
+    command = _command(name, argv)
+    parser = argparse.ArgumentParser(
         prog=f"prefix-router {name}",
         description=SUBCOMMANDS[name],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a flag abbreviated in a script today would break when a longer sibling arrives
     )
-    command.configure(sub_parser)
-    args = sub_parser.parse_args(rest)
+    command.configure(parser)
+    return command, parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        build_parser().print_help()
+        return 0
+    if argv[0] not in SUBCOMMANDS:
+        # --help and --version exit 0; an unknown option or command is an error (status 2, with the usage).
+        parser = build_parser()
+        parser.parse_args(argv)
+        parser.error("give a command first, e.g. `prefix-router up`")  # e.g. a lone "--": exits 2
+    name, rest = argv[0], argv[1:]
+    command, parser = subcommand_parser(name, rest)
+    args = parser.parse_args(rest)
     try:
         return int(command.main(args) or 0)
     except KeyboardInterrupt:

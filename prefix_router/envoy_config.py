@@ -65,6 +65,21 @@ ACCESS_LOG_FORMAT = (
     "%REQ(:METHOD)% %REQ(:PATH)% -> %UPSTREAM_HOST% %RESPONSE_CODE% %DURATION%ms"
     " (%ROUTE_NAME%, %RESPONSE_CODE_DETAILS%)\n"
 )
+# The same line as one JSON object (``up --log-format json``), with the fields log pipelines read under the
+# names the router's own JSON records use (prefix_common/logs.py); Envoy writes a number as a number.
+ACCESS_LOG_JSON = {
+    "time": "%START_TIME(%Y-%m-%dT%H:%M:%S.%3fZ)%",  # START_TIME is UTC
+    "level": "info",
+    "logger": "envoy.access",
+    "message": ACCESS_LOG_FORMAT.rstrip("\n"),
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(:PATH)%",
+    "upstream": "%UPSTREAM_HOST%",
+    "status": "%RESPONSE_CODE%",
+    "duration_ms": "%DURATION%",
+    "route": "%ROUTE_NAME%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+}
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # same default as ServerConfig.max_body_bytes
 DEFAULT_MAX_MESSAGE_TIMEOUT_MS = 35_000  # above FlowControlConfig.queue_ttl_s (30 s) + the 1 s the router adds
 
@@ -95,6 +110,7 @@ class GatewaySpec:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     upstream_host_header: bool = False
     access_log: bool = False
+    access_log_json: bool = False  # the access log as one JSON object per line (ACCESS_LOG_JSON) instead of text
     retries: int = 2  # attempts after the first on a refused connection (the router's fallbacks, then any)
     # Also retry a request whose worker reset the connection before answering (it died accepting or running
     # it): saves requests a dying worker took in; a request that itself crashes workers may crash retries more.
@@ -587,7 +603,11 @@ def bootstrap(spec: GatewaySpec) -> dict[str, Any]:
                 "name": "envoy.access_loggers.stdout",
                 "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-                    "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+                    "log_format": (
+                        {"json_format": ACCESS_LOG_JSON}
+                        if spec.access_log_json
+                        else {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}
+                    ),
                 },
             }
         ]

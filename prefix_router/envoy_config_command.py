@@ -18,13 +18,16 @@ from prefix_router.envoy_config import (
 
 __all__ = ["configure", "main", "spec_from_args"]
 
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_ADMIN = "127.0.0.1:9901"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker",
         action="append",
         default=[],
-        metavar="HOST:PORT",
+        metavar="URL",
         required=True,
         help="A worker (host:port or URL); repeat for each. Used by the fail-open cluster.",
     )
@@ -84,15 +87,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", type=Path, help="Talk TLS to the router, verifying it with this CA bundle.")
     parser.add_argument("--tls-cert", type=Path, help="Client certificate for mTLS to the router.")
     parser.add_argument("--tls-key", type=Path, help="Private key of --tls-cert.")
-    parser.add_argument("--tls-sni", help="SNI / expected name of the router's certificate.")
+    parser.add_argument("--tls-sni", help="SNI / expected name of the router's certificate (with --tls-ca).")
     parser.add_argument(
         "--bootstrap", action="store_true", help="Print a complete Envoy bootstrap instead of the drop-in pieces."
     )
     parser.add_argument(
-        "--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="Listener address (with --bootstrap)."
+        "--listen", metavar="HOST:PORT", help=f"Listener address (with --bootstrap; default {DEFAULT_LISTEN})."
     )
     parser.add_argument(
-        "--admin", default="127.0.0.1:9901", metavar="HOST:PORT", help="Admin address (with --bootstrap)."
+        "--admin", metavar="HOST:PORT", help=f"Admin address (with --bootstrap; default {DEFAULT_ADMIN})."
     )
     parser.add_argument(
         "--access-log", action="store_true", help="Log each request and its upstream (with --bootstrap)."
@@ -137,8 +140,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
+    """The spec the flags describe; a ValueError for a flag that contradicts or would be ignored."""
+    if not args.bootstrap:  # the drop-in pieces have no listener, admin or access log: say so, do not drop them
+        ignored = [flag for flag, value in (("--listen", args.listen), ("--admin", args.admin)) if value is not None]
+        ignored += ["--access-log"] if args.access_log else []
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} only apply to a whole bootstrap: add --bootstrap")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_sni and args.tls_ca is None:
+        raise ValueError("--tls-sni names the router's certificate, which only --tls-ca verifies: add --tls-ca")
     if args.router_processes < 1:
         raise ValueError("--router-processes must be at least 1")
     return GatewaySpec(
@@ -148,8 +159,8 @@ def spec_from_args(args: argparse.Namespace) -> GatewaySpec:
         router_metrics=split_host_port(args.router_metrics) if args.router_metrics else None,
         retries=args.retries,
         retry_on_reset=not args.no_retry_on_reset,
-        listen=split_host_port(args.listen),
-        admin=split_host_port(args.admin),
+        listen=split_host_port(args.listen or DEFAULT_LISTEN),
+        admin=split_host_port(args.admin or DEFAULT_ADMIN),
         timeout_ms=args.timeout_ms,
         max_body_bytes=args.max_body_bytes,
         upstream_host_header=args.upstream_host_header,

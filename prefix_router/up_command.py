@@ -13,19 +13,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from prefix_common.addresses import LOOPBACK, split_host_port
+from prefix_common.logs import add_log_flags, configure_logging, json_line
 from prefix_router.stack import CrashLoopError, GatewayStack
 
 __all__ = ["configure", "main"]
 
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("sim", "sglang-cpu")
 DEFAULT_WORKERS = {"sim": 4, "sglang-cpu": 2}  # a CPU worker takes ~4 GB and a core while busy
@@ -45,7 +48,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=int, default=None, help="How many workers to start (default: 4 simulated, 2 sglang-cpu)."
     )
-    parser.add_argument("--sim-workers", type=int, default=None, help="Same as --workers (kept for existing scripts).")
     parser.add_argument(
         "--pd",
         metavar="PxD",
@@ -61,7 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="Front this running worker instead (repeatable; then no simulated workers start).",
+        help="Front this running worker instead (host:port or URL; repeatable; then no workers start).",
     )
     parser.add_argument("--port", type=int, default=8080, help="Gateway port (Envoy's listener).")
     parser.add_argument("--host", default=LOOPBACK, help="Gateway bind address.")
@@ -82,18 +84,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="buffered",
         help="Envoy's ext_proc body mode: buffered, or streamed (FULL_DUPLEX_STREAMED, as GIE gateways run it).",
     )
+    # --speedup and --profile shape simulated workers only: None (not given) lets up refuse them for other fleets.
     parser.add_argument(
-        "--sim-speedup",
+        "--speedup",
         type=float,
-        default=1.0,
-        help="Simulated workers run this many times faster than the GPU they model.",
+        help="Simulated workers run this many times faster than the GPU they model (as sim-worker's --speedup; "
+        "default 1).",
     )
     parser.add_argument(
-        "--sim-profile",
-        default="llama-3.1-8b-h100",
+        "--profile",
         help="Timing profile of the simulated workers, or a comma-separated list cycled over them "
-        "(a mixed fleet, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100); see `prefix-router sim-worker --help`.",
+        "(a mixed fleet, e.g. llama-3.1-8b-h100,llama-3.1-8b-a100); see `prefix-router sim-worker --help` "
+        "(default llama-3.1-8b-h100).",
     )
+    # The names these flags had before they matched sim-worker's and bench's: accepted, not advertised.
+    legacy: tuple[tuple[str, str, type], ...] = (
+        ("--sim-workers", "workers", int),
+        ("--sim-speedup", "speedup", float),
+        ("--sim-profile", "profile", str),
+    )
+    for flag, dest, kind in legacy:
+        parser.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--quiet", action="store_true", help="Do not print one access-log line per request.")
     parser.add_argument(
         "--max-restarts",
@@ -102,6 +113,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="A child that dies this many times within a minute is a crash loop: the stack stops, saying which.",
     )
     parser.add_argument("--log-dir", type=Path, help="Keep the children's logs here (default: a temp dir).")
+    add_log_flags(parser)
+    parser.epilog = (
+        "--log-level and --log-format apply to up's own messages and are passed on to the router and the "
+        "simulated workers (their logs are in --log-dir); with --log-format json the banner and each access-log "
+        "line are JSON objects too, one per line on stdout."
+    )
 
 
 ENGINE_LABELS = {"sim": "simulated SGLang", "sglang-cpu": "real SGLang 0.5.23 on CPU (tiny random-weight Llama)"}
@@ -147,11 +164,8 @@ def pd_shape(text: str) -> tuple[int, int]:
 
 
 def worker_count(args: argparse.Namespace) -> int:
-    """--workers, else --sim-workers, else the engine's default."""
-    for value in (args.workers, args.sim_workers):
-        if value is not None:
-            return int(value)
-    return DEFAULT_WORKERS[args.engine]
+    """--workers, else the engine's default."""
+    return int(args.workers) if args.workers is not None else DEFAULT_WORKERS[args.engine]
 
 
 def sglang_cpu_router_config(path: Path, model_dir: str) -> Path:
@@ -174,15 +188,35 @@ def _pd_roles(stack: GatewayStack) -> dict[str, str]:
 
 
 def _say(line: str) -> None:
-    print(f"prefix-router up: {line}", file=sys.stderr, flush=True)
+    """A child's death, restart or return: worth a warning (a healthy stack says nothing)."""
+    log.warning(line)
+
+
+def _announce(stack: GatewayStack, args: argparse.Namespace) -> None:
+    """The banner on stdout: text for a person, or one JSON object with the same addresses for a log pipeline."""
+    if args.log_format == "text":
+        print(_banner(stack, args.engine), flush=True)
+        return
+    line = json_line(
+        log.name,
+        f"prefix-router gateway is up: {stack.url}",
+        url=stack.url,
+        workers=stack.worker_urls,
+        router=stack.router_address,
+        metrics=f"http://{LOOPBACK}:{stack.metrics_port}/metrics",
+        admin=stack.admin_url,
+        log_dir=str(stack.log_dir),
+    )
+    print(line, flush=True)
 
 
 async def _run_up(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
-    if args.sim_speedup != 1.0:
-        options["speedup"] = args.sim_speedup
-    if args.sim_profile:
-        options["profile"] = args.sim_profile
+    if args.speedup is not None:
+        options["speedup"] = args.speedup
+    if args.profile is not None:
+        options["profile"] = args.profile
+    options["log_level"], options["log_format"] = args.log_level, args.log_format
     count = 0 if args.worker else worker_count(args)
     config = args.config
     cpu_config: Path | None = None
@@ -218,6 +252,8 @@ async def _serve(args: argparse.Namespace, options: dict[str, Any], count: int, 
         admin_port=args.admin_port,
         timeout_ms=args.timeout_ms,
         access_log=not args.quiet,
+        access_log_json=args.log_format == "json",
+        router_args=["--log-level", args.log_level, "--log-format", args.log_format],
         log_dir=args.log_dir,
         own_sessions=True,
         body_mode=args.body_mode,
@@ -237,48 +273,56 @@ async def _serve(args: argparse.Namespace, options: dict[str, Any], count: int, 
         return 130
     if starting.exception() is not None:
         stopping.cancel()
-        print(f"prefix-router up: {starting.exception()}", file=sys.stderr)
+        log.error("%s", starting.exception())
         return 1
-    print(_banner(stack, args.engine), flush=True)
+    _announce(stack, args)
     status = 0
     try:
         await stack.supervise(stop, _say, max_restarts=args.max_restarts)
     except CrashLoopError as exc:
-        print(f"prefix-router up: {exc}", file=sys.stderr, flush=True)
+        log.error("%s", exc)
         status = 1
-    print("\nstopping: envoy, router, workers ...", file=sys.stderr, flush=True)
+    log.info("stopping: envoy, router, workers ...")
     stopping.cancel()
     await stack.stop()
-    print("stopped.", file=sys.stderr)
+    log.info("stopped.")
     return status
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.pd is not None and (args.worker or args.workers is not None or args.sim_workers is not None):
-        print("prefix-router up: --pd sets the fleet itself; give it without --worker / --workers", file=sys.stderr)
+    configure_logging(args.log_level, args.log_format, text_format="prefix-router up: %(message)s")
+    if args.pd is not None and (args.worker or args.workers is not None):
+        log.error("--pd sets the fleet itself; give it without --worker / --workers")
+        return 2
+    sim_only = [flag for flag, value in (("--profile", args.profile), ("--speedup", args.speedup)) if value is not None]
+    if sim_only and (args.worker or args.engine != "sim"):
+        log.error(
+            "%s: only simulated workers take it, and with --worker or --engine sglang-cpu none start",
+            " and ".join(sim_only),
+        )
         return 2
     if args.worker:
         try:
             [split_host_port(w) for w in args.worker]
         except ValueError as exc:
-            print(f"prefix-router up: {exc}", file=sys.stderr)
+            log.error("%s", exc)
             return 2
     elif worker_count(args) < 1:
-        print("prefix-router up: --workers must be at least 1 (or give --worker URL)", file=sys.stderr)
+        log.error("--workers must be at least 1 (or give --worker URL)")
         return 2
     elif args.engine == "sglang-cpu":
         from sglang_workers.real.installation import missing_install_reason
 
         reason = missing_install_reason()
         if reason is not None:
-            print(f"prefix-router up: {reason}", file=sys.stderr)
+            log.error("%s", reason)
             return 1
-    else:
+    elif args.profile is not None:
         from sglang_workers.sim.timing import profile_list
 
         try:
-            args.sim_profile = ",".join(profile_list(args.sim_profile))
+            args.profile = ",".join(profile_list(args.profile))
         except ValueError as exc:
-            print(f"prefix-router up: --sim-profile: {exc}", file=sys.stderr)
+            log.error("--profile: %s", exc)
             return 2
     return asyncio.run(_run_up(args))

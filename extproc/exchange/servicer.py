@@ -26,6 +26,7 @@ event loop.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -130,6 +131,8 @@ class _Exchange:
     outcome: RouteOutcome | None = None
     pair: StartedPair | None = None  # a disaggregated request's prefill leg, sent by the router
     context: grpc.aio.ServicerContext | None = None
+    started: float = field(default_factory=time.monotonic)  # the request headers arrived (a stream is one request)
+    stream: bool = False  # the client asked for a streamed response
     reports_usage: bool = False  # the response will carry the engine's cached tokens (it may be sampled)
     usage: UsageReader | None = None  # set when the response is sampled: it reads the usage as it passes
     response_ended: bool = False
@@ -198,6 +201,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             served = served_endpoint(message)
             if served is not None and ex.outcome is not None:
                 self.router.served(ex.outcome, served)
+            if ex.outcome is not None:  # after served(): the worker that answered, fallbacks included
+                self.router.telemetry.first_byte(ex.outcome.worker.id, ex.stream, time.monotonic() - ex.started)
             if ex.pair is not None:
                 return self._on_pair_response(ex, _headers(message.response_headers).get(":status", ""))
             if ex.reports_usage and ex.outcome is not None:
@@ -297,6 +302,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         gie = gie_headers(ex.headers)
         try:
             parsed = parse_request(ex.kind, ex.path, body, ex.headers, self.max_body_bytes)
+            ex.stream = parsed.stream
             ex.reports_usage = reports_usage(parsed)
             if gie.model_rewrite is not None and body:
                 body = rewrite_model(body, gie.model_rewrite)

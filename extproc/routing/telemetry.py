@@ -21,7 +21,15 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -229,6 +237,42 @@ class Telemetry:
             "(pd.aggregate_below_tokens).",
             registry=metrics,
         )
+        self._ready = Gauge(
+            "prefix_router_ready",
+            "1 while the router takes requests (workers resolved, health checks and KV-event sync started), "
+            "0 while it starts or shuts down: what its gRPC readiness service says.",
+            registry=metrics,
+        )
+        # Per chosen worker (before any fallback): its traffic, and the share of it the router expected cached.
+        self._routed = Counter(
+            "prefix_router_routed_total",
+            "Requests routed, by the worker the router chose.",
+            ["worker"],
+            registry=metrics,
+        )
+        self._routed_tokens = Counter(
+            "prefix_router_routed_tokens_total",
+            "Prompt tokens of the tokenized requests routed, by the worker the router chose.",
+            ["worker"],
+            registry=metrics,
+        )
+        self._matched_tokens = Counter(
+            "prefix_router_matched_tokens_total",
+            "Leading prompt tokens the chosen worker held in any tier as the router's index saw it (the hit it "
+            "predicted), by worker; over prefix_router_routed_tokens_total it is the predicted hit rate.",
+            ["worker"],
+            registry=metrics,
+        )
+        self._first_byte = Histogram(
+            "prefix_router_time_to_first_byte_seconds",
+            "From the request reaching the router to the worker's response headers, by the worker that served and "
+            "whether the request streamed. SGLang's OpenAI endpoints send a stream's headers with its first token, "
+            "so stream=true is the TTFT the router sees (its queue and decision included); unstreamed, the whole "
+            "request.",
+            ["worker", "stream"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=metrics,
+        )
         self._tokenize_failures = Counter(
             "prefix_router_tokenize_failures_total",
             "Requests routed without tokens because tokenization failed.",
@@ -288,8 +332,14 @@ class Telemetry:
         for tier, count in tier_blocks.items():
             if count:
                 self._tier_blocks.labels(self.policy_name, tier).inc(count)
+        self._routed.labels(chosen.id).inc()
         if request.token_ids is not None:
-            self._prompt_tokens.observe(len(request.token_ids))
+            tokens = len(request.token_ids)
+            self._prompt_tokens.observe(tokens)
+            self._routed_tokens.labels(chosen.id).inc(tokens)
+            held = sum(tier_blocks.values()) * (winner.block_size if winner else 0)
+            if held:
+                self._matched_tokens.labels(chosen.id).inc(min(held, tokens))
         if decode is not None:
             self._pd_routed.labels("prefill", chosen.id).inc()
             self._pd_routed.labels("decode", decode.ranked[0].id).inc()
@@ -349,6 +399,14 @@ class Telemetry:
         carrier: dict[str, str] = {}
         _propagator.inject(carrier, context=trace.set_span_in_context(span))
         return carrier
+
+    def set_ready(self, ready: bool) -> None:
+        """The router's readiness changed (``prefix-router serve`` sets it with its gRPC readiness service)."""
+        self._ready.set(1.0 if ready else 0.0)
+
+    def first_byte(self, worker: str, stream: bool, seconds: float) -> None:
+        """The response headers of a routed request arrived from ``worker``, ``seconds`` after its request."""
+        self._first_byte.labels(worker, "true" if stream else "false").observe(seconds)
 
     def fell_back(self) -> None:
         """Envoy served a request on a fallback endpoint (read from the response's served-endpoint metadata)."""

@@ -42,6 +42,7 @@ from extproc.sync.load import LoadTracker
 from extproc.sync.shared_state import SharedDecisions
 from extproc.sync.sources import WorkerSources
 from extproc.sync.tier_stats import TierStatsTracker
+from prefix_common.addresses import is_loopback
 
 __all__ = ["RouterApp", "serve"]
 
@@ -203,8 +204,17 @@ async def serve(
         raise ConfigError(f"cannot listen on {address}: {exc}") from exc
     if not bound:
         raise ConfigError(f"cannot listen on {address}")
+    address = f"{config.server.host}:{bound}"  # the port itself when port 0 asked for any free one
+    if credentials is None and not is_loopback(config.server.host):
+        log.warning(
+            "ext_proc on %s is plaintext and reachable from other hosts: prompts cross the network in clear text "
+            "and whoever reaches the port can ask for routing decisions. Keep it on a private network only Envoy "
+            "reaches (a compose network, a pod network with a NetworkPolicy), or set server.tls_cert and "
+            "server.tls_key (--tls-cert, --tls-key; tls_client_ca for mTLS)",
+            address,
+        )
     metrics: MetricsServer | None = None
-    if config.server.metrics_port:
+    if config.server.metrics_port is not None:
         debug = DebugRoutes(app, config.server.host)
         metrics = MetricsServer(
             app.telemetry.metrics,
@@ -224,14 +234,16 @@ async def serve(
     await app.start()
     await server.start()
     await mark_ready(health_servicer, True)
+    app.telemetry.set_ready(True)
     healthy = sum(w.healthy for w in registry.workers)
     log.info(
-        "ext_proc listening on %s (%s, policy %s, %d/%d workers healthy)",
+        "ext_proc listening on %s (%s, policy %s, %d/%d workers healthy); metrics %s",
         address,
         "TLS" if credentials else "plaintext",
         config.policy.name,
         healthy,
         len(registry.workers),
+        f"http://{config.server.host}:{metrics.bound_port}/metrics" if metrics is not None else "off",
     )
     forward = asyncio.create_task(_forward(reload_now, sources)) if reload_now is not None else None
     try:
@@ -242,6 +254,7 @@ async def serve(
         await sources.stop()
         log.info("shutting down: %.1fs grace for in-flight requests", config.server.grace_period_s)
         await mark_ready(health_servicer, False)
+        app.telemetry.set_ready(False)
         await mark_serving(health_servicer, False)
         await server.stop(config.server.grace_period_s)
         await app.stop()

@@ -20,6 +20,7 @@ from extproc.decision.policies import PolicyError
 from extproc.serving.app import serve
 from extproc.serving.processes import supervise
 from prefix_common.addresses import parse_worker_url
+from prefix_common.logs import add_log_flags, configure_logging
 
 __all__ = ["build_config", "configure", "main", "serve_one"]
 
@@ -40,16 +41,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL",
-        help="Worker base URL or host:port; repeat for each worker (added to the config's workers).",
+        help="A worker (host:port or URL); repeat for each (added to the config's workers).",
     )
     parser.add_argument(
         "--host",
         default=unset,
         help="Bind address of the gRPC port (default 127.0.0.1: only a local Envoy can connect).",
     )
-    parser.add_argument("--port", type=int, default=unset, help="gRPC port for ext_proc + health (default 9002).")
     parser.add_argument(
-        "--metrics-port", type=int, default=unset, help="Prometheus /metrics port (default 9102; 0 disables)."
+        "--port", type=int, default=unset, help="gRPC port for ext_proc + health (default 9002; 0: any free port)."
+    )
+    metrics = parser.add_mutually_exclusive_group()
+    metrics.add_argument(
+        "--metrics-port", type=int, default=unset, help="Prometheus /metrics port (default 9102; 0: any free port)."
+    )
+    metrics.add_argument(
+        "--no-metrics", action="store_true", default=unset, help="Serve no metrics port (server.metrics_port: null)."
     )
     parser.add_argument(
         "--policy", default=unset, help="Routing policy: prefix-aware (default), session, least-load, round-robin, ..."
@@ -72,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "all to Envoy with `prefix-router envoy-config --router-processes N`. A process that dies is restarted."
         ),
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_flags(parser)
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
@@ -89,8 +96,10 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         value = getattr(args, flag, None)
         if value is not None:
             server[key] = value
-    if getattr(args, "metrics_port", None) is not None:
-        server["metrics_port"] = args.metrics_port or None
+    if getattr(args, "no_metrics", False):
+        server["metrics_port"] = None
+    elif getattr(args, "metrics_port", None) is not None:
+        server["metrics_port"] = args.metrics_port
     overrides: dict[str, Any] = {"server": server} if server else {}
     if getattr(args, "policy", None):
         overrides["policy"] = {"name": args.policy}
@@ -111,18 +120,21 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if processes == 1:
         return serve_one(args, 0)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         config = build_config(args)
     except ConfigError as exc:
         print(f"prefix-router serve: {exc}", file=sys.stderr)
+        return 2
+    if config.server.port == 0:  # Envoy lists the N ports: they must be known, not picked by the kernel
+        print("prefix-router serve: --processes needs a fixed --port (the N ports from it), not 0", file=sys.stderr)
         return 2
     return supervise(serve_one, args, processes, config.server.port)
 
 
 def serve_one(args: argparse.Namespace, index: int) -> int:
     """One router process; ``index`` > 0 (``--processes``) moves its ports up by ``index``."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
 
     def configured() -> RouterConfig:
         config = build_config(args)

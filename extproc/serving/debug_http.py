@@ -17,7 +17,6 @@ JSON in the OpenAI shape, with a status that says what was wrong; never a stack 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -29,8 +28,9 @@ from extproc.decision.pipeline import NoWorkerError
 from extproc.decision.request import GENERATION_PATHS, RequestError, parse_request
 from extproc.exchange.response import error_body
 from extproc.serving.debug_view import RouterParts, decisions_view, explain_view, workers_view
+from prefix_common.addresses import is_loopback
 
-__all__ = ["DebugRoutes", "is_loopback"]
+__all__ = ["DebugRoutes"]
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,6 @@ _JSON = "application/json"
 _OWN_HEADERS = frozenset({"authorization", "cookie", "host", "content-length", "content-type", "x-request-id"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a bind address only takes connections from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:

@@ -103,6 +103,14 @@ class MetricsServer:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
 
+    @property
+    def bound_port(self) -> int:
+        """The port it listens on: ``port``, or the one the kernel picked when ``port`` was 0."""
+        if self._runner is not None:
+            for address in self._runner.addresses:
+                return int(address[1])
+        return self.port
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()

@@ -226,6 +226,7 @@ class WorkerSources:
         self._config = config
         self.resolver = Resolver(config.discovery.nameservers)
         self._resolved: dict[str, list[Worker]] = {}  # source key -> its last good workers
+        self._nameless: set[str] = set()  # source keys whose name had no address at the last look (said once)
         self._kubernetes: _KubernetesWatch | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
@@ -307,6 +308,7 @@ class WorkerSources:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         key = f"workers:{entry.url}:{entry.name}"
         addresses = await self.resolver.addresses(host, port)
+        self._note_addresses(key, f"worker {entry.url}", host, addresses)
         if addresses is None or not addresses:
             return self._resolved.get(key, []) if addresses is None else []
         worker = Worker(
@@ -326,6 +328,7 @@ class WorkerSources:
     async def _dns(self, name: DnsWorkersConfig) -> list[Worker]:
         key = f"dns:{name.scheme}://{name.host}:{name.port}"
         addresses = await self.resolver.addresses(name.host, name.port)
+        self._note_addresses(key, "discovery.dns", name.host, addresses)
         if addresses is None:
             return self._resolved.get(key, [])
         workers = []
@@ -343,6 +346,24 @@ class WorkerSources:
             )
         self._resolved[key] = workers
         return workers
+
+    def _note_addresses(self, key: str, what: str, host: str, addresses: list[str] | None) -> None:
+        """Say once that a name has no address (a typo, a service not created yet), and once when it has again.
+
+        Without this a misspelt ``--worker`` left the router running with "0/0 workers healthy" and no hint.
+        """
+        if addresses == [] and key not in self._nameless:
+            self._nameless.add(key)
+            log.warning(
+                "%s: the name %s does not resolve (no address); no requests go there until it does "
+                "(looked up again every %gs)",
+                what,
+                host,
+                self.discovery.dns_interval_s,
+            )
+        elif addresses and key in self._nameless:
+            self._nameless.discard(key)
+            log.info("%s: the name %s resolves again (%s)", what, host, ", ".join(addresses))
 
     # -- the config file --------------------------------------------------------------------------
     def _stat(self) -> float | None:

@@ -9,14 +9,18 @@ where everything lives):
 3. the tiny random-weight Llama, built by ``cpu/build_tiny_model.py`` under the SGLang venv's Python
    from the project's default tokenizer (a few seconds; nothing is downloaded).
 
-4. what a prefill/decode pair needs in the venv (``PD_PIP_PACKAGES``: Mooncake's non-CUDA transfer engine and
-   msgpack), added to an existing install too; Mooncake's ``engine.so`` needs the Debian packages
-   ``PD_DEBIAN_PACKAGES`` (libibverbs and libnl), which are checked, not installed (apt needs root: ``.ci/run``
-   installs them).
+Then one import check (``sglang`` and ``sgl_kernel`` with the stand-in on the library path), and the install
+is recorded as complete: aggregated workers can run.
 
-Then one import check (``sglang`` and ``sgl_kernel`` with the stand-in on the library path, and Mooncake's
-engine). Whatever is missing (a C compiler, disk space, a Python for the venv, a Debian package) is reported in
-one line, with the fix.
+4. what a prefill/decode pair needs besides: Mooncake's ``engine.so`` links the Debian packages
+   ``PD_DEBIAN_PACKAGES`` (libibverbs and libnl), installed with apt-get when this runs as root (as ``.ci/run``
+   does) unless ``--no-apt``; then ``PD_PIP_PACKAGES`` (Mooncake's non-CUDA transfer engine and msgpack) in the
+   venv, added to an existing install too, and a check that Mooncake's engine loads. Only PD pairs need this
+   step, so when it cannot be done (not root, no apt-get, no wheel for this platform) the aggregated install
+   stands and one line says what PD still needs.
+
+Whatever else is missing (a C compiler, disk space, a Python for the venv) stops the install, reported in one
+line with the fix.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR
@@ -39,6 +44,8 @@ from .installation import (
     SGLANG_CPU_VERSION,
     CpuInstall,
     default_install_dir,
+    ldconfig_listing,
+    missing_pd_packages,
     model_digest,
     stub_digest,
 )
@@ -208,26 +215,74 @@ def check_imports(install: CpuInstall) -> None:
         )
 
 
-def install(root: Path, python: str, tokenizer: Path = DEFAULT_TOKENIZER_DIR) -> CpuInstall:
-    """Run every step that is not done yet; the returned install is complete."""
+def may_apt() -> bool:
+    """Whether missing Debian packages can be installed here: root, with apt-get (a CI machine, a container)."""
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
+def apt_install(packages: list[str]) -> None:
+    """``apt-get update`` then ``apt-get install`` (quietly, no recommends), as ``.ci/run`` does; failures are
+    left to the caller's second look at the library listing."""
+    _say(f"installing the Debian packages {' '.join(packages)} for prefill/decode pairs ...")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages], env=env, stdout=subprocess.DEVNULL
+    )
+
+
+def install_pd(
+    install: CpuInstall, apt: bool | None = None, libraries: Callable[[], str] = ldconfig_listing
+) -> str | None:
+    """Step 4: what a prefill/decode pair needs. None when it is done; else one line saying what PD still needs.
+
+    ``apt``: install missing Debian packages with apt-get (None: when ``may_apt()``); ``libraries``: the
+    dynamic linker's listing (``ldconfig -p``).
+    """
+    missing = missing_pd_packages(libraries())
+    if missing and (may_apt() if apt is None else apt):
+        apt_install(missing)
+        missing = missing_pd_packages(libraries())
+    if missing:
+        packages = " ".join(missing)
+        return (
+            f"prefill/decode pairs also need the Debian packages {packages} (Mooncake's engine.so links them): "
+            f"as root, apt-get install {packages}, then run make sglang-cpu again"
+        )
+    try:
+        changed = install_pd_packages(install)
+        if changed or install.stamp().get("pd") != ",".join(PD_PIP_PACKAGES):
+            check_pd_imports(install)
+    except InstallError as exc:
+        return f"prefill/decode pairs are not ready: {exc}"
+    return None
+
+
+def install(
+    root: Path,
+    python: str,
+    tokenizer: Path = DEFAULT_TOKENIZER_DIR,
+    apt: bool | None = None,
+    libraries: Callable[[], str] = ldconfig_listing,
+) -> tuple[CpuInstall, str | None]:
+    """Run every step that is not done yet: the install (complete for aggregated workers) and, when PD is not
+    ready, one line saying what it still needs (``install_pd``)."""
     target = CpuInstall(root)
     compiler = find_compiler()  # before pip: fail in a second, not after minutes of downloads
     changed = install_sglang(target, python)
     changed = build_stub(target, compiler) or changed
     changed = build_model(target, tokenizer) or changed
-    pd_changed = install_pd_packages(target)
     if changed or not target.stamp_path.exists():
         check_imports(target)  # ~15 s: only after something was (re)built
-    if pd_changed or target.stamp().get("pd") != ",".join(PD_PIP_PACKAGES):
-        check_pd_imports(target)
-    stamp = {
-        "sglang": SGLANG_CPU_VERSION,
-        "libcuda": stub_digest(),
-        "model": model_digest(tokenizer),
-        "pd": ",".join(PD_PIP_PACKAGES),
-    }
+    stamp = {"sglang": SGLANG_CPU_VERSION, "libcuda": stub_digest(), "model": model_digest(tokenizer)}
+    pd_stamp = target.stamp().get("pd")
+    # Recorded before the PD step: whatever becomes of it, aggregated workers can run from here on.
+    target.stamp_path.write_text(json.dumps({**stamp, **({"pd": pd_stamp} if pd_stamp else {})}, indent=2) + "\n")
+    pd_missing = install_pd(target, apt, libraries)
+    if pd_missing is None:
+        stamp["pd"] = ",".join(PD_PIP_PACKAGES)
     target.stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
-    return target
+    return target, pd_missing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,13 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python", default=sys.executable, help="Interpreter the venv is created with (3.10 or newer)."
     )
+    parser.add_argument(
+        "--no-apt",
+        action="store_true",
+        help="Never run apt-get (by default, as root, it installs the Debian packages prefill/decode pairs need).",
+    )
     args = parser.parse_args(argv)
     try:
-        done = install(args.dir, args.python)
+        done, pd_missing = install(args.dir, args.python, apt=False if args.no_apt else None)
     except InstallError as exc:
         print(f"sglang-cpu: {exc}", file=sys.stderr)
         return 1
     _say(f"ready: {done.root} (prefix-router sglang-launch --cpu --run starts a worker)")
+    if pd_missing is not None:
+        _say(pd_missing)
     return 0
 
 

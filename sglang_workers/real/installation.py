@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from prefix_common.tokenization import DEFAULT_TOKENIZER_DIR
 __all__ = [
     "CPU_DIR",
     "PD_DEBIAN_PACKAGES",
+    "PD_LIBRARIES",
     "PD_PIP_PACKAGES",
     "SGLANG_CPU_VERSION",
     "TINY_MODEL_NAME",
@@ -32,7 +34,9 @@ __all__ = [
     "CpuInstall",
     "default_install_dir",
     "find_install",
+    "ldconfig_listing",
     "missing_install_reason",
+    "missing_pd_packages",
     "model_digest",
     "stub_digest",
 ]
@@ -44,7 +48,13 @@ TINY_MODEL_VOCAB = 8192  # the default tokenizer's vocabulary (largest id 8191) 
 # What a real prefill/decode pair needs besides SGLang: Mooncake's transfer engine (TCP; the non-CUDA build) and
 # msgpack in SGLang's venv, and the RDMA libraries Mooncake's engine.so links against (even when it uses TCP).
 PD_PIP_PACKAGES = ("mooncake-transfer-engine-non-cuda==0.3.13.post1", "msgpack")
-PD_DEBIAN_PACKAGES = ("libibverbs1", "libnl-3-200", "libnl-route-3-200")
+# The shared libraries Mooncake's engine.so links (soname -> the Debian package that ships it).
+PD_LIBRARIES = {
+    "libibverbs.so.1": "libibverbs1",
+    "libnl-3.so.200": "libnl-3-200",
+    "libnl-route-3.so.200": "libnl-route-3-200",
+}
+PD_DEBIAN_PACKAGES = tuple(PD_LIBRARIES.values())
 STAMP = "prefix-router-sglang-cpu.json"  # what was built, from which sources
 
 
@@ -55,6 +65,31 @@ def default_install_dir() -> Path:
         return Path(override).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "prefix-router" / f"sglang-{SGLANG_CPU_VERSION}"
+
+
+def ldconfig_listing() -> str:
+    """``ldconfig -p``: every library the dynamic linker's cache knows; empty when ldconfig cannot be run."""
+    binary = shutil.which("ldconfig") or next(
+        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.access(p, os.X_OK)), None
+    )
+    if binary is None:
+        return ""
+    try:
+        return subprocess.run([binary, "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def missing_pd_packages(listing: str) -> list[str]:
+    """The Debian packages of ``PD_LIBRARIES`` absent from ``listing`` (``ldconfig -p`` output), in order.
+
+    An empty listing (no ldconfig) says nothing either way: then nothing is reported missing, and the import
+    check of Mooncake's engine (``make sglang-cpu``) still catches a missing library.
+    """
+    if not listing.strip():
+        return []
+    present = {line.split(maxsplit=1)[0] for line in listing.splitlines()[1:] if line.strip()}
+    return [package for soname, package in PD_LIBRARIES.items() if soname not in present]
 
 
 def _digest(*paths: Path) -> str:
@@ -104,8 +139,15 @@ class CpuInstall:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def pd_problems(self) -> list[str]:
-        """What a PD pair still lacks (the ``make sglang-cpu`` step that adds Mooncake); empty when it can run."""
+    def pd_problems(self, listing: str | None = None) -> list[str]:
+        """What a PD pair still lacks (system libraries, the ``make sglang-cpu`` step that adds Mooncake); empty
+        when it can run. ``listing``: ``ldconfig -p`` output, read now when not given."""
+        packages = missing_pd_packages(ldconfig_listing() if listing is None else listing)
+        if packages:
+            return [
+                f"Mooncake's transfer engine needs the Debian packages {' '.join(packages)}: as root, "
+                f"apt-get install {' '.join(packages)}"
+            ]
         if self.stamp().get("pd") == ",".join(PD_PIP_PACKAGES):
             return []
         name, version = PD_PIP_PACKAGES[0].split("==")

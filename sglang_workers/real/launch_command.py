@@ -73,7 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Print (or, with --run, execute) the launch command of a real SGLang worker set up for this router: "
         "KV events over ZMQ with a replay socket, --page-size equal to the router's block size, "
         "--enable-metrics and --enable-cache-report. Needs a GPU host with SGLang installed "
-        "(pip install 'prefix-router[sglang]', or the lmsysorg/sglang image)."
+        "(pip install -e '.[sglang]' in the prefix-router checkout, or the lmsysorg/sglang image)."
     )
     parser.add_argument(
         "--cpu",
@@ -186,7 +186,8 @@ def main(args: argparse.Namespace) -> int:
     if args.python == sys.executable and importlib.util.find_spec("sglang") is None:
         print(
             "prefix-router sglang-launch: SGLang is not installed in this environment; on a GPU host run "
-            "pip install 'prefix-router[sglang]' (brings torch and CUDA), or use the lmsysorg/sglang image.",
+            "pip install -e '.[sglang]' in the prefix-router checkout (brings torch and CUDA), or use the "
+            "lmsysorg/sglang image.",
             file=sys.stderr,
         )
         return 1

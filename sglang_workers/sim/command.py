@@ -14,10 +14,14 @@ import sys
 
 from pydantic import ValidationError
 
+from prefix_common.logs import add_log_flags, configure_logging
+
 from .config import SimWorkerConfig
 from .timing import PROFILES, profile_list
 
 __all__ = ["build_config", "configure", "main"]
+
+log = logging.getLogger("sglang_workers.sim")
 
 
 def _profiles(text: str) -> str:
@@ -98,7 +102,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--context-length",
         type=int,
         default=d["context_length"].default,
-        help="Longest prompt + output a request may ask for (longer: HTTP 413).",
+        help="Longest prompt + output a request may ask for (longer: HTTP 400, as SGLang answers).",
     )
 
     sched = parser.add_argument_group("cache and scheduler (SGLang server args)")
@@ -292,9 +296,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=d["load_time"].default,
         help="Seconds to answer 503 after start, like SGLang loading a model (real time).",
     )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="Log verbosity."
-    )
+    add_log_flags(parser)
 
 
 def build_config(args: argparse.Namespace) -> SimWorkerConfig:
@@ -385,10 +387,16 @@ async def serve(config: SimWorkerConfig) -> None:
         tiers = f", host tier {worker.host_tokens} tokens ({config.hicache_write_policy})"
         if config.hicache_storage_backend == "file":
             tiers += f", file storage {config.storage_dir()}"
-    print(
-        f"sim-worker ready on http://{config.host}:{worker.bound_port}{grpc_note} ({config.profile}, "
-        f"page {config.page_size}, {capacity} KV tokens{tiers}; {events})",
-        flush=True,
+    log.info(
+        "sim-worker ready on http://%s:%d%s (%s, page %d, %d KV tokens%s; %s)",
+        config.host,
+        worker.bound_port,
+        grpc_note,
+        config.profile,
+        config.page_size,
+        capacity,
+        tiers,
+        events,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -404,7 +412,7 @@ async def serve(config: SimWorkerConfig) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         config = build_config(args)
     except ValidationError as exc:

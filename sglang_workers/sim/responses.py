@@ -1,7 +1,7 @@
 """The bodies SGLang 0.5.23 answers with, built from a simulated request: meta_info, usage, errors, model info.
 
 Every key real SGLang sends is here, in its order, with its type, because routers, clients and the
-differential conformance test (``tests/test_real_sglang_conformance.py``) read them. Where a value is
+differential conformance test (``tests/real_sglang/test_conformance.py``) read them. Where a value is
 the engine's own measurement (timestamps, latencies, throughput) it comes from the simulated request's
 clock; where it describes features the simulator has not got (reasoning, LoRA weight versions, host
 cache tiers) it has the value a plain SGLang worker reports: 0, ``"default"``, null.

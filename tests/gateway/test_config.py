@@ -207,7 +207,7 @@ def test_cli_rejects_bad_input() -> None:
 
 def test_serve_explains_missing_workers_and_bad_config(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "serve", "--metrics-port", "0"],
+        [sys.executable, "-m", "prefix_router", "serve", "--no-metrics"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -252,8 +252,7 @@ def test_router_binds_loopback_by_default() -> None:
             "serve",
             "--port",
             str(port),
-            "--metrics-port",
-            "0",
+            "--no-metrics",
             "--worker",
             f"127.0.0.1:{free_port()}",
         ],
@@ -284,12 +283,15 @@ def test_serve_merges_config_file_and_flags(tmp_path: Path) -> None:
     configure(parser)
     merged = build_config(
         parser.parse_args(
-            ["--config", str(config), "--worker", "10.0.0.2:30000", "--policy", "round-robin", "--metrics-port", "0"]
+            ["--config", str(config), "--worker", "10.0.0.2:30000", "--policy", "round-robin", "--no-metrics"]
         )
     )
     assert [w.url for w in merged.workers] == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
     assert merged.server.port == 9100 and merged.server.max_body_bytes == 1000  # the file, not defaults
     assert merged.policy.name == "round-robin" and merged.server.metrics_port is None
+    # 0 means what it means for every port flag (and in `up`): any free port, not "off"
+    assert build_config(parser.parse_args(["--config", str(config), "--metrics-port", "0"])).server.metrics_port == 0
+    assert build_config(parser.parse_args(["--config", str(config)])).server.metrics_port == 9102
 
 
 def test_configuration_example_in_docs_is_valid(tmp_path: Path) -> None:

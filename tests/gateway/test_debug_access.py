@@ -10,12 +10,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-import pytest
-
 from extproc.config import DebugConfig, RouterConfig, load_config
 from extproc.fleet.workers import WorkerRegistry
 from extproc.serving.app import RouterApp
-from extproc.serving.debug_http import DebugRoutes, is_loopback
+from extproc.serving.debug_http import DebugRoutes
 from extproc.serving.metrics_http import MetricsServer
 from prefix_common.addresses import free_port
 from tests.support.gateway_http import Reply, request
@@ -84,12 +82,3 @@ async def test_loopback_needs_no_token() -> None:
 def test_the_token_comes_from_the_environment_too() -> None:
     config = load_config(environ={"PREFIX_ROUTER_DEBUG__TOKEN": "123456", "PREFIX_ROUTER_DEBUG__DECISIONS": "8"})
     assert config.debug.token == "123456" and config.debug.decisions == 8
-
-
-@pytest.mark.parametrize(
-    ("host", "loopback"),
-    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True), ("localhost", True), ("0.0.0.0", False)],
-)
-def test_loopback_binds(host: str, loopback: bool) -> None:
-    assert is_loopback(host) is loopback
-    assert is_loopback("10.1.2.3") is False and is_loopback("router.internal") is False

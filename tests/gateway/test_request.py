@@ -104,7 +104,7 @@ def test_generate_forms(body: bytes, text: str | None, ids: list[int] | None) ->
         ("completion", b'{"prompt": [-5]}', 400, "prompt"),
         ("completion", b'{"prompt": [[1], [2, -3]]}', 400, "prompt"),
         ("generate", b'{"input_ids": [true]}', 400, "input_ids"),
-        # Found by tests/test_gateway_fuzz.py: an id past 64 bits reached the hashing and cost a 500.
+        # Found by tests/gateway/test_fuzz.py: an id past 64 bits reached the hashing and cost a 500.
         ("generate", b'{"input_ids": [18446744073709551616]}', 400, "input_ids"),
         ("generate", b'{"text": 1}', 400, "text"),
         ("generate", b'{"text": "' + b"a" * 100 + b'"}', 413, None),

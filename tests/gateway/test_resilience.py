@@ -236,7 +236,7 @@ def _children(pid: int) -> dict[int, str]:
 def test_up_restarts_a_killed_worker_and_router_and_serves_throughout(envoy_bin: str) -> None:
     port = free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--sim-workers", "2", "--port", str(port), "--quiet"],
+        [sys.executable, "-m", "prefix_router", "up", "--workers", "2", "--port", str(port), "--quiet"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -296,7 +296,7 @@ def test_no_child_outlives_up_even_when_up_is_killed(envoy_bin: str) -> None:
     """SIGKILL runs no cleanup in ``up``: the kernel kills its children (PR_SET_PDEATHSIG), restarted ones too."""
     port = free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--sim-workers", "2", "--port", str(port), "--quiet"],
+        [sys.executable, "-m", "prefix_router", "up", "--workers", "2", "--port", str(port), "--quiet"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -101,7 +101,7 @@ def _port_open(url: str) -> bool:
 @pytest.mark.parametrize("body_mode", ["buffered", "streamed"])
 def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str, body_mode: str, tmp_path: Path) -> None:
     port = free_port()
-    argv = ["up", "--sim-workers", "2", "--port", str(port), "--policy", "round-robin", "--body-mode", body_mode]
+    argv = ["up", "--workers", "2", "--port", str(port), "--policy", "round-robin", "--body-mode", body_mode]
     up = subprocess.Popen(
         [sys.executable, "-m", "prefix_router", *argv, "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE,

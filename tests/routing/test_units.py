@@ -494,6 +494,32 @@ def test_router_tokenizes_records_and_traces() -> None:
     assert "prefix_router_decision_seconds_count" in text and 'prefix_router_worker_healthy{worker="w0"}' in text
 
 
+def test_router_counts_each_workers_traffic_and_predicted_hit() -> None:
+    """Per chosen worker: requests, prompt tokens, and the leading tokens the index said it held."""
+    app = RouterApp(RouterConfig(), WorkerRegistry(_workers(2)))
+    messages = [{"role": "system", "content": "You are terse. " * 400}, {"role": "user", "content": "hi"}]
+    parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=messages)
+    first = app.router.route(parsed)
+    app.router.finish(first)
+    second = app.router.route(parsed)  # the router's own record of the first: a predicted hit on the same worker
+    app.router.finish(second)
+    assert second.worker is first.worker and second.matched_blocks > 0
+    metrics, worker = app.telemetry.metrics, {"worker": first.worker.id}
+    tokens = len(first.request.token_ids or [])
+    assert metrics.get_sample_value("prefix_router_routed_total", worker) == 2
+    assert metrics.get_sample_value("prefix_router_routed_tokens_total", worker) == 2 * tokens
+    held = second.matched_blocks * second.request.block_size
+    assert 0 < held <= tokens
+    assert metrics.get_sample_value("prefix_router_matched_tokens_total", worker) == held  # the first: no hit
+    assert metrics.get_sample_value("prefix_router_ready") == 0  # until `serve` says it is ready
+    app.telemetry.set_ready(True)
+    assert metrics.get_sample_value("prefix_router_ready") == 1
+    app.telemetry.first_byte(first.worker.id, True, 0.2)
+    first_byte = {**worker, "stream": "true"}
+    assert metrics.get_sample_value("prefix_router_time_to_first_byte_seconds_count", first_byte) == 1
+    assert metrics.get_sample_value("prefix_router_time_to_first_byte_seconds_bucket", {**first_byte, "le": "0.1"}) == 0
+
+
 def test_untokenizable_request_is_still_routed() -> None:
     app = RouterApp(RouterConfig(), WorkerRegistry(_workers(2)))
     bad = ParsedRequest(

@@ -56,7 +56,7 @@ def test_run_without_sglang_explains_how_to_install() -> None:
         pytest.skip("SGLang is installed here: --run would really launch a server")
     done = _run("--model-path", "m", "--run")
     assert done.returncode == 1
-    assert "prefix-router[sglang]" in done.stderr and "Traceback" not in done.stderr
+    assert "pip install -e '.[sglang]' in the prefix-router checkout" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_rejects_bad_page_size() -> None:
@@ -131,6 +131,42 @@ def test_install_errors_say_what_to_do(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(installer.InstallError, match=r"needs about 12 GB free .* 3\.0 GB are"):
         installer.install(tmp_path / "venv", sys.executable)
     assert installer.main(["--dir", str(tmp_path / "venv")]) == 1  # the same, as one line on stderr
+
+
+# ``ldconfig -p`` as Debian prints it, on a machine with libc but without Mooncake's RDMA libraries.
+LISTING_WITHOUT_RDMA = (
+    "2 libs found in cache `/etc/ld.so.cache'\n"
+    "\tlibc.so.6 (libc6,x86-64, OS ABI: Linux 3.2.0) => /lib/x86_64-linux-gnu/libc.so.6\n"
+    "\tlibnl-3.so.200 (libc6,x86-64) => /lib/x86_64-linux-gnu/libnl-3.so.200\n"
+)
+
+
+def test_the_library_check_reads_ldconfig() -> None:
+    from sglang_workers.real.installation import PD_DEBIAN_PACKAGES, ldconfig_listing, missing_pd_packages
+
+    listing = ldconfig_listing()  # this machine's own
+    if not listing:
+        pytest.skip("no ldconfig here")
+    assert "libc.so.6" in listing
+    assert set(missing_pd_packages(listing)) <= set(PD_DEBIAN_PACKAGES)
+    assert missing_pd_packages(LISTING_WITHOUT_RDMA) == ["libibverbs1", "libnl-route-3-200"]
+    assert missing_pd_packages("") == []  # no listing: the import check of Mooncake's engine decides
+
+
+def test_install_without_mooncakes_libraries_finishes_the_aggregated_install(tmp_path: Path) -> None:
+    """Only PD pairs need libibverbs and libnl: without them (and without root) the install still completes,
+    and says in one line what PD lacks, instead of failing after the 11 GB were installed."""
+    from sglang_workers.real import install as installer
+    from sglang_workers.real.installation import CpuInstall, find_install
+
+    root = _fake_install(tmp_path / "venv")
+    done, pd_missing = installer.install(root, sys.executable, apt=False, libraries=lambda: LISTING_WITHOUT_RDMA)
+    assert done.root == root and find_install(root) is not None  # aggregated workers can run
+    assert pd_missing is not None and "\n" not in pd_missing
+    assert "apt-get install libibverbs1 libnl-route-3-200" in pd_missing and "make sglang-cpu" in pd_missing
+    assert "pd" not in done.stamp()
+    problems = CpuInstall(root).pd_problems(LISTING_WITHOUT_RDMA)  # what a PD worker's start then says
+    assert problems and "apt-get install libibverbs1 libnl-route-3-200" in problems[0]
 
 
 def _fake_install(root: Path) -> Path:
