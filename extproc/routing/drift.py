@@ -8,8 +8,10 @@ against the prediction for the worker that served: its longest indexed match, in
 prompt (``Candidate.predicted_cached_tokens``). Unsampled requests are never read: Envoy sends their
 response bodies nowhere.
 
-Per worker, as counters (docs/routing.md, "Index drift"): samples, predicted and served cached tokens
-(their sums), and samples that differ by more than one page. A short span ``drift``, a child of the
+Per worker, as counters read at scrape time (docs/routing.md, "Index drift"): samples, predicted and
+served cached tokens (their sums), samples that differ by more than one page, and samples without
+figures; every worker of the fleet has its series from 0, so a rate or a ratio exists before the first
+mismatch. A short span ``drift``, a child of the
 decision's span, carries the same figures, and the decision's record in the debug view gains them.
 Sampling only reads: it never changes what the router chooses, and it never fails a request.
 """
@@ -19,13 +21,16 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from extproc.decision.pipeline import RouteOutcome
 from extproc.decision.request import ParsedRequest
+from extproc.fleet.workers import WorkerRegistry
 from extproc.routing.decision_log import DecisionLog
 from extproc.routing.telemetry import Telemetry
 
@@ -62,47 +67,74 @@ class DriftSample:
         return abs(self.predicted - self.served) > self.page
 
 
+# name (prometheus_client adds ``_total``), help: one counter per worker each.
+_FAMILIES = (
+    (
+        "prefix_router_drift_samples",
+        "Sampled responses whose engine-reported cached_tokens was compared with the router's prediction.",
+    ),
+    (
+        "prefix_router_predicted_cached_tokens",
+        "Cached prompt tokens the router predicted on the worker that served, summed over sampled requests.",
+    ),
+    (
+        "prefix_router_served_cached_tokens",
+        "Cached prompt tokens the engine reported (usage / meta_info cached_tokens), same sampled requests.",
+    ),
+    (
+        "prefix_router_drift_mismatched",
+        "Sampled requests whose predicted and reported cached tokens differ by more than one page.",
+    ),
+    (
+        "prefix_router_drift_unread",
+        "Sampled responses that carried no cached_tokens (an engine without --enable-cache-report, an error).",
+    ),
+)
+_SAMPLES, _PREDICTED, _SERVED, _MISMATCHED, _UNREAD = range(len(_FAMILIES))
+_KEYS = ("samples", "predicted_cached_tokens", "served_cached_tokens", "mismatched", "unread")
+
+
+class _Counts(Collector):
+    """The meter's counters at scrape time: every worker of the fleet has its series, from zero."""
+
+    def __init__(self, counts: dict[str, list[float]], workers: WorkerRegistry | None) -> None:
+        self.counts = counts
+        self.workers = workers
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        ids = [w.id for w in self.workers.workers] if self.workers is not None else []
+        ids += [wid for wid in self.counts if wid not in ids]  # a worker that left keeps what it counted
+        zero = [0.0] * len(_FAMILIES)
+        for i, (name, help_) in enumerate(_FAMILIES):
+            family = CounterMetricFamily(name, help_, labels=["worker"])
+            for wid in ids:
+                family.add_metric([wid], self.counts.get(wid, zero)[i])
+            yield family
+
+
 class DriftMeter:
     """Chooses the sampled requests and counts what their responses showed, per worker."""
 
     def __init__(
-        self, rate: float, telemetry: Telemetry, decisions: DecisionLog, rng: random.Random | None = None
+        self,
+        rate: float,
+        telemetry: Telemetry,
+        decisions: DecisionLog,
+        workers: WorkerRegistry | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        """``workers``: the fleet, whose every worker gets its series at 0 before its first sample."""
         self.rate = rate
         self.telemetry = telemetry
         self.decisions = decisions
         self._rng = rng or random.Random()  # its own: sampling never moves the process's random state
-        metrics = telemetry.metrics
-        self._samples = Counter(
-            "prefix_router_drift_samples",
-            "Sampled responses whose engine-reported cached_tokens was compared with the router's prediction.",
-            ["worker"],
-            registry=metrics,
-        )
-        self._predicted = Counter(
-            "prefix_router_predicted_cached_tokens",
-            "Cached prompt tokens the router predicted on the worker that served, summed over sampled requests.",
-            ["worker"],
-            registry=metrics,
-        )
-        self._served = Counter(
-            "prefix_router_served_cached_tokens",
-            "Cached prompt tokens the engine reported (usage / meta_info cached_tokens), same sampled requests.",
-            ["worker"],
-            registry=metrics,
-        )
-        self._mismatched = Counter(
-            "prefix_router_drift_mismatched",
-            "Sampled requests whose predicted and reported cached tokens differ by more than one page.",
-            ["worker"],
-            registry=metrics,
-        )
-        self._unread = Counter(
-            "prefix_router_drift_unread",
-            "Sampled responses that carried no cached_tokens (an engine without --enable-cache-report, an error).",
-            ["worker"],
-            registry=metrics,
-        )
+        self._counts: dict[str, list[float]] = {}  # worker id -> the _FAMILIES' values
+        telemetry.metrics.register(_Counts(self._counts, workers))
+
+    def counts(self, worker_id: str) -> dict[str, int]:
+        """One worker's counters so far (zeros before its first sample), for the debug view."""
+        values = self._counts.get(worker_id, [0.0] * len(_FAMILIES))
+        return {key: int(value) for key, value in zip(_KEYS, values)}
 
     def sample(self, outcome: RouteOutcome, reports: bool) -> bool:
         """Whether to read this request's response (``reports``: it will carry usage, ``reports_usage``).
@@ -124,8 +156,9 @@ class DriftMeter:
 
     def _observe(self, outcome: RouteOutcome, reported_cached: int | None, reported_prompt: int | None) -> None:
         worker = outcome.worker
+        counts = self._counts.setdefault(worker.id, [0.0] * len(_FAMILIES))
         if reported_cached is None:
-            self._unread.labels(worker.id).inc()
+            counts[_UNREAD] += 1
             return
         candidate = next((c for c in outcome.candidates if c.worker is worker), None)
         if candidate is None:  # Envoy fell back to a worker the decision never scored
@@ -139,11 +172,10 @@ class DriftMeter:
             prompt_tokens=prompt_tokens,
             served_prompt_tokens=reported_prompt,
         )
-        self._samples.labels(worker.id).inc()
-        self._predicted.labels(worker.id).inc(sample.predicted)
-        self._served.labels(worker.id).inc(sample.served)
-        if sample.mismatched:
-            self._mismatched.labels(worker.id).inc()
+        counts[_SAMPLES] += 1
+        counts[_PREDICTED] += sample.predicted
+        counts[_SERVED] += sample.served
+        counts[_MISMATCHED] += sample.mismatched
         record = self.decisions.find(outcome.request_id)
         if record is not None:
             record.served = {

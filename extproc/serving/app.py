@@ -91,7 +91,7 @@ class RouterApp:
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
         # What the debug view shows of recent decisions, and the measure of the index's drift.
         self.decisions = DecisionLog(config.debug.decisions)
-        self.drift = DriftMeter(config.observability.drift_sample_rate, self.telemetry, self.decisions)
+        self.drift = DriftMeter(config.observability.drift_sample_rate, self.telemetry, self.decisions, registry)
         self.router = Router(
             config,
             registry,

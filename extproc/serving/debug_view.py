@@ -90,11 +90,12 @@ def _worker(app: RouterParts, worker: Worker, policy: Policy) -> dict[str, Any]:
         "load": _load(app.loads.peek(worker)),
         "index": index,
         "learned": policy.learned(worker.id),
+        "drift": app.router.drift.counts(worker.id) if app.router.drift is not None else None,
     }
 
 
 def workers_view(app: RouterParts) -> dict[str, Any]:
-    """``/debug/workers``: every worker's health, load, learned costs and cached blocks by tier."""
+    """``/debug/workers``: every worker's health, load, learned costs, cached blocks by tier and index drift."""
     policy = app.pipeline.policy
     return {
         "at": time.time(),

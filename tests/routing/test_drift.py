@@ -49,7 +49,7 @@ def test_predicted_cached_tokens_are_whole_pages_short_of_the_last_token() -> No
 def test_sampling_follows_the_rate_and_skips_what_cannot_be_compared() -> None:
     telemetry = Telemetry(ObservabilityConfig(), "prefix-aware")
     never = DriftMeter(0.0, telemetry, DecisionLog(0))
-    some = DriftMeter(0.25, Telemetry(ObservabilityConfig(), "prefix-aware"), DecisionLog(0), random.Random(1))
+    some = DriftMeter(0.25, Telemetry(ObservabilityConfig(), "prefix-aware"), DecisionLog(0), rng=random.Random(1))
     app = RouterApp(RouterConfig(events=EventsConfig(enabled=False)), WorkerRegistry(_workers(2)))
     outcome = app.router.route(PROMPT)
     assert not never.sample(outcome, True)
@@ -84,6 +84,17 @@ def test_a_sample_is_counted_traced_and_added_to_its_decisions_record() -> None:
     assert _counter(app, "prefix_router_served_cached_tokens_total", holder) == predicted - 16
     assert _counter(app, "prefix_router_drift_mismatched_total", holder) == 1
     assert _counter(app, "prefix_router_drift_unread_total", holder) == 1
+    assert meter.counts(holder) == {
+        "samples": 2,
+        "predicted_cached_tokens": 2 * predicted,
+        "served_cached_tokens": predicted - 16,
+        "mismatched": 1,
+        "unread": 1,
+    }
+    other = next(w.id for w in app.registry.workers if w.id != holder)
+    text = generate_latest(app.telemetry.metrics).decode()
+    for name in ("samples", "mismatched", "unread"):  # every worker's series exists from 0: rates and ratios work
+        assert f'prefix_router_drift_{name}_total{{worker="{other}"}} 0.0' in text
     drift = [s for s in spans.get_finished_spans() if s.name == "drift"]
     route = [s for s in spans.get_finished_spans() if s.name == "route"]
     assert len(drift) == 2 and drift[-1].parent is not None
