@@ -11,9 +11,9 @@ response bodies nowhere.
 Per worker, as counters read at scrape time (docs/routing.md, "Index drift"): samples, predicted and
 served cached tokens (their sums), samples that differ by more than one page, and samples without
 figures; every worker of the fleet has its series from 0, so a rate or a ratio exists before the first
-mismatch. A short span ``drift``, a child of the
-decision's span, carries the same figures, and the decision's record in the debug view gains them.
-Sampling only reads: it never changes what the router chooses, and it never fails a request.
+mismatch. A short span ``drift``, a child of the decision's span, carries the same figures, and the
+decision's record in the debug view gains them. Sampling only reads: it never changes what the router
+chooses, and it never fails a request.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class _Counts(Collector):
         self.workers = workers
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        ids = [w.id for w in self.workers.workers] if self.workers is not None else []
-        ids += [wid for wid in self.counts if wid not in ids]  # a worker that left keeps what it counted
+        ids = dict.fromkeys(w.id for w in self.workers.workers) if self.workers is not None else {}
+        ids.update(dict.fromkeys(self.counts))  # a worker that left keeps what it counted
         zero = [0.0] * len(_FAMILIES)
         for i, (name, help_) in enumerate(_FAMILIES):
             family = CounterMetricFamily(name, help_, labels=["worker"])
