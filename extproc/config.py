@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "ConfigError",
+    "DebugConfig",
     "DiscoveryConfig",
     "DnsWorkersConfig",
     "EventsConfig",
@@ -380,6 +381,37 @@ class ObservabilityConfig(Section):
         None, description="OTLP endpoint, e.g. http://127.0.0.1:4317 (gRPC) or http://127.0.0.1:4318/v1/traces (HTTP)."
     )
     service_name: str = Field("prefix-router", description="service.name resource attribute of the spans.")
+    drift_sample_rate: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description=(
+            "Share of routed requests whose response the router reads to compare the cached prompt tokens it "
+            "predicted on the worker with the engine's reported cached_tokens (index drift, docs/routing.md). Only "
+            "sampled responses reach the router (Envoy is asked for their body then); 0: never, 1: every one."
+        ),
+    )
+
+
+class DebugConfig(Section):
+    """The read-only debug view on the metrics port: /debug/ (a page), /debug/workers, /decisions, /explain."""
+
+    token: str | None = Field(
+        None,
+        description=(
+            "Bearer token the debug endpoints require (Authorization: Bearer <token>). Unset: they answer only "
+            "while the metrics port is bound to loopback, and 403 on any other bind (metrics stay public)."
+        ),
+    )
+    decisions: int = Field(
+        256, ge=0, description="The last this many routing decisions are kept for /debug/decisions (0: none kept)."
+    )
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        # From the environment a token of digits reads as a number: it is still the token's text.
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 class SharedStateConfig(Section):
@@ -552,6 +584,7 @@ class RouterConfig(Section):
     health: HealthConfig = Field(default_factory=HealthConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
     shared_state: SharedStateConfig = Field(default_factory=SharedStateConfig)
     flow_control: FlowControlConfig = Field(default_factory=FlowControlConfig)
     pd: PdConfig = Field(default_factory=PdConfig)

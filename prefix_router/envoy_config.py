@@ -9,8 +9,10 @@ The pieces, in request order:
    data-parallel rank headers the router sets). It runs before ext_proc, so a client can never pick
    the upstream, not even while the router is down and ext_proc fails open (measured: without it,
    Envoy's ORIGINAL_DST cluster proxied to any ``ip:port`` the client named).
-2. ``ext_proc`` filter: request headers SEND, body BUFFERED, responses SKIP (streams flow through
-   unbuffered), ``failure_mode_allow`` (fail open), ``envoy.lb`` metadata accepted.
+2. ``ext_proc`` filter: request headers SEND, body BUFFERED, response headers SEND, response bodies
+   NONE (streams flow through unbuffered) except for the responses the router samples for index drift,
+   whose body it asks for, streamed (``allow_mode_override`` for that one mode); ``failure_mode_allow``
+   (fail open), ``envoy.lb`` metadata accepted.
 3. Routes: with the router's header and ``envoy.lb`` metadata -> the ``picked`` cluster, whose
    ``override_host`` load balancer sends each attempt to the next endpoint of the router's ranking
    (primary, then fallbacks: a refused connection is retried on the next worker, never lost); a
@@ -31,7 +33,7 @@ import yaml
 
 from extproc.decision.request import GENERATION_PATHS
 from extproc.exchange.epp import SERVED_KEY, SUBSET_NAMESPACE
-from extproc.exchange.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE
+from extproc.exchange.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE, SAMPLED_MODE
 from extproc.fleet.info import DP_RANK_HEADERS
 
 __all__ = [
@@ -171,6 +173,12 @@ def http_filters(spec: GatewaySpec) -> list[dict[str, Any]]:
                 "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE, SUBSET_NAMESPACE]},
             },
         }
+        if not streamed:
+            # A response sampled for index drift (observability.drift_sample_rate) is read by the router: the
+            # reply to its headers asks for its body, chunk by chunk as it streams. Only that one mode may be
+            # asked for; every other response's body never leaves Envoy.
+            ext_proc["allow_mode_override"] = True
+            ext_proc["allowed_override_modes"] = [dict(SAMPLED_MODE)]
         if spec.max_message_timeout_ms is not None:
             ext_proc["max_message_timeout"] = f"{spec.max_message_timeout_ms / 1000:.3f}s"
         chain.append(

@@ -474,12 +474,46 @@ def pd_legs() -> list[Panel]:
 
 
 def drift() -> list[Panel]:
-    """Index drift: the router's predicted cached tokens against the engine-reported ones.
-
-    Reserved: the panels land with the drift metrics (``prefix_router_drift_samples_total`` and friends);
-    the row appears once this returns any.
-    """
-    return []
+    """Index drift: the router's predicted cached tokens against the engine-reported ones (sampled requests)."""
+    by_worker = "sum by (worker) (rate(prefix_router_drift_{}_total" + RATE + "))"
+    return [
+        Panel(
+            "Index drift share per worker",
+            "Share of sampled requests whose predicted and engine-reported cached tokens differ by more than a "
+            "page (observability.drift_sample_rate of the requests are sampled). Near 0 the router's index of the "
+            "worker is right; PrefixRouterIndexDrift fires above 20% for 10 minutes.",
+            [(f"{by_worker.format('mismatched')} / {by_worker.format('samples')}", "{{worker}}")],
+            "percentunit",
+            width=8,
+            thresholds=[(0.2, "orange")],
+        ),
+        Panel(
+            "Cached tokens: predicted against engine-reported",
+            "On the sampled requests, per worker: the cached prompt tokens the router predicted and the ones "
+            "SGLang reported. Predicted above reported: the index believes in blocks the worker lost (events cut "
+            "or late, an unseen flush); reported above predicted: the worker holds prefixes the index missed.",
+            [
+                (
+                    f"sum by (worker) (rate(prefix_router_predicted_cached_tokens_total{RATE}))",
+                    "{{worker}} predicted",
+                ),
+                (f"sum by (worker) (rate(prefix_router_served_cached_tokens_total{RATE}))", "{{worker}} reported"),
+            ],
+            "short",
+            width=8,
+        ),
+        Panel(
+            "Drift samples per worker",
+            "Responses read for drift per second, and those without cached_tokens (unread: SGLang without "
+            "--enable-cache-report; PrefixRouterDriftUnread).",
+            [
+                (by_worker.format("samples"), "{{worker}} sampled"),
+                (by_worker.format("unread"), "{{worker}} unread"),
+            ],
+            "reqps",
+            width=8,
+        ),
+    ]
 
 
 ROWS: list[tuple[str, Callable[[], list[Panel]]]] = [

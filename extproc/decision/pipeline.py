@@ -43,6 +43,7 @@ from extproc.memory import MemoryPlan
 __all__ = [
     "Decided",
     "DecisionPipeline",
+    "Explained",
     "FleetView",
     "IndexStates",
     "LoadSource",
@@ -102,6 +103,7 @@ class RouteOutcome:
     # On a disaggregated fleet this outcome is the decode side (Envoy's destination) and ``prefill``
     # the prefill worker chosen with it; ``extproc.pd`` sends that leg.
     prefill: RouteOutcome | None = None
+    request_id: str = ""  # the request's ``x-request-id`` (Envoy sets one), or one the router made up
 
     def endpoints(self, fallbacks: int) -> list[str]:
         """Primary ``ip:port`` first, then up to ``fallbacks`` others (Endpoint Picker convention).
@@ -132,6 +134,18 @@ class FleetView:
     def chains(self) -> set[Chain]:
         """The (page size, model) key chains the candidates need (workers sharing both share one)."""
         return {(size, w.model or "") for w, size in zip(self.workers, self.sizes)}
+
+
+@dataclass
+class Explained:
+    """What the policy would rank for a prompt now, decided nowhere (``DecisionPipeline.explain``)."""
+
+    request: RoutingRequest
+    candidates: list[Candidate]
+    decision: Decision
+    decode: Decision | None = None  # a disaggregated fleet: the decode side the winner would be paired with
+    decode_candidates: list[Candidate] = field(default_factory=list)
+    pd_skipped: bool = False  # a PD fleet's prompt an aggregated worker would take whole
 
 
 @dataclass
@@ -267,37 +281,12 @@ class DecisionPipeline:
     def decide(self, parsed: ParsedRequest, prompt: PreparedPrompt, fleet: FleetView) -> Decided:
         """Match, prune, rank with the policy, pin; on a disaggregated fleet pair the winner with a decode worker."""
         policy = self.policy
-        tokens = prompt.tokens
-        workers, sizes = fleet.workers, fleet.sizes
-        match: Match | None = None
-        kept: range | list[int] = range(len(workers))
-        if tokens is not None and policy.needs_tokens:
-            match = match_fleet(
-                self.index, workers, fleet.shapes, sizes, self._keys_for(parsed, prompt), self.config.index.shared_tier
-            )
-            if fleet.decode is not None and fleet.aggregated:
-                # llm-d's prefix-based PD decider: little left to prefill is cheaper without the KV transfer.
-                cached = max(depth[2] * size for depth, size in zip(match.depths, sizes))
-                if len(tokens) - cached < self.config.pd.aggregate_below_tokens:
-                    skipped = self.decide(parsed, prompt, self.read_fleet_of(fleet.aggregated))
-                    skipped.pd_skipped = True
-                    return skipped
-            loads = self.loads
-            kept = self.pruner.shortlist(match.depths, lambda: [load_of(w.in_flight, loads.peek(w)) for w in workers])
-        candidates = self._candidates(fleet, kept, match)
-        request = RoutingRequest(
-            model=parsed.model or "",
-            path=parsed.path,
-            prompt_text=prompt.text if policy.needs_text else "",
-            token_ids=tokens,
-            block_keys=match.first_keys if match is not None else [],
-            block_size=candidates[0].block_size,
-            headers=parsed.headers,
-            lora=parsed.lora,
-            cache_salt=parsed.cache_salt,
-            max_new_tokens=parsed.max_new_tokens,
-        )
-        decision = policy.select(request, candidates)
+        ranking = self._rank(parsed, prompt, fleet, policy.select)
+        if isinstance(ranking, FleetView):  # a PD fleet's request with little to prefill: an aggregated worker
+            skipped = self.decide(parsed, prompt, ranking)
+            skipped.pd_skipped = True
+            return skipped
+        request, candidates, decision, match = ranking
         chosen = decision.ranked[0]
         chosen.in_flight += 1
         rank = self._pin_rank(chosen, match.rank_matches.get(chosen.id) if match is not None else None)
@@ -317,12 +306,69 @@ class DecisionPipeline:
             chosen=outcome,
             slot=slot,
             blocks=len(keys),
-            tokenized=tokens is not None,
+            tokenized=prompt.tokens is not None,
             tokenize_error=prompt.error,
         )
         if fleet.decode is not None:
             decided.outcome = self._pair(outcome, fleet.decode)
         return decided
+
+    def explain(self, parsed: ParsedRequest, prompt: PreparedPrompt, fleet: FleetView) -> Explained:
+        """What ``decide`` would rank now, with every policy's ``explain``: nothing is pinned, booked or recorded.
+
+        The in-flight counts, the DP-rank slots, the index's record of sends and the policies' books stay
+        as they were, so the next real decision is the one it would have been without this call.
+        """
+        ranking = self._rank(parsed, prompt, fleet, self.policy.explain)
+        if isinstance(ranking, FleetView):
+            skipped = self.explain(parsed, prompt, ranking)
+            skipped.pd_skipped = True
+            return skipped
+        request, candidates, decision, _ = ranking
+        explained = Explained(request=request, candidates=candidates, decision=decision)
+        if fleet.decode is not None:
+            explained.decode_candidates = self._decode_candidates(fleet.decode)
+            explained.decode = self.decode_policy.explain(request, explained.decode_candidates)
+        return explained
+
+    def _rank(
+        self,
+        parsed: ParsedRequest,
+        prompt: PreparedPrompt,
+        fleet: FleetView,
+        rank: Callable[[RoutingRequest, list[Candidate]], Decision],
+    ) -> tuple[RoutingRequest, list[Candidate], Decision, Match | None] | FleetView:
+        """Match, prune and ``rank`` (the policy's ``select`` or ``explain``); a fleet view to rank instead."""
+        policy = self.policy
+        tokens = prompt.tokens
+        workers, sizes = fleet.workers, fleet.sizes
+        match: Match | None = None
+        kept: range | list[int] = range(len(workers))
+        if tokens is not None and policy.needs_tokens:
+            match = match_fleet(
+                self.index, workers, fleet.shapes, sizes, self._keys_for(parsed, prompt), self.config.index.shared_tier
+            )
+            if fleet.decode is not None and fleet.aggregated:
+                # llm-d's prefix-based PD decider: little left to prefill is cheaper without the KV transfer.
+                cached = max(depth[2] * size for depth, size in zip(match.depths, sizes))
+                if len(tokens) - cached < self.config.pd.aggregate_below_tokens:
+                    return self.read_fleet_of(fleet.aggregated)
+            loads = self.loads
+            kept = self.pruner.shortlist(match.depths, lambda: [load_of(w.in_flight, loads.peek(w)) for w in workers])
+        candidates = self._candidates(fleet, kept, match)
+        request = RoutingRequest(
+            model=parsed.model or "",
+            path=parsed.path,
+            prompt_text=prompt.text if policy.needs_text else "",
+            token_ids=tokens,
+            block_keys=match.first_keys if match is not None else [],
+            block_size=candidates[0].block_size,
+            headers=parsed.headers,
+            lora=parsed.lora,
+            cache_salt=parsed.cache_salt,
+            max_new_tokens=parsed.max_new_tokens,
+        )
+        return request, candidates, rank(request, candidates), match
 
     def narrow(self, fleet: FleetView, keep: Callable[[Worker], bool]) -> FleetView:
         """``fleet`` with only the workers the policy ranks that ``keep`` accepts (all of them if it accepts none)."""
@@ -370,10 +416,13 @@ class DecisionPipeline:
             candidates.append(c)
         return candidates
 
+    def _decode_candidates(self, workers: list[Worker]) -> list[Candidate]:
+        loads = self.loads
+        return [Candidate(worker=w, in_flight=w.in_flight, load=loads.get(w)) for w in workers]
+
     def _pair(self, prefill: RouteOutcome, workers: list[Worker]) -> RouteOutcome:
         """The decode side of a pair, by ``pd.decode_policy`` (load and KV room); its in-flight slot taken."""
-        loads = self.loads
-        candidates = [Candidate(worker=w, in_flight=w.in_flight, load=loads.get(w)) for w in workers]
+        candidates = self._decode_candidates(workers)
         decision = self.decode_policy.select(prefill.request, candidates)
         decision.ranked[0].in_flight += 1
         self.decode_policy.on_routed(prefill.request, decision)

@@ -56,6 +56,8 @@ class ParsedRequest:
     input_ids: list[int] | None = None  # token ids given by the client
     max_token_id: int | None = None  # the largest id of every prompt in the body (all batch items)
     stream: bool = False
+    stream_usage: bool = False  # a stream whose client asked for usage (``stream_options.include_usage``)
+    single: bool = True  # one prompt, one answer (no batch, no ``n`` > 1): its usage is that prompt's
     max_new_tokens: int | None = None  # the output the client allows (None: the body names none)
     lora: str | None = None
     cache_salt: str | None = None
@@ -123,8 +125,10 @@ def _parse_completion(body: dict[str, Any], parsed: ParsedRequest) -> None:
         batch = _token_batch(prompt, "prompt")
         parsed.input_ids = batch[0]
         parsed.max_token_id = max(max(ids) for ids in batch)
+        parsed.single = len(batch) == 1
         return
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        parsed.single = len(prompt) == 1
         prompt = prompt[0]
     if isinstance(prompt, str):
         parsed.prompt_text = prompt
@@ -137,11 +141,13 @@ def _parse_generate(body: dict[str, Any], parsed: ParsedRequest) -> None:
     if text is None and input_ids is None:
         raise RequestError(400, "one of 'text' or 'input_ids' is required", param="text")
     if isinstance(text, list) and text:  # SGLang batch form: route on the first prompt
+        parsed.single = False  # answered with a list, one answer per prompt
         text = text[0]
     if input_ids is not None:
         batch = _token_batch(input_ids, "input_ids")
         parsed.input_ids = batch[0]
         parsed.max_token_id = max(max(ids) for ids in batch)
+        parsed.single = parsed.single and batch[0] is input_ids  # a list of lists is a batch, answered with a list
     elif isinstance(text, str):
         parsed.prompt_text = text
     else:
@@ -196,6 +202,11 @@ def parse_request(
     _PARSERS[kind](data, parsed)
     parsed.model = _optional_str(data, "model")
     parsed.stream = data.get("stream") is True
+    options = data.get("stream_options")
+    parsed.stream_usage = parsed.stream and isinstance(options, dict) and options.get("include_usage") is True
+    params = data.get("sampling_params") if kind == "generate" else data
+    if isinstance(params, dict) and params.get("n") not in (None, 1):
+        parsed.single = False
     parsed.max_new_tokens = _max_new_tokens(data, kind)
     parsed.lora = _optional_str(data, "lora_path") or _optional_str(data, "lora")
     parsed.cache_salt = _optional_str(data, "cache_salt")

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import orjson
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -20,12 +21,14 @@ from google.protobuf import struct_pb2
 __all__ = [
     "DESTINATION_HEADER",
     "LB_METADATA_NAMESPACE",
+    "SAMPLED_MODE",
     "STREAMED_CHUNK_BYTES",
     "continue_body",
     "continue_headers",
     "continue_phase",
     "error_body",
     "error_response",
+    "read_response_body",
     "route_response",
     "streamed_body",
 ]
@@ -52,6 +55,29 @@ _CONTINUE = {
     "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
     "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
 }
+# The processing mode a sampled response switches to (``read_response_body``): the filter's buffered-mode
+# settings with the response body sent too, chunk by chunk as it comes (STREAMED: each chunk goes on as soon
+# as the router has answered it, nothing waits for the whole body). The Envoy config allows exactly this
+# override (``allowed_override_modes``), so a router can never switch a request to anything else.
+SAMPLED_MODE = {
+    "request_header_mode": "SEND",
+    "request_body_mode": "BUFFERED",
+    "request_trailer_mode": "SKIP",
+    "response_header_mode": "SEND",
+    "response_body_mode": "STREAMED",
+    "response_trailer_mode": "SKIP",
+}
+_READ_BODY = pb.ProcessingResponse(
+    response_headers=pb.HeadersResponse(),
+    mode_override=ProcessingMode(
+        request_header_mode=ProcessingMode.HeaderSendMode.Value(SAMPLED_MODE["request_header_mode"]),
+        request_body_mode=ProcessingMode.BodySendMode.Value(SAMPLED_MODE["request_body_mode"]),
+        request_trailer_mode=ProcessingMode.HeaderSendMode.Value(SAMPLED_MODE["request_trailer_mode"]),
+        response_header_mode=ProcessingMode.HeaderSendMode.Value(SAMPLED_MODE["response_header_mode"]),
+        response_body_mode=ProcessingMode.BodySendMode.Value(SAMPLED_MODE["response_body_mode"]),
+        response_trailer_mode=ProcessingMode.HeaderSendMode.Value(SAMPLED_MODE["response_trailer_mode"]),
+    ),
+)
 # A request body streamed back to Envoy (FULL_DUPLEX_STREAMED) goes in pieces of this size: one
 # gRPC message per piece keeps every message far below gRPC's 4 MiB default limits.
 STREAMED_CHUNK_BYTES = 64 * 1024
@@ -70,6 +96,14 @@ def continue_body() -> pb.ProcessingResponse:
 def continue_phase(phase: str) -> pb.ProcessingResponse | None:
     """Let the message of ``phase`` through unchanged (None for a phase without a reply)."""
     return _CONTINUE.get(phase)
+
+
+def read_response_body() -> pb.ProcessingResponse:
+    """Let the response headers through and ask Envoy for the response body as well (``SAMPLED_MODE``).
+
+    Honoured only in reply to a headers message and where the filter has ``allow_mode_override``.
+    """
+    return _READ_BODY
 
 
 def streamed_body(chunk: bytes, end_of_stream: bool, phase: str = "request_body") -> pb.ProcessingResponse:

@@ -19,10 +19,14 @@ One bidirectional stream per HTTP request, in either body mode the Endpoint Pick
 
 Either way the stream stays open until Envoy has sent the complete response, so its end is the
 request's end: ``router.finish()`` runs there, whatever ended it (normal close, client cancel,
-Envoy reset). The response headers carry the endpoint that really served (``extproc.exchange.epp``); the
-router moves its accounting there when Envoy fell back to another one. Messages are upb protobufs
-(``xds-protos``). The router's heavy CPU work (tokenizing) runs in its thread pool, so one huge
-prompt never holds up the other streams or the health service on this event loop.
+Envoy reset). A sampled response (index drift, ``extproc.routing.drift``) is read on its way: in
+buffered mode the reply to its headers asks Envoy for its body (``read_response_body``); each chunk
+is answered at once, its bytes kept and read when the response is over (``extproc.exchange.usage``).
+Other responses never reach the router. The response headers carry the endpoint that really served
+(``extproc.exchange.epp``); the router moves its accounting there when Envoy fell back to another
+one. Messages are upb protobufs (``xds-protos``). The router's heavy CPU work (tokenizing) runs in
+its thread pool, so one huge prompt never holds up the other streams or the health service on this
+event loop.
 """
 
 from __future__ import annotations
@@ -49,9 +53,12 @@ from extproc.exchange.response import (
     continue_headers,
     continue_phase,
     error_response,
+    read_response_body,
     route_response,
     streamed_body,
 )
+from extproc.exchange.usage import UsageReader
+from extproc.routing.drift import reports_usage
 from extproc.routing.flow_control import Admission, ShedError
 from extproc.routing.router import Router
 
@@ -73,6 +80,7 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS_SERVICE = "liveness"
 READINESS_SERVICE = "readiness"
 _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+_CONTINUE_RESPONSE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
@@ -133,6 +141,9 @@ class _Exchange:
     context: grpc.aio.ServicerContext | None = None
     started: float = field(default_factory=time.monotonic)  # the request headers arrived (a stream is one request)
     stream: bool = False  # the client asked for a streamed response
+    reports_usage: bool = False  # the response will carry the engine's cached tokens (it may be sampled)
+    usage: UsageReader | None = None  # set when the response is sampled: it reads the usage as it passes
+    response_ended: bool = False
 
     async def extend_timeout(self, seconds: float) -> None:
         """Ask Envoy to wait ``seconds`` more for our reply (the request waits in flow control).
@@ -171,12 +182,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     exchange.undeclared = not message.HasField("protocol_config")
                     exchange.streamed_request = modes.request_body_mode == _FULL_DUPLEX
                     exchange.streamed_response = modes.response_body_mode == _FULL_DUPLEX
+                if exchange.usage is not None and message.HasField("response_body"):  # bytes kept, read at the end
+                    exchange.usage.feed(message.response_body.body)
+                    exchange.response_ended = message.response_body.end_of_stream
                 for reply in await self._on_message(exchange, message):
                     await context.write(reply)
         finally:
             if exchange.pair is not None:  # the decode side is over: a prefill leg still running is useless
                 exchange.pair.cancel()
             if exchange.outcome is not None:
+                if exchange.usage is not None:
+                    self._drift(exchange, exchange.outcome, exchange.usage)
                 self.router.finish(exchange.outcome)
 
     async def _on_message(self, ex: _Exchange, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -200,6 +216,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 self.router.telemetry.first_byte(ex.outcome.worker.id, ex.stream, time.monotonic() - ex.started)
             if ex.pair is not None:
                 return self._on_pair_response(ex, _headers(message.response_headers).get(":status", ""))
+            if ex.reports_usage and ex.outcome is not None:
+                return self._sample(ex, ex.outcome, message.response_headers)
             return [continue_phase(phase)]
         if phase == "response_body":
             if ex.streamed_response:  # every chunk goes back at once: tokens reach the client as they come
@@ -269,6 +287,33 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             ex.pair.cancel()
         return [continue_phase("response_headers")]
 
+    def _sample(self, ex: _Exchange, outcome: RouteOutcome, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        """Whether to read this response's usage (drift): a sampled 200 has Envoy send its body too."""
+        drift = self.router.drift
+        if drift is None or not drift.sample(outcome, ex.reports_usage):
+            return [_CONTINUE_RESPONSE]
+        headers = _headers(message)
+        if headers.get(":status") != "200":
+            return [_CONTINUE_RESPONSE]
+        ex.usage = UsageReader(event_stream=headers.get("content-type", "").startswith("text/event-stream"))
+        if ex.streamed_response:  # FULL_DUPLEX_STREAMED: the chunks come here anyway
+            return [_CONTINUE_RESPONSE]
+        return [read_response_body()]
+
+    def _drift(self, ex: _Exchange, outcome: RouteOutcome, usage: UsageReader) -> None:
+        """The sampled response is over: hand the engine's figures to the drift meter (never raises)."""
+        drift = self.router.drift
+        try:
+            found = usage.result()
+            if drift is None:
+                return
+            if found is not None:
+                drift.observe(outcome, found.cached_tokens, found.prompt_tokens)
+            elif ex.response_ended:  # a stream cut short says nothing of what the engine would have reported
+                drift.observe(outcome, None, None)
+        except Exception:
+            log.exception("reading the usage of a sampled response failed")
+
     def _error(self, ex: _Exchange, status: int, message: str) -> list[pb.ProcessingResponse]:
         ex.decided = ex.ended = True
         types = {413: "request_too_large"}
@@ -282,6 +327,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         try:
             parsed = parse_request(ex.kind, ex.path, body, ex.headers, self.max_body_bytes)
             ex.stream = parsed.stream
+            ex.reports_usage = reports_usage(parsed)
             if gie.model_rewrite is not None and body:
                 body = rewrite_model(body, gie.model_rewrite)
                 parsed.model = gie.model_rewrite

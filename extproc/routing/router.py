@@ -20,15 +20,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 from extproc.config import RouterConfig
-from extproc.decision.pipeline import Decided, DecisionPipeline, FleetView, LoadSource, NoWorkerError, RouteOutcome
+from extproc.decision.pipeline import (
+    Decided,
+    DecisionPipeline,
+    Explained,
+    FleetView,
+    LoadSource,
+    NoWorkerError,
+    RouteOutcome,
+)
 from extproc.decision.prompt import PreparedPrompt
 from extproc.decision.request import ParsedRequest, RequestError
 from extproc.fleet.info import DP_RANK_HEADERS
 from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.routing.decision_log import DecisionLog, DecisionRecord
+from extproc.routing.drift import DriftMeter
 from extproc.routing.flow_control import Admission, FlowController
 from extproc.routing.telemetry import Telemetry
 from extproc.sync.shared_state import SharedDecisions
@@ -53,7 +64,11 @@ class Router:
         pool: Executor,
         flow: FlowController | None = None,
         shared: SharedDecisions | None = None,
+        decisions: DecisionLog | None = None,
+        drift: DriftMeter | None = None,
     ) -> None:
+        """``decisions``: the last decisions for the debug view (none kept if not given); ``drift``: the
+        meter of sampled responses (none sampled if not given)."""
         self.config = config
         self.registry = registry
         self.pipeline = pipeline
@@ -61,6 +76,8 @@ class Router:
         self.telemetry = telemetry
         self.flow = flow
         self.shared = shared
+        self.decisions = decisions if decisions is not None else DecisionLog(0)
+        self.drift = drift
         self._pool = pool
 
     # -- the decision -----------------------------------------------------------------------------
@@ -155,9 +172,30 @@ class Router:
     def _record(
         self, parsed: ParsedRequest, decided: Decided, start_ns: int, wall_ns: int, queue_wait_s: float
     ) -> dict[str, str]:
-        """The decision's span and metrics; returns the headers that carry its trace upstream."""
+        """The decision's span, metrics and debug record; returns the headers that carry its trace upstream."""
         chosen = decided.chosen
         end_ns = time.perf_counter_ns()
+        decode = decided.outcome.decision if decided.outcome is not chosen else None
+        request_id = parsed.headers.get("x-request-id", "")
+        if self.decisions.size:
+            request_id = request_id or uuid.uuid4().hex
+            self.decisions.add(
+                DecisionRecord(
+                    request_id=request_id,
+                    at=wall_ns / 1e9,
+                    path=parsed.path,
+                    model=chosen.request.model,
+                    policy=self.telemetry.policy_name,
+                    decision=chosen.decision,
+                    candidates=chosen.candidates,
+                    prompt_tokens=chosen.request.prompt_tokens,
+                    decision_ms=(end_ns - start_ns) / 1e6,
+                    dp_rank=chosen.dp_rank,
+                    queue_wait_ms=queue_wait_s * 1000,
+                    decode=decode,
+                )
+            )
+        decided.outcome.request_id = chosen.request_id = request_id
         return self.telemetry.decision(
             model=chosen.request.model,
             path=parsed.path,
@@ -170,8 +208,23 @@ class Router:
             blocks=decided.blocks,
             tokenized=decided.tokenized,
             queue_wait_s=queue_wait_s,
-            decode=decided.outcome.decision if decided.outcome is not chosen else None,
+            decode=decode,
         )
+
+    async def explain(self, parsed: ParsedRequest) -> Explained:
+        """What the policy would rank for ``parsed`` now, without routing it (the debug port's explain).
+
+        The prompt is prepared in the tokenize threads as a routed one would be; the ranking changes no
+        state (``DecisionPipeline.explain``), so the next real decision is unaffected. Raises
+        ``RequestError`` / ``NoWorkerError`` as routing would.
+        """
+        pipeline = self.pipeline
+        fleet = pipeline.read_fleet(pipeline.eligible(parsed))
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(self._pool, pipeline.prompts.prepare, parsed, fleet.chains)
+        assert prompt is not None  # no budget, so never refused
+        fleet = pipeline.read_fleet(pipeline.eligible(parsed))  # health may have changed meanwhile
+        return pipeline.explain(parsed, prompt, fleet)
 
     def pass_through_endpoints(self, subset: frozenset[str] | None, fallbacks: int) -> list[str]:
         """Endpoints for a request the router does not route by prompt (``/v1/models``, health, ...).
@@ -228,6 +281,9 @@ class Router:
             return False
         self.pipeline.move(outcome, new)
         self.telemetry.fell_back()
+        record = self.decisions.find(outcome.request_id)
+        if record is not None:
+            record.served_by = new.id
         return True
 
     def finish(self, outcome: RouteOutcome) -> None:

@@ -28,9 +28,12 @@ from extproc.fleet.workers import WorkerRegistry
 from extproc.memory import SHARED_KEY_BYTES, MemoryPlan, SharedBound
 from extproc.pd.launch import PairLauncher
 from extproc.pd.prefill_leg import PrefillClient
+from extproc.routing.decision_log import DecisionLog
+from extproc.routing.drift import DriftMeter
 from extproc.routing.flow_control import FlowController
 from extproc.routing.router import Router
 from extproc.routing.telemetry import Telemetry
+from extproc.serving.debug_http import DebugRoutes
 from extproc.serving.metrics_http import MetricsServer
 from extproc.sync.health import HealthChecker
 from extproc.sync.http import WorkerHttp
@@ -86,8 +89,20 @@ class RouterApp:
         self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self.flow = FlowController(config.flow_control, self.telemetry.metrics) if config.flow_control.enabled else None
         self._pool = ThreadPoolExecutor(config.server.tokenize_threads, thread_name_prefix="tokenize")
+        # What the debug view shows of recent decisions, and the measure of the index's drift.
+        self.decisions = DecisionLog(config.debug.decisions)
+        self.drift = DriftMeter(config.observability.drift_sample_rate, self.telemetry, self.decisions, registry)
         self.router = Router(
-            config, registry, self.pipeline, self.loads, self.telemetry, self._pool, self.flow, self.shared
+            config,
+            registry,
+            self.pipeline,
+            self.loads,
+            self.telemetry,
+            self._pool,
+            self.flow,
+            self.shared,
+            self.decisions,
+            self.drift,
         )
         # Prefill/decode pairs: entered only for a decision that is disaggregated.
         self.prefill_client = PrefillClient(config.pd)
@@ -200,7 +215,15 @@ async def serve(
         )
     metrics: MetricsServer | None = None
     if config.server.metrics_port is not None:
-        metrics = MetricsServer(app.telemetry.metrics, registry, config.server.host, config.server.metrics_port, http)
+        debug = DebugRoutes(app, config.server.host)
+        metrics = MetricsServer(
+            app.telemetry.metrics,
+            registry,
+            config.server.host,
+            config.server.metrics_port,
+            http,
+            extra_routes=[debug.install],
+        )
         try:
             await metrics.start()
         except OSError as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -79,7 +79,10 @@ class MetricsServer:
         port: int,
         http: WorkerHttp,
         timeout_s: float = 2.0,
+        extra_routes: Sequence[Callable[[web.Application], None]] = (),
     ) -> None:
+        """``extra_routes``: more routes to serve on this port, each added by a call with the application
+        (the debug view, ``extproc.serving.debug_http``)."""
         self.registry = registry
         self.workers = workers
         self.host = host
@@ -87,12 +90,15 @@ class MetricsServer:
         self.http = http
         self.timeout_s = timeout_s
         self.scrape_errors = 0
+        self.extra_routes = list(extra_routes)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._own)
         app.router.add_get("/metrics/fleet", self._fleet)
+        for add in self.extra_routes:
+            add(app)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()

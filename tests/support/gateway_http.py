@@ -39,11 +39,10 @@ def request(
 ) -> Reply:
     parts = urlsplit(url)
     payload = json.dumps(body).encode() if isinstance(body, dict) else body
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     conn = http.client.HTTPConnection(_host(url), parts.port, timeout=timeout)
     try:
-        conn.request(
-            method, parts.path or "/", body=payload, headers={"content-type": "application/json", **(headers or {})}
-        )
+        conn.request(method, target, body=payload, headers={"content-type": "application/json", **(headers or {})})
         response = conn.getresponse()
         return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
     finally:

@@ -70,6 +70,17 @@ class Candidate:
     storage_group: str | None = None  # the shared storage tier it reads (HiCache L3), if any
     tier_report: TierReport | None = None  # its reported load-back / storage-prefetch figures (HiCache workers)
 
+    def predicted_cached_tokens(self, prompt_tokens: int) -> int:
+        """The prompt tokens this worker's engine should report cached if the index is right.
+
+        Its longest match over every tier (host and shared hits are loaded back and count as cached), in
+        whole pages of the first ``prompt_tokens - 1`` tokens: SGLang always computes the last prompt
+        token and matches its radix cache a page at a time.
+        """
+        size = max(self.block_size, 1)
+        blocks = max(self.matched_blocks, self.host_matched_blocks, self.shared_matched_blocks)
+        return min(blocks, max(prompt_tokens - 1, 0) // size) * size
+
     @property
     def tier_blocks(self) -> dict[str, int]:
         """Leading blocks by tier: on its GPU, then in its host memory, then in the shared storage tier."""
@@ -127,6 +138,19 @@ class Policy(ABC):
     @abstractmethod
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         """Rank ``candidates`` (never empty) for ``request``."""
+
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """What ``select`` would answer now, with nothing changed (the debug port's "explain this prompt").
+
+        The default is ``select`` itself, right for a policy whose ``select`` only reads its state. A
+        policy whose ``select`` moves anything (a turn counter, a random generator, an LRU order)
+        overrides this, so that an explained prompt never changes the next real decision.
+        """
+        return self.select(request, candidates)
+
+    def learned(self, worker_id: str) -> dict[str, float]:
+        """What the policy has learned of one worker (its cost constants, say), for the debug view; none here."""
+        return {}
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:  # noqa: B027 (optional hook)
         """Called after a decision is sent to Envoy (update own state)."""

@@ -38,13 +38,21 @@ class DecodeLoadPolicy(Policy):
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         self._tiebreak += 1
+        return self._rank(candidates, self._tiebreak)
+
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """The next ``select``'s ranking, the rotation left where it is."""
+        return self._rank(candidates, self._tiebreak + 1)
+
+    @staticmethod
+    def _rank(candidates: list[Candidate], tiebreak: int) -> Decision:
         n = len(candidates)
         queued = {c.worker.id: decode_queue(c.load) for c in candidates}
 
         def key(item: tuple[int, Candidate]) -> tuple[float, ...]:
             i, c = item
             usage = c.load.token_usage if c.load else 0.0
-            return (c.in_flight, queued[c.worker.id], usage, (i - self._tiebreak) % n)
+            return (c.in_flight, queued[c.worker.id], usage, (i - tiebreak) % n)
 
         ordered = [c for _, c in sorted(enumerate(candidates), key=key)]
         return Decision(

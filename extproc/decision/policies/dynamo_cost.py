@@ -87,6 +87,14 @@ class DynamoCostPolicy(Policy):
                 order = [pick, *(c for c in order if c is not pick)]
         return Decision(ranked=[c.worker for c in order], reason="dynamo-cost", scores=costs)
 
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """``select`` with its random tie-break's generator put back: the next decision draws what it would have."""
+        state = self._rng.getstate()
+        try:
+            return self.select(request, candidates)
+        finally:
+            self._rng.setstate(state)
+
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         worker = decision.ranked[0]
         figures = decision.scores[worker.id]

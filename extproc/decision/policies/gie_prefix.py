@@ -81,6 +81,14 @@ class GiePrefixPolicy(Policy):
         ranked = sorted(shuffled, key=lambda c: -scores[c.worker.id]["score"])
         return Decision(ranked=[c.worker for c in ranked], reason="gie-prefix", scores=scores)
 
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """``select`` with its random tie-break's generator put back: the next decision draws what it would have."""
+        state = self._rng.getstate()
+        try:
+            return self.select(request, candidates)
+        finally:
+            self._rng.setstate(state)
+
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         hashes = self.hashes(request.model, request.prompt_text)
         cache = self._servers.setdefault(decision.ranked[0].id, OrderedDict())

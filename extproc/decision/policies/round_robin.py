@@ -13,7 +13,12 @@ class RoundRobinPolicy(Policy):
     _next = 0
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        start = self._next % len(candidates)
+        decision = self.explain(request, candidates)
         self._next += 1
+        return decision
+
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """This turn's ranking; only ``select`` moves the turn on."""
+        start = self._next % len(candidates)
         ordered = candidates[start:] + candidates[:start]
         return Decision(ranked=[c.worker for c in ordered], reason="round-robin")

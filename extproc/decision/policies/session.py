@@ -65,15 +65,26 @@ class SessionPolicy(Policy):
         return None
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        return self._follow(request, self.fallback.select(request, candidates), touch=True)
+
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """``select`` over the fallback's own explain, the session's place in the LRU order left alone."""
+        return self._follow(request, self.fallback.explain(request, candidates), touch=False)
+
+    def learned(self, worker_id: str) -> dict[str, float]:
+        return self.fallback.learned(worker_id)
+
+    def _follow(self, request: RoutingRequest, placed: Decision, touch: bool) -> Decision:
+        """The fallback's ranking ``placed``, with the session's worker first while it is a candidate."""
         session = self.session_of(request)
-        placed = self.fallback.select(request, candidates)
         if not session:
             return Decision(ranked=placed.ranked, reason=f"no-session:{placed.reason}", scores=placed.scores)
         pinned = self._sessions.get(session)
         if pinned is not None:
             for worker in placed.ranked:
                 if worker.id == pinned:
-                    self._sessions.move_to_end(session)
+                    if touch:
+                        self._sessions.move_to_end(session)
                     ranked = [worker, *(w for w in placed.ranked if w is not worker)]
                     return Decision(ranked=ranked, reason="session-affinity", scores=placed.scores)
         return Decision(

@@ -367,6 +367,34 @@ class PrefixAwarePolicy(Policy):
             reason += "-own-record"
         return Decision(ranked=[c.worker for c in ranked], reason=reason, scores=figures)
 
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        """``select`` with the rotation among untokenized ties put back (the only state ``select`` moves)."""
+        turn = self._turn
+        try:
+            return self.select(request, candidates)
+        finally:
+            self._turn = turn
+
+    def learned(self, worker_id: str) -> dict[str, float]:
+        """The worker's cost model as ranking reads it now: prefill and decode constants, utilisation, queue."""
+        cost = self.costs.get(worker_id)
+        if cost is None:
+            return {}
+        prefill, decode = cost.prefill, cost.decode
+        return {
+            "windows": cost.windows,
+            "prefill_floor_s": prefill.c0,
+            "prefill_per_token_s": prefill.a,
+            "attention_per_token2_s": prefill.b,
+            "decode_step_s": decode.d0,
+            "decode_per_request_s": decode.d1,
+            "utilization": cost.utilization,
+            "concurrency": cost.concurrency,
+            "reuse": cost.reuse,
+            "queued_s": cost.queued_seconds(self.clock()),
+            "work_price": min(max(self._queued_of(cost), self.opts.min_work_price), self.opts.max_work_price),
+        }
+
     def _cold_ties(
         self, candidates: list[Candidate], figures: dict[str, dict[str, float]], tied: list[Candidate]
     ) -> list[Candidate]:
