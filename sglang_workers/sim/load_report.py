@@ -55,6 +55,11 @@ NULL_DISAGGREGATION: dict[str, Any] = {
 GEN_THROUGHPUT_STALENESS_S = 30.0  # a throughput older than this reads 0 at the next prefill report
 
 
+def _monotonic() -> float:
+    """``time.monotonic()`` looked up at each call: the virtual fleet points this module's ``time`` at its clock."""
+    return time.monotonic()
+
+
 @dataclass
 class LoadCounters:
     """The scheduler-side load counters of one DP rank (see the module docstring for their rules)."""
@@ -72,7 +77,7 @@ class LoadCounters:
     _idled: bool = False
     _decode_steps: int = 0
     _generated_since_report: int = 0
-    _last_decode_report: float = field(default_factory=time.monotonic)
+    _last_decode_report: float = field(default_factory=_monotonic)
     _last_throughput: float = 0.0
     _hit_window: deque[tuple[float, int, int]] = field(default_factory=deque)
     _window_hit: int = 0

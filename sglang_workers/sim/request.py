@@ -19,6 +19,11 @@ __all__ = ["HEALTH_CHECK_RID_PREFIX", "Request"]
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's rid prefix of /health generations (not counted in stats)
 
 
+def _monotonic() -> float:
+    """``time.monotonic()`` looked up at each call: the virtual fleet points this module's ``time`` at its clock."""
+    return time.monotonic()
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request as the scheduler tracks it."""
@@ -40,7 +45,7 @@ class Request:
     last_node: TreeNode | None = None
     chunk_prefix: int = 0  # cached context of the chunk being prefilled
     chunk_len: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=_monotonic)
     sim_arrival: float = 0.0  # simulated GPU clock at submission
     sim_first_token: float | None = None
     sim_finished: float | None = None
