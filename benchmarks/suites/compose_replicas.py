@@ -59,7 +59,7 @@ __all__ = [
     "wait_for_gateway",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/suites/ is two below it
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulated workers' model (deploy/compose/router-sim.yaml)
 
 

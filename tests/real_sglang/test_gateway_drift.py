@@ -54,6 +54,10 @@ def stack(
     install = find_install()
     assert install is not None
     synced, cut = sglang_cpu_workers
+    # Cold caches whatever ran on the session's workers before (the figures assume it). This module runs after
+    # test_gateway.py, whose first test counts on the workers' start-up warm-up being all they hold.
+    for worker in sglang_cpu_workers:
+        assert request(worker.url + "/flush_cache", "POST", timeout=30).status == 200
     dead = [free_port(), free_port()]  # nothing listens there: the router never hears B's events
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
