@@ -250,6 +250,9 @@ class WorkerCacheView:
                 self._removed(event)
             else:
                 self._reset()
+                # SGLang flushes only an idle cache: nothing the router sent is still to be stored, so its record of
+                # those sends (held ``speculative_ttl_s`` for a synced worker) names blocks that are gone too.
+                self.index.forget_routed(self.worker_id)
                 self.stats.clears += 1
                 self._set_state("synced")  # an empty cache is a fully known cache
 

@@ -105,6 +105,18 @@ def test_seq_going_back_is_a_restart() -> None:
     assert view.stats.orphans == 1 and index.size("w") == 0
 
 
+def test_a_flushed_cache_takes_the_routers_record_of_its_sends_with_it() -> None:
+    """AllBlocksCleared in sequence (a flush, not a restart): no hit is predicted from what was sent before."""
+    view, index = _view()
+    view.ingest(1, _stored(A, [11, 12]))
+    index.record_routed("w", _keys(A))  # sent again just before the flush: the router's record says held
+    assert index.match(_keys(A), ["w"]) == {"w": 2} and index.size("w") == 2
+    clears = view.stats.clears
+    assert view.ingest(2, CLEARED) is None
+    assert view.stats.restarts == 0 and view.stats.clears == clears + 1 and view.state == "synced"
+    assert index.match(_keys(A), ["w"]) == {"w": 0}
+
+
 def test_undecodable_batch_marks_the_worker_unknown() -> None:
     view, _ = _view()
     view.ingest(1, b"\xc1not msgpack")
