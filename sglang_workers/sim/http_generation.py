@@ -97,6 +97,25 @@ class GenerationApi:
         await resp.write_eof()
         return True
 
+    async def _end_openai_stream(
+        self,
+        resp: web.StreamResponse,
+        head: dict[str, Any],
+        body: dict[str, Any],
+        reqs: list[Request],
+        usage_details: bool,
+    ) -> web.StreamResponse:
+        """The end of an OpenAI stream as SGLang sends it: ``sglext`` in a chunk of its own, then the usage chunk
+        (``stream_options.include_usage``), then ``[DONE]``. ``head``: the chunks' id, object, created, model."""
+        sglext = self._sglext(body, reqs[0])
+        if sglext is not None:
+            await self._send(resp, head | {"choices": [], "sglext": sglext})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await self._send(resp, head | {"choices": [], "usage": self._usage(reqs, details=usage_details)})
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
     def _cached_details(self, req: Request) -> dict[str, Any] | None:
         """SGLang's ``get_cached_tokens_details``: cached tokens by tier (None when nothing was cached)."""
         backend = self.worker.config.hicache_storage_backend
@@ -289,15 +308,10 @@ class GenerationApi:
                 | self._sglext_field(body, reqs[0])
             )
 
+        head: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
+
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": None,
-            }
+            return head | {"choices": choices, "usage": None}
 
         resp = await self._sse(request)
         for index, req in enumerate(reqs):
@@ -306,28 +320,7 @@ class GenerationApi:
             if await self._stream_failed(resp, req):
                 return resp
             await self._send(resp, chunk([choice(index, "", finish_reason_name(req))]))
-        sglext = self._sglext(body, reqs[0])
-        if sglext is not None:  # a chunk of its own, before the usage chunk
-            await self._send(
-                resp,
-                {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": []}
-                | {"sglext": sglext},
-            )
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await self._send(
-                resp,
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": self._usage(reqs, details=False),
-                },
-            )
-        await self._send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+        return await self._end_openai_stream(resp, head, body, reqs, usage_details=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -392,16 +385,11 @@ class GenerationApi:
                 | self._sglext_field(body, reqs[0])
             )
 
+        head: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+
         def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
-                ],
-            }
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+            return head | {"choices": [choice]}
 
         resp = await self._sse(request)
         for index, req in enumerate(reqs):
@@ -417,25 +405,4 @@ class GenerationApi:
             if await self._stream_failed(resp, req):
                 return resp
             await self._send(resp, chunk(index, {"reasoning_content": None}, finish_reason_name(req)))
-        sglext = self._sglext(body, reqs[0])
-        if sglext is not None:  # SGLang sends it in a chunk of its own, before the usage chunk
-            await self._send(
-                resp,
-                {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": []}
-                | {"sglext": sglext},
-            )
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await self._send(
-                resp,
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": self._usage(reqs),
-                },
-            )
-        await self._send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+        return await self._end_openai_stream(resp, head, body, reqs, usage_details=True)
