@@ -24,7 +24,7 @@ from prefix_common.addresses import free_port, free_ports
 from prefix_common.logs import configure_logging
 from prefix_router.cli import SUBCOMMANDS, subcommand_parser
 from tests.support.gateway_http import post, request
-from tests.support.up import stop_up
+from tests.support.up import start_up, stop_up
 
 BENCH_SUITES = (["--suite", "routing"], ["--suite", "overhead"], ["--suite", "tiered"], ["--suite", "pd"], ["--matrix"])
 
@@ -231,13 +231,9 @@ def test_up_logs_json_everywhere_at_the_level_given(envoy_bin: str, tmp_path: Pa
     """``up --log-format json --log-level debug``: the banner, each access-log line and up's own messages are
     JSON objects, one per line; the router it starts logs JSON at debug (a line per routed request)."""
     port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--workers", "1", "--profile", "instant", "--port", str(port)]
-        + ["--log-format", "json", "--log-level", "debug", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    up = start_up(
+        *("--workers", "1", "--profile", "instant", "--port", str(port)),
+        *("--log-format", "json", "--log-level", "debug", "--log-dir", str(tmp_path)),
     )
     assert up.stdout is not None and up.stderr is not None
     try:

@@ -13,6 +13,7 @@ import yaml
 from prefix_common.addresses import free_port
 from prefix_router import envoy_config
 from prefix_router.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
+from tests.support.tls import self_signed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,33 +123,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_pieces_and_bootstrap_with_tls_validate(envoy_bin: str, tmp_path: Path) -> None:
-    ca = tmp_path / "ca.pem"
-    key = tmp_path / "key.pem"
-    openssl = subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(ca),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=router",
-            "-addext",
-            "subjectAltName=DNS:router",
-        ],
-        capture_output=True,
-    )
-    if openssl.returncode != 0:
-        pytest.skip("openssl CLI not available")
+    ca, key = self_signed(tmp_path, "router")
     pieces = _cli(
         "--worker",
         "127.0.0.1:30001",
