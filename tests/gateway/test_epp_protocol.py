@@ -25,6 +25,7 @@ from extproc.config import EventsConfig, FlowControlConfig, ObjectiveConfig, Rou
 from extproc.exchange.servicer import add_services, mark_ready, mark_serving
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
 CHUNK = 64 * 1024
@@ -167,14 +168,6 @@ def _destination(reply: pb.ProcessingResponse, phase: str) -> tuple[str, str]:
     return headers["x-gateway-destination-endpoint"], metadata.string_value
 
 
-async def _wait(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
-
-
 # -- destination: header and metadata, primary plus fallbacks -------------------------------------
 
 
@@ -193,7 +186,7 @@ async def test_buffered_headers_continue_then_body_reply_names_the_destination(s
     assert header == metadata and len(endpoints) == 3 and set(endpoints) == set(ENDPOINTS)
     assert _in_flight(app)[endpoints[0]] == 1
     await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 async def test_streamed_headers_reply_waits_for_the_whole_body_then_precedes_the_body(service) -> None:  # type: ignore[no-untyped-def]
@@ -216,7 +209,7 @@ async def test_streamed_headers_reply_waits_for_the_whole_body_then_precedes_the
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
     assert max(len(s.body) for s in streamed) <= CHUNK
     await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 async def test_streamed_body_ended_by_trailers(service) -> None:  # type: ignore[no-untyped-def]
@@ -365,7 +358,7 @@ async def test_served_endpoint_moves_the_accounting(service) -> None:  # type: i
     await gw.read(1)
     assert _in_flight(app)[primary] == 0 and _in_flight(app)[fallback] == 1
     await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 # -- GIE request headers -------------------------------------------------------------------------
@@ -470,7 +463,7 @@ async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: 
     assert "waited" in orjson.loads(expired.immediate_response.body)["error"]["message"]
     for gw in [waiting, late, *(g for g, _ in held[1:])]:
         await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
     shed_samples = {
         (s.labels["priority"], s.labels["reason"]): s.value
         for m in app.telemetry.metrics.collect()
@@ -492,7 +485,7 @@ async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> No
     assert app.flow is not None and app.flow.waiting == 1
     task.cancel()
     await gw.close()
-    await _wait(lambda: app.flow is not None and app.flow.waiting == 0)
+    await until(lambda: app.flow is not None and app.flow.waiting == 0)
     # mid-body: headers and half the chunks, then the stream is gone
     partial = Gateway(stub)
     body = _chat("y" * 300_000)
@@ -501,7 +494,7 @@ async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> No
     await partial.close()
     for g, _ in held:
         await g.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 HEADROOM = FlowControlConfig(
@@ -525,4 +518,4 @@ async def test_sheddable_requests_leave_headroom_for_the_others(service) -> None
     assert (await task).WhichOneof("response") == "request_headers"  # critical: still room
     for g in [critical, *(g for g, _ in held)]:
         await g.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)

@@ -25,6 +25,7 @@ from extproc.config import EventsConfig, RouterConfig, ServerConfig
 from extproc.exchange.servicer import add_services, mark_ready, mark_serving
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -148,7 +149,7 @@ async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Rout
     assert set(destination.split(",")) == {w.endpoint for w in app.registry.workers}  # primary + fallback
     assert _in_flight(app) == 1  # the huge request's stream is still open: its slot is held
     big.cancel()
-    await _until(lambda: _in_flight(app) == 0)
+    await until(lambda: _in_flight(app) == 0)
 
 
 async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, grpc.aio.Channel]) -> None:
@@ -160,7 +161,7 @@ async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, g
     await _collect(call, 1)  # the headers were answered; the body is being tokenized
     await gate.wait_started()
     call.cancel()  # the client went away mid-tokenization
-    await _until(gate.done.is_set)
+    await until(gate.done.is_set)
     await asyncio.sleep(0.05)  # the loop would route now if the cancel had not reached the server
     assert _in_flight(app) == 0 and _decisions(app) == before
     # The pool is free again and later requests route normally.
@@ -168,7 +169,7 @@ async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, g
     assert len(await asyncio.wait_for(_collect(follow, 2), 10)) == 2
     assert _in_flight(app) == 1
     follow.cancel()
-    await _until(lambda: _in_flight(app) == 0)
+    await until(lambda: _in_flight(app) == 0)
 
 
 async def _collect(call: grpc.aio.StreamStreamCall, count: int) -> list[pb.ProcessingResponse]:
@@ -176,12 +177,3 @@ async def _collect(call: grpc.aio.StreamStreamCall, count: int) -> list[pb.Proce
     while len(replies) < count:
         replies.append(await call.read())
     return replies
-
-
-async def _until(predicate: object, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():  # type: ignore[operator]
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)

@@ -25,6 +25,7 @@ from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, request, stream_lines
 from tests.support.up import running_up
+from tests.support.waiting import wait_until
 
 GENERATE = {"text": "The quick brown fox jumps over the lazy dog. " * 12, "sampling_params": {"max_new_tokens": 8}}
 
@@ -71,16 +72,9 @@ def _label(worker: Any) -> str:
     return worker.url.removeprefix("http://")
 
 
-def _wait_until(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_a_pd_request_is_answered_by_decode_and_prefilled_by_a_prefill_worker(stack: GatewayStack) -> None:
     _prefill, decode = _roles(stack)
-    _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3)
+    wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3)
     before = _metrics(stack)
     reply = post(stack.url + "/generate", GENERATE, timeout=30)
     assert reply.status == 200, reply.body
@@ -163,7 +157,7 @@ def test_a_request_the_router_did_not_pair_is_a_503_at_once_not_a_workers_400(st
     expected = ["prefill/decode fleet"] + (["the router (ext_proc) failed"] if stack.body_mode == "streamed" else [])
     assert any(e in error["message"] for e in expected) and error["type"] == "service_unavailable", error
     assert elapsed < 3.0
-    _wait_until(lambda: post(stack.url + "/generate", GENERATE, timeout=30).status == 200, 20)
+    wait_until(lambda: post(stack.url + "/generate", GENERATE, timeout=30).status == 200, timeout=20)
 
 
 def test_a_dead_decode_worker_stops_the_prefill_leg_it_was_paired_with(stack: GatewayStack) -> None:
@@ -176,10 +170,10 @@ def test_a_dead_decode_worker_stops_the_prefill_leg_it_was_paired_with(stack: Ga
         assert reply.status >= 500, reply.body  # Envoy could not reach the decode side (or the router knew it dead)
         assert time.monotonic() - began < 5
         # A prefill leg would otherwise wait out the bootstrap timeout (300 s) for a decode worker that never comes.
-        _wait_until(lambda: sum(_queued_on(p) for p in prefill) == 0, 5)
+        wait_until(lambda: sum(_queued_on(p) for p in prefill) == 0, timeout=5)
     finally:
         decode.restart(60)
-        _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, 20)
+        wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, timeout=20)
 
 
 def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_other(stack: GatewayStack) -> None:
@@ -205,7 +199,7 @@ def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_o
         victim = next((p for p in prefill if _sample(text, "prefix_router_worker_in_flight", worker=_label(p))), None)
         return victim is not None
 
-    _wait_until(busy, 10)
+    wait_until(busy, timeout=10)
     victim.process.send_signal(signal.SIGKILL)
     sender.join(60)
     reply = result["reply"]
@@ -221,7 +215,7 @@ def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_o
         again = post(stack.url + "/generate", GENERATE, timeout=30)
         assert again.status == 200, again.body
     victim.restart(60)
-    _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, 20)
+    wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, timeout=20)
 
 
 def test_up_pd_runs_a_prefill_decode_fleet_behind_the_gateway(envoy_bin: str) -> None:

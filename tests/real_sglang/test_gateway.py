@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,11 +20,15 @@ import pytest
 import zmq
 
 from prefix_router.stack import GatewayStack
+from tests.support import waiting
 from tests.support.gateway_http import envoy_host_healthy, post, request, stream_lines
 from tests.support.real_sglang import restart_cpu_worker
 from tests.support.sglang_session import fit_chat
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
+
+# Some checks replay a worker's whole event stream: poll five times a second, not twenty.
+wait_until = functools.partial(waiting.wait_until, every=0.2)
 
 MODEL = "tiny-llama"
 PAGE = 16
@@ -122,13 +125,6 @@ def implied_blocks(worker: Any) -> set[int]:
         sock.close(0)
         ctx.term()
     raise AssertionError("replay did not end")
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f}s"
-        time.sleep(0.2)
 
 
 def index_matches_events(stack: GatewayStack, worker: Any) -> bool:

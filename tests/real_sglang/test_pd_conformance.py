@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 from prefix_router.fleet import PdFleet, start_pd_fleet
-from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd, wait_for
+from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd
 from tests.support.sglang_session import shape, shape_differences
 from tests.support.sim_fixtures import EventSubscriber, get_json, http, sse_events
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
 
@@ -118,7 +119,7 @@ def run_pd_session(pd: PdFleet) -> PdSession:
     answer: list[tuple[int, bytes]] = []
     thread = threading.Thread(target=lambda: answer.append(http("POST", decode.url + "/generate", lonely, None, 60)))
     thread.start()
-    wait_for(lambda: pd_load(decode)["decode_transfer_queue_reqs"] == 1, what="the decode half in its transfer queue")
+    wait_until(lambda: pd_load(decode)["decode_transfer_queue_reqs"] == 1, what="the decode half in its transfer queue")
     out.values["abort answer"] = http("POST", decode.url + "/abort_request", {"rid": "abandoned"})
     thread.join(30)
     status, raw = answer[0]

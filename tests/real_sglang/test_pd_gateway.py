@@ -22,6 +22,7 @@ import pytest
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, stream_lines
 from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 
@@ -68,16 +69,9 @@ def _label(worker: Any) -> str:
     return f"127.0.0.1:{worker.port}"
 
 
-def _wait_until(check: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
-
-
 def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_prefill(stack: GatewayStack) -> None:
     prefill, decode = stack.sglang_cpu_processes
-    _wait_until(lambda: _metric(stack, "prefix_router_worker_healthy") == 2, 30)
+    wait_until(lambda: _metric(stack, "prefix_router_worker_healthy") == 2, timeout=30)
     body = {"text": "Routing prefill and decode apart on one machine. " * 12, "sampling_params": {"max_new_tokens": 8}}
     first = post(stack.url + "/generate", body, timeout=120)
     assert first.status == 200, first.body
@@ -85,7 +79,7 @@ def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_pref
     assert first.json()["meta_info"]["completion_tokens"] == 8
     assert _metric(stack, "prefix_router_pd_routed_total", role="prefill", worker=_label(prefill)) == 1
     # The prefill worker's BlockStored events reach the index; the decode worker publishes none.
-    _wait_until(lambda: _metric(stack, "prefix_router_index_blocks", worker=_label(prefill)) > 0, 10)
+    wait_until(lambda: _metric(stack, "prefix_router_index_blocks", worker=_label(prefill)) > 0, timeout=10)
     assert _metric(stack, "prefix_router_index_blocks", worker=_label(decode)) == 0
     second = post(stack.url + "/generate", body, timeout=120)
     assert second.status == 200, second.body
@@ -119,7 +113,7 @@ def test_a_killed_prefill_worker_fails_requests_fast_and_clean(stack: GatewaySta
     sender = threading.Thread(target=send)
     sender.start()
     try:
-        _wait_until(lambda: _metric(stack, "prefix_router_worker_in_flight", worker=_label(decode)) == 1, 10)
+        wait_until(lambda: _metric(stack, "prefix_router_worker_in_flight", worker=_label(decode)) == 1, timeout=10)
         time.sleep(1.0)  # the decode worker has the request by now, waiting in its bootstrap queue
     finally:
         prefill.process.send_signal(signal.SIGKILL)

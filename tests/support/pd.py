@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,15 +28,6 @@ def pd_load(worker: WorkerProcess) -> dict[str, Any]:
     _, loads = get_json(worker, "/v1/loads")
     block: dict[str, Any] = loads["loads"][0]["disaggregation"]
     return block
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll ``check`` until it holds (AssertionError naming ``what`` after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout:.0f} s")
-        time.sleep(0.02)
 
 
 def pd_body(body: dict[str, Any], prefill: WorkerProcess, room: int | None = None) -> dict[str, Any]:

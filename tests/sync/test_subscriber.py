@@ -23,6 +23,7 @@ from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.subscriber import EventSubscriber
 from prefix_common.addresses import free_ports
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,14 +104,6 @@ async def stream() -> AsyncIterator[Stream]:
         ctx.destroy(linger=0)
 
 
-async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 def _keys(tokens: list[int], parent: int | None = None) -> list[int]:
     return block_keys(tokens, PAGE, chain_seed(""), parent=parent)
 
@@ -122,7 +115,7 @@ async def test_batches_sent_during_a_replay_are_applied_after_it_in_order(stream
     pub = stream.publisher
     await pub.publish(0, CLEARED)
     await pub.publish(1, _stored(A, [11, 12], None))
-    await _until(lambda: stream.view.last_seq == 1, "the first two batches")
+    await until(lambda: stream.view.last_seq == 1, "the first two batches")
     pub.replay_delay_s[2] = 0.5  # the replay of the gap answers late
     await pub.publish(2, _stored(B, [13], 12), lost=True)
     # 3 and 4 back to back: read in one drain, which must stop at the gap 3 shows and leave 4 queued.
@@ -130,7 +123,7 @@ async def test_batches_sent_during_a_replay_are_applied_after_it_in_order(stream
     await pub.publish(4, _stored(D, [15], 14))
     await asyncio.sleep(0.1)
     await pub.publish(5, _stored(E, [16], 15))  # while the replay is under way: it waits in the socket
-    await _until(lambda: stream.view.last_seq == 5, "the replay and the batches after it")
+    await until(lambda: stream.view.last_seq == 5, "the replay and the batches after it")
 
     assert 2 in pub.asked
     assert stream.view.stats.gaps == 1 and stream.view.stats.gaps_repaired == 1
@@ -148,7 +141,7 @@ async def test_a_batch_that_fails_to_apply_resyncs_and_the_stream_goes_on(
 ) -> None:
     pub = stream.publisher
     await pub.publish(0, CLEARED)
-    await _until(lambda: stream.view.last_seq == 0, "the first batch")
+    await until(lambda: stream.view.last_seq == 0, "the first batch")
     apply: Callable[..., Awaitable[None] | None] = stream.view.apply_batch
     failures = [RuntimeError("a bug in applying")]
 
@@ -160,11 +153,11 @@ async def test_a_batch_that_fails_to_apply_resyncs_and_the_stream_goes_on(
     monkeypatch.setattr(stream.view, "apply_batch", fail_once)
     with caplog.at_level(logging.ERROR, logger="extproc.sync.subscriber"):
         await pub.publish(1, _stored(A, [11, 12], None))
-        await _until(lambda: stream.view.stats.restarts == 1, "the resync after the failure")
+        await until(lambda: stream.view.stats.restarts == 1, "the resync after the failure")
     assert "applying a KV-event batch failed" in caplog.text
     await pub.publish(2, _stored(B, [13], 12))
     # After the resync the view asks for the replay from 0, which brings batch 1 back: nothing is lost.
-    await _until(lambda: stream.view.last_seq == 2, "the stream after the failure")
+    await until(lambda: stream.view.last_seq == 2, "the stream after the failure")
     a = _keys(A)
     assert stream.index.blocks("w") == {*a, *_keys(B, a[-1])}
     assert 0 in pub.asked[1:]  # the replay after the resync, besides the first catch-up's
