@@ -22,9 +22,9 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, FlowControlConfig, ObjectiveConfig, RouterConfig, ServerConfig
-from extproc.exchange.servicer import add_services, mark_ready, mark_serving
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.router_service import serving
 from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
@@ -135,24 +135,9 @@ async def service(
         flow_control=flow,
     )
     app = RouterApp(config, WorkerRegistry(workers))
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 32 * 1024 * 1024),
-            ("grpc.max_send_message_length", 32 * 1024 * 1024),
-        ]
-    )
-    health = add_services(server, app.servicer())
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await mark_serving(health, True)
-    await mark_ready(health, True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    limits = [("grpc.max_receive_message_length", 32 * 1024 * 1024), ("grpc.max_send_message_length", 32 * 1024 * 1024)]
+    async with serving(app, limits) as channel:
         yield app, pb_grpc.ExternalProcessorStub(channel), channel
-    finally:
-        await channel.close()
-        await server.stop(0)
-        await app.stop()
 
 
 def _in_flight(app: RouterApp) -> dict[str, int]:

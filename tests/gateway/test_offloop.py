@@ -22,9 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
-from extproc.exchange.servicer import add_services, mark_ready, mark_serving
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.router_service import serving
 from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
@@ -98,19 +98,8 @@ async def service() -> AsyncIterator[tuple[RouterApp, grpc.aio.Channel]]:
     ]
     config = RouterConfig(server=ServerConfig(tokenize_threads=2), events=EventsConfig(enabled=False))
     app = RouterApp(config, WorkerRegistry(workers))
-    server = grpc.aio.server()
-    health = add_services(server, app.servicer())
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await mark_serving(health, True)
-    await mark_ready(health, True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    async with serving(app) as channel:
         yield app, channel
-    finally:
-        await channel.close()
-        await server.stop(0)
-        await app.stop()
 
 
 def _in_flight(app: RouterApp) -> int:
