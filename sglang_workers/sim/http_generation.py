@@ -97,6 +97,15 @@ class GenerationApi:
         await resp.write_eof()
         return True
 
+    def _whole_response(
+        self, head: dict[str, Any], choices: list[dict[str, Any]], body: dict[str, Any], reqs: list[Request]
+    ) -> web.Response:
+        """A whole (not streamed) OpenAI response as SGLang sends it: ``head`` (id, object, created, model), the
+        choices, their usage, the weight versions, and ``sglext`` when the request asks for it."""
+        metadata = {"weight_version": "default", "weight_versions": weight_versions(len(reqs[0].output_ids))}
+        whole = head | {"choices": choices, "usage": self._usage(reqs), "metadata": metadata}
+        return web.json_response(whole | self._sglext_field(body, reqs[0]))
+
     async def _end_openai_stream(
         self,
         resp: web.StreamResponse,
@@ -287,28 +296,11 @@ class GenerationApi:
         def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
 
+        head: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
         if not body.get("stream"):
             await asyncio.gather(*(self._wait(r) for r in reqs))
-            return web.json_response(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        choice(i, self.tokenizer.decode(r.output_ids), finish_reason_name(r))
-                        for i, r in enumerate(reqs)
-                    ],
-                    "usage": self._usage(reqs),
-                    "metadata": {
-                        "weight_version": "default",
-                        "weight_versions": weight_versions(len(reqs[0].output_ids)),
-                    },
-                }
-                | self._sglext_field(body, reqs[0])
-            )
-
-        head: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
+            texts = [choice(i, self.tokenizer.decode(r.output_ids), finish_reason_name(r)) for i, r in enumerate(reqs)]
+            return self._whole_response(head, texts, body, reqs)
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return head | {"choices": choices, "usage": None}
@@ -356,34 +348,22 @@ class GenerationApi:
 
         if not body.get("stream"):
             await asyncio.gather(*(self._wait(r) for r in reqs))
-            return web.json_response(
+            messages = [
                 {
-                    "id": cid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": i,
-                            "message": {
-                                "role": "assistant",
-                                "content": self.tokenizer.decode(r.output_ids),
-                                "reasoning_content": None,
-                            },
-                            "logprobs": None,
-                            "finish_reason": finish_reason_name(r),
-                            "matched_stop": None,
-                        }
-                        for i, r in enumerate(reqs)
-                    ],
-                    "usage": self._usage(reqs),
-                    "metadata": {
-                        "weight_version": "default",
-                        "weight_versions": weight_versions(len(reqs[0].output_ids)),
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": self.tokenizer.decode(r.output_ids),
+                        "reasoning_content": None,
                     },
+                    "logprobs": None,
+                    "finish_reason": finish_reason_name(r),
+                    "matched_stop": None,
                 }
-                | self._sglext_field(body, reqs[0])
-            )
+                for i, r in enumerate(reqs)
+            ]
+            whole = {"id": cid, "object": "chat.completion", "created": created, "model": model}
+            return self._whole_response(whole, messages, body, reqs)
 
         head: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
