@@ -22,9 +22,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
-from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.fleet.workers import WorkerRegistry
 from extproc.serving.app import RouterApp
 from tests.support.router_service import serving
+from tests.support.routing import loopback_workers
 from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
@@ -93,9 +94,7 @@ class Gate:
 
 @pytest.fixture
 async def service() -> AsyncIterator[tuple[RouterApp, grpc.aio.Channel]]:
-    workers = [
-        Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(2)
-    ]
+    workers = loopback_workers(2, 41000)
     config = RouterConfig(server=ServerConfig(tokenize_threads=2), events=EventsConfig(enabled=False))
     app = RouterApp(config, WorkerRegistry(workers))
     async with serving(app) as channel:
