@@ -10,8 +10,8 @@ from typing import Any
 from sglang_workers.process import WorkerProcess
 from tests.support.sim_fixtures import get_json, http
 
-# The ``disaggregation`` block of a 0.5.23 ``/v1/loads`` entry (../shared/sglang-http/v1_loads.json).
-DISAGGREGATION_LOAD_KEYS = {
+# The ``disaggregation`` block of a 0.5.23 ``/v1/loads`` entry, in order (../shared/sglang-http/v1_loads.json).
+DISAGGREGATION_LOAD_KEYS = [
     "mode",
     "prefill_bootstrap_queue_reqs",
     "prefill_inflight_queue_reqs",
@@ -20,7 +20,7 @@ DISAGGREGATION_LOAD_KEYS = {
     "decode_retracted_queue_reqs",
     "kv_transfer_speed_gb_s",
     "kv_transfer_latency_ms",
-}
+]
 
 
 def pd_load(worker: WorkerProcess) -> dict[str, Any]:
