@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from extproc.sync.sources import pod_worker
-from prefix_common.addresses import free_port
+from prefix_common.addresses import free_port, free_ports
+from sglang_workers.sim.launch import sim_worker_argv
 from tests.support.waiting import wait_until
 
 dnslib = pytest.importorskip("dnslib")
@@ -62,26 +63,9 @@ def dns_server() -> Iterator[tuple[_Records, int]]:
 
 
 def _sim_worker(host: str, port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefix_router",
-            "sim-worker",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--kv-events-host",
-            host,
-            "--kv-events-port",
-            str(free_port(host)),
-            "--profile",
-            "instant",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    kv_port, replay_port = free_ports(2, host)
+    argv = sim_worker_argv(host, port, kv_port, replay_port, "--profile", "instant")
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture
