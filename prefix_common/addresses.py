@@ -16,6 +16,7 @@ __all__ = [
     "WILDCARD_HOSTS",
     "free_port",
     "free_ports",
+    "is_ip_literal",
     "is_loopback",
     "parse_worker_url",
     "resolve_endpoint",
@@ -28,6 +29,15 @@ LOOPBACK = "127.0.0.1"
 # Bind-all addresses a worker may report for its own sockets (e.g. ``tcp://*:5557``): a client must
 # connect to the worker's own host instead.
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+def is_ip_literal(host: str) -> bool:
+    """Whether ``host`` is an IP address (no brackets), not a name to resolve."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
