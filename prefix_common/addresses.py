@@ -22,6 +22,7 @@ __all__ = [
     "resolve_endpoint",
     "split_host_port",
     "substitute_wildcard",
+    "url_port",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -69,12 +70,18 @@ def split_host_port(value: str, default_port: int | None = None) -> tuple[str, i
     return parts.hostname, port
 
 
+def url_port(url: str) -> int:
+    """The port of ``http(s)://host[:port]``: the one given, else the scheme's."""
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def resolve_endpoint(url: str) -> tuple[str, int]:
     """``http://host:port`` -> (ip, port); Envoy's ORIGINAL_DST accepts only IP literals."""
     parts = urlsplit(url)
     if not parts.hostname:
         raise ValueError(f"worker URL {url!r} has no host")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = url_port(url)
     ip = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)[0][4][0]
     return str(ip), port
 

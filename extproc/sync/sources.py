@@ -38,7 +38,7 @@ from extproc.config import (
     WorkerConfig,
 )
 from extproc.fleet.workers import Worker, WorkerRegistry
-from prefix_common.addresses import is_ip_literal
+from prefix_common.addresses import is_ip_literal, url_port
 
 __all__ = ["Resolver", "WorkerSources", "pod_worker"]
 
@@ -295,25 +295,13 @@ class WorkerSources:
             log.info("worker %s left (%s)", worker.id, worker.endpoint)
 
     async def _static(self, entry: WorkerConfig) -> list[Worker]:
-        parts = urlsplit(entry.url)
-        host = parts.hostname or ""
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host, port = urlsplit(entry.url).hostname or "", url_port(entry.url)
         key = f"workers:{entry.url}:{entry.name}"
         addresses = await self.resolver.addresses(host, port)
         self._note_addresses(key, f"worker {entry.url}", host, addresses)
         if addresses is None or not addresses:
             return self._resolved.get(key, []) if addresses is None else []
-        worker = Worker(
-            id=entry.name or f"{host}:{port}",
-            url=entry.url,
-            ip=addresses[0],
-            port=port,
-            model=entry.model,
-            kv_events_endpoint=entry.kv_events_endpoint,
-            replay_endpoint=entry.replay_endpoint,
-            role=entry.role,
-            bootstrap_port=entry.bootstrap_port,
-        )
+        worker = Worker.from_config(entry, addresses[0])
         self._resolved[key] = [worker]
         return [worker]
 
