@@ -28,6 +28,7 @@ from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.pd.bootstrap import ROOM_LIMIT, bootstrap_body
 from extproc.serving.app import RouterApp
 from prefix_common.addresses import free_port
+from tests.support.http_server import start_app
 
 TOKENS = list(range(100, 164))  # four full pages of 16
 
@@ -164,10 +165,8 @@ class _Recorder:
 async def servers() -> AsyncIterator[dict[str, tuple[_Recorder, int]]]:
     runners, out = [], {}
     for name in ("prefill", "decode"):
-        recorder, port = _Recorder(), free_port()
-        runner = web.AppRunner(recorder.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        recorder = _Recorder()
+        runner, port = await start_app(recorder.app())
         runners.append(runner)
         out[name] = (recorder, port)
     yield out
@@ -274,10 +273,8 @@ async def test_a_prefill_worker_that_died_is_cold_again_and_its_refusal_retries_
 ) -> None:
     survivor, survivor_port = servers["prefill"]
     _, decode_port = servers["decode"]
-    doomed, port = _Recorder(), free_port()
-    runner = web.AppRunner(doomed.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    doomed = _Recorder()
+    runner, port = await start_app(doomed.app())
     dead = _worker("dead", port, "prefill")
     workers = [dead, _worker("p", survivor_port, "prefill"), _worker("d", decode_port, "decode")]
     app = _router(workers)
