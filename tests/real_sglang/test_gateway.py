@@ -22,6 +22,7 @@ import zmq
 from prefix_router.stack import GatewayStack
 from tests.support import waiting
 from tests.support.gateway_http import envoy_host_healthy, post, request, stream_lines
+from tests.support.kv_batches import apply_events
 from tests.support.real_sglang import restart_cpu_worker
 from tests.support.sglang_session import fit_chat
 
@@ -114,13 +115,7 @@ def implied_blocks(worker: Any) -> set[int]:
             frames = frames[1:] if frames and frames[0] == b"" else frames
             if int.from_bytes(frames[-2], "big", signed=True) < 0:
                 return blocks
-            for event in msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)[1]:
-                if event["type"] == "BlockStored":
-                    blocks.update(event["block_hashes"])
-                elif event["type"] == "BlockRemoved":
-                    blocks.difference_update(event["block_hashes"])
-                else:
-                    blocks.clear()
+            apply_events(blocks, msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)[1])
     finally:
         sock.close(0)
         ctx.term()
