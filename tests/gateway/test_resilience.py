@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -213,6 +214,24 @@ async def test_a_crash_loop_stops_the_supervisor_naming_the_child(envoy_bin: str
         with pytest.raises(CrashLoopError, match=f"worker {worker.url} exited 3 times"):
             await asyncio.wait_for(stack.supervise(asyncio.Event(), said.append, max_restarts=2), 60)
         assert sum("restarting" in line for line in said) == 2
+
+
+async def test_ports_taken_before_the_router_and_envoy_bind_them_are_picked_again(
+    envoy_bin: str, tmp_path: Path
+) -> None:
+    """Ports the stack picked itself may be taken before its children bind them (tests run side by side): the
+    router and Envoy are started again on new ones."""
+    stack = GatewayStack(sim_workers=1, sim_worker_options={"profile": "instant"}, log_dir=tmp_path / "logs")
+    taken = {"router_port": stack.router_port, "port": stack.port}
+    with socket.socket() as for_router, socket.socket() as for_envoy:
+        for sock, port in ((for_router, stack.router_port), (for_envoy, stack.port)):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        async with stack:
+            assert stack.router_port != taken["router_port"] and stack.port != taken["port"]
+            chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            reply = await asyncio.to_thread(post, stack.url + "/v1/chat/completions", chat)
+            assert reply.status == 200 and reply.headers.get("x-upstream-host")
 
 
 def _children(pid: int) -> dict[int, str]:
