@@ -12,8 +12,6 @@ import asyncio
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ import pytest
 
 from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
+from tests.support.cli import run_cli
 from tests.support.gateway_http import post, request, stream_lines
 from tests.support.up import running_up
 from tests.support.waiting import wait_until
@@ -230,7 +229,5 @@ def test_up_pd_runs_a_prefill_decode_fleet_behind_the_gateway(envoy_bin: str) ->
 
 
 def test_up_refuses_a_bad_pd_shape() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "up", "--pd", "0P1D"], capture_output=True, text=True, timeout=60
-    )
+    done = run_cli("up", "--pd", "0P1D")
     assert done.returncode == 2 and "not a PD fleet shape like 1P1D" in done.stderr

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_cli
+
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefix_router", "sglang-launch", *args], capture_output=True, text=True, timeout=30
-    )
+    return run_cli("sglang-launch", *args, timeout=30)
 
 
 def test_prints_launch_command_with_router_flags() -> None:
@@ -101,21 +101,10 @@ def test_cpu_launch_command_uses_the_install_and_the_cpu_flags(tmp_path: Path) -
 
 
 def test_cpu_launch_without_the_install_names_make_sglang_cpu(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "sglang-launch", "--cpu"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")},
-    )
+    nowhere = {"PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")}
+    done = run_cli("sglang-launch", "--cpu", timeout=30, env=nowhere)
     assert done.returncode == 1 and "make sglang-cpu" in done.stderr and "Traceback" not in done.stderr
-    up = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "up", "--engine", "sglang-cpu", "--workers", "2"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")},
-    )
+    up = run_cli("up", "--engine", "sglang-cpu", "--workers", "2", timeout=30, env=nowhere)
     assert up.returncode == 1 and "make sglang-cpu" in up.stderr and "Traceback" not in up.stderr
 
 
