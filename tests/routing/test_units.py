@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.decision.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, create_policy
 from extproc.decision.policies.prefix_aware import PrefixAwareOptions, PrefixAwarePolicy
-from extproc.decision.policies.prefix_aware.cost_model import PrefillModel
+from extproc.decision.policies.prefix_aware.cost_model import PrefillModel, WorkerCostModel
 from extproc.decision.policies.sgl_cache_aware import SglCacheAwarePolicy
 from extproc.decision.request import ParsedRequest
 from extproc.fleet.blocks import block_keys
@@ -833,24 +833,30 @@ def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
     assert chosen == {"utilization": "w1", "lesser": "w0"}
 
 
-def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
-    """The holder measured itself slower than the priors; an unmeasured idle worker must not look faster."""
-    workers = loopback_workers(2)
-    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
-    holder = policy.cost_model(workers[0])
-    truth = PrefillModel(0.05, 4e-5, 1e-9)  # a per-request floor 2.5x the prior's (a CPU, a small model)
+def _feed(model: WorkerCostModel, new: int, steps: int, seconds: Callable[[int], float]) -> None:
+    """``steps`` requests of ``new`` uncached tokens sent every 0.5 s, each taking ``seconds(new)`` of prefill on
+    the worker: its cumulative counters, polled 0.4 s after each send, reported to ``model``."""
     busy = tokens = 0.0
-    for step in range(20):
-        holder.sent(400, 0, step * 0.5)
-        busy += truth.seconds(400, 0)
-        tokens += 400
-        holder.observe(
+    for step in range(steps):
+        model.sent(new, 0, step * 0.5)
+        busy += seconds(new)
+        tokens += new
+        model.observe(
             WorkerLoad(
                 total_prefill_busy_us=int(busy * 1e6),
                 total_prefill_uncached_tokens=int(tokens),
                 polled_at=step * 0.5 + 0.4,
             )
         )
+
+
+def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
+    """The holder measured itself slower than the priors; an unmeasured idle worker must not look faster."""
+    workers = loopback_workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    holder = policy.cost_model(workers[0])
+    truth = PrefillModel(0.05, 4e-5, 1e-9)  # a per-request floor 2.5x the prior's (a CPU, a small model)
+    _feed(holder, 400, 20, lambda new: truth.seconds(new, 0))
     assert holder.windows and holder.prefill.seconds(400, 0) == pytest.approx(truth.seconds(400, 0), rel=0.1)
     assert policy.cost_model(workers[1]).windows == 0
     decision = _select(policy, _request(433, keys=[5]), _candidates(workers, [25, 0]))
@@ -1033,18 +1039,8 @@ def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_i
     policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
     measured, fresh = loopback_workers(2)
     model = policy.cost_model(measured)
-    busy = tokens = 0.0
-    for step in range(6):  # a worker twice as slow as the priors in every constant
-        model.sent(1000, 0, step * 0.5)
-        busy += 2 * policy.cost_model(fresh).learned.seconds(1000, 0)
-        tokens += 1000
-        model.observe(
-            WorkerLoad(
-                total_prefill_busy_us=int(busy * 1e6),
-                total_prefill_uncached_tokens=int(tokens),
-                polled_at=step * 0.5 + 0.4,
-            )
-        )
+    # a worker twice as slow as the priors in every constant
+    _feed(model, 1000, 6, lambda new: 2 * policy.cost_model(fresh).learned.seconds(new, 0))
     assert model.windows
     assert policy.cost_model(fresh).prefill == model.learned  # judged by the measured one, for queue and prefill
     policy.remove_worker(measured.id)
