@@ -164,10 +164,8 @@ class PrefixAwareOptions(PolicyOptions):
     )
 
 
-class PrefixAwarePolicy(Policy):
+class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
     name = "prefix-aware"
-    Options = PrefixAwareOptions
-    opts: PrefixAwareOptions
     needs_tokens = True
 
     def setup(self) -> None:
