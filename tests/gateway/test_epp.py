@@ -28,7 +28,7 @@ from prefix_common.addresses import free_port
 from prefix_router import envoy_config
 from prefix_router.stack import GatewayStack
 from sglang_workers.sim.config import SimWorkerConfig
-from tests.support.gateway_http import assert_streams_as_generated, envoy_stats, post, request, stream_lines
+from tests.support.gateway_http import assert_streams_as_generated, envoy_stats, post, request, sse_data, stream_lines
 from tests.support.waiting import wait_until
 
 CHAT = {"model": SimWorkerConfig().model, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
@@ -214,10 +214,7 @@ def test_no_5xx_and_nothing_lost_under_concurrent_streams(stack: GatewayStack) -
     results: list[int] = []
 
     def client() -> None:
-        events = [
-            line for _, line in stream_lines(stack.url + "/v1/chat/completions", body) if line.startswith(b"data:")
-        ]
-        results.append(len(events))
+        results.append(len(sse_data(stack.url + "/v1/chat/completions", body)))
 
     threads = [threading.Thread(target=client) for _ in range(12)]
     for t in threads:

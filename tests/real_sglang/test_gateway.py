@@ -21,7 +21,7 @@ import zmq
 
 from prefix_router.stack import GatewayStack
 from tests.support import waiting
-from tests.support.gateway_http import envoy_host_healthy, post, request, stream_lines
+from tests.support.gateway_http import envoy_host_healthy, post, request, sse_data
 from tests.support.kv_batches import apply_events
 from tests.support.real_sglang import restart_cpu_worker
 from tests.support.sglang_session import fit_chat
@@ -312,11 +312,7 @@ def test_streaming_passes_through_unbuffered(stack: GatewayStack) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    arrivals = [
-        t
-        for t, line in stream_lines(stack.url + "/v1/chat/completions", body, timeout=120)
-        if line.startswith(b"data:")
-    ]
+    arrivals = [t for t, _ in sse_data(stack.url + "/v1/chat/completions", body, timeout=120)]
     assert len(arrivals) >= 60
     spread = arrivals[-1] - arrivals[0]
     assert spread > 0.05  # 64 CPU decode steps take a while: chunks arrive as they are made...

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import post, stream_lines
+from tests.support.gateway_http import post, sse_data
 from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS
 from tests.support.waiting import wait_until
 
@@ -93,10 +93,8 @@ def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_pref
         "stream": True,
         "ignore_eos": True,
     }
-    events = [
-        line for _, line in stream_lines(stack.url + "/v1/chat/completions", chat, 120) if line.startswith(b"data:")
-    ]
-    assert events[-1].strip() == b"data: [DONE]" and len(events) >= 20
+    events = sse_data(stack.url + "/v1/chat/completions", chat, 120)
+    assert events[-1][1].strip() == b"data: [DONE]" and len(events) >= 20
 
 
 def test_a_killed_prefill_worker_fails_requests_fast_and_clean(stack: GatewayStack) -> None:
