@@ -120,6 +120,13 @@ def test_install_errors_say_what_to_do(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(installer.InstallError, match=r"needs about 12 GB free .* 3\.0 GB are"):
         installer.install(tmp_path / "venv", sys.executable)
     assert installer.main(["--dir", str(tmp_path / "venv")]) == 1  # the same, as one line on stderr
+    # A build step that fails names itself and shows the end of what it printed.
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: fatal error: no input files' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(installer.InstallError) as failed:
+        installer.build_stub(installer.CpuInstall(tmp_path / "venv"), str(broken))
+    assert "building the libcuda.so.1 stand-in failed" in str(failed.value) and "no input files" in str(failed.value)
 
 
 # ``ldconfig -p`` as Debian prints it, on a machine with libc but without Mooncake's RDMA libraries.
