@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -139,38 +138,6 @@ class WorkerProcess:
     grpc_port: int | None = None  # SGLang's gRPC scheduler API (sim workers started with grpc=True)
     disaggregation_mode: DisaggregationMode = "null"  # a PD worker: "prefill" or "decode"
     bootstrap_port: int | None = None  # a prefill worker's bootstrap port (what a PD request's bootstrap_port names)
-
-    @classmethod
-    def start(
-        cls,
-        launch: Launch,
-        host: str,
-        port: int,
-        kv_events_port: int,
-        replay_port: int,
-        log_path: Path | None = None,
-        *,
-        grpc_port: int | None = None,
-        disaggregation_mode: DisaggregationMode = "null",
-        bootstrap_port: int | None = None,
-    ) -> WorkerProcess:
-        """Spawn ``launch`` on these ports; its output goes to ``log_path`` (default: a new temporary file)."""
-        if log_path is None:
-            fd, name = tempfile.mkstemp(prefix=f"{launch.engine}-{port}-", suffix=".log")
-            os.close(fd)
-            log_path = Path(name)
-        return cls(
-            launch=launch,
-            host=host,
-            port=port,
-            kv_events_port=kv_events_port,
-            replay_port=replay_port,
-            process=spawn(launch, log_path),
-            log_path=log_path,
-            grpc_port=grpc_port,
-            disaggregation_mode=disaggregation_mode,
-            bootstrap_port=bootstrap_port,
-        )
 
     @property
     def engine(self) -> Engine:

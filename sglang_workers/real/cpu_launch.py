@@ -10,12 +10,13 @@ the whole group. A worker takes ~34 s to start (~60 s the first time after boot)
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from prefix_common.addresses import free_ports
 
-from ..process import DisaggregationMode, Launch, WorkerProcess
+from ..process import DisaggregationMode, Launch, WorkerProcess, spawn
 from .flags import sglang_flags
 from .installation import TINY_MODEL_NAME, CpuInstall
 
@@ -130,10 +131,13 @@ def spawn_cpu_worker(
         bootstrap_port = free_ports(1, host)[0]
     pd_extra = pd_flags(disaggregation_mode, bootstrap_port)
     argv = cpu_command(install, port, kv_port, replay_port, host, page_size, max_total_tokens, [*pd_extra, *extra])
-    log_path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"sglang-{port}.log"
+    else:
+        fd, name = tempfile.mkstemp(prefix=f"sglang-cpu-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
     launch = Launch(
         engine="sglang-cpu",
         argv=argv,
@@ -148,12 +152,13 @@ def spawn_cpu_worker(
         ready_poll_s=0.5,
         keep_log=log_dir is not None,
     )
-    return WorkerProcess.start(
+    return WorkerProcess(
         launch,
         host,
         port,
         kv_port,
         replay_port,
+        spawn(launch, log_path),
         log_path,
         disaggregation_mode=disaggregation_mode,
         bootstrap_port=bootstrap_port,

@@ -11,11 +11,13 @@ import os
 import random
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 
 from prefix_common.addresses import free_ports
 
-from ..process import Launch, WorkerProcess, WorkerStartError
+from ..process import Launch, WorkerProcess, WorkerStartError, spawn
 
 __all__ = ["SimOption", "sim_worker_argv", "spawn_sim_worker"]
 
@@ -114,13 +116,18 @@ def spawn_sim_worker(
         ready_poll_s=0.05,
         keep_log=False,
     )
-    return WorkerProcess.start(
+    fd, log_name = tempfile.mkstemp(prefix=f"sim-worker-{port}-", suffix=".log")
+    os.close(fd)
+    log_path = Path(log_name)
+    return WorkerProcess(
         launch,
         host,
         port,
         kv_port,
         replay_port,
-        grpc_port=grpc_port,
+        spawn(launch, log_path),
+        log_path,
+        grpc_port,
         disaggregation_mode=mode,  # type: ignore[arg-type]  # checked above
         bootstrap_port=int(bootstrap_port) if mode == "prefill" and bootstrap_port is not None else None,
     )
