@@ -23,7 +23,7 @@ from prefix_router.stack import GatewayStack
 from tests.support import waiting
 from tests.support.gateway_http import envoy_host_healthy, post, request, sse_data
 from tests.support.kv_batches import apply_events
-from tests.support.real_sglang import restart_cpu_worker
+from tests.support.real_sglang import restart_cpu_worker, streamed_chat, tiny_model_config
 from tests.support.sglang_session import fit_chat
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
@@ -39,14 +39,12 @@ PAGE = 16
 def stack(
     sglang_cpu_workers: list[Any], envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayStack]:
-    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install
+    from sglang_workers.real.installation import find_install
 
     install = find_install()
     assert install is not None
     config = tmp_path_factory.mktemp("router") / "router.yaml"
-    config.write_text(
-        f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
-    )
+    config.write_text(tiny_model_config(install))
     with GatewayStack(worker_urls=[w.url for w in sglang_cpu_workers], config=config) as gateway:
         yield gateway
 
@@ -305,13 +303,7 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
 
 
 def test_streaming_passes_through_unbuffered(stack: GatewayStack) -> None:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Write a long story."}],
-        "max_tokens": 64,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = streamed_chat("Write a long story.", 64)
     arrivals = [t for t, _ in sse_data(stack.url + "/v1/chat/completions", body, timeout=120)]
     assert len(arrivals) >= 60
     spread = arrivals[-1] - arrivals[0]

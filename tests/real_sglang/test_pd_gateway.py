@@ -21,17 +21,15 @@ import pytest
 
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, sse_data
-from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS
+from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS, streamed_chat, tiny_model_config
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 
-MODEL = "tiny-llama"
-
 
 @pytest.fixture(scope="module")
 def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
-    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install, missing_install_reason
+    from sglang_workers.real.installation import find_install, missing_install_reason
 
     reason = missing_install_reason()
     if reason is not None:
@@ -40,8 +38,8 @@ def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     assert install is not None
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
-        f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
-        "health: {interval_s: 0.5, timeout_s: 5.0, unhealthy_after: 2, keep_last_healthy_s: 0}\n"
+        tiny_model_config(install)
+        + "health: {interval_s: 0.5, timeout_s: 5.0, unhealthy_after: 2, keep_last_healthy_s: 0}\n"
     )
     gateway = GatewayStack(
         pd=(1, 1),
@@ -86,14 +84,7 @@ def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_pref
     meta = second.json()["meta_info"]
     assert meta["cached_tokens"] >= meta["prompt_tokens"] - 16 > 0  # the prefill side's radix cache held it
 
-    chat = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Say something long."}],
-        "max_tokens": 24,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    events = sse_data(stack.url + "/v1/chat/completions", chat, 120)
+    events = sse_data(stack.url + "/v1/chat/completions", streamed_chat("Say something long.", 24), 120)
     assert events[-1][1].strip() == b"data: [DONE]" and len(events) >= 20
 
 
