@@ -16,11 +16,13 @@ __all__ = [
     "WILDCARD_HOSTS",
     "free_port",
     "free_ports",
+    "is_ip_literal",
     "is_loopback",
     "parse_worker_url",
     "resolve_endpoint",
     "split_host_port",
     "substitute_wildcard",
+    "url_port",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -28,6 +30,15 @@ LOOPBACK = "127.0.0.1"
 # Bind-all addresses a worker may report for its own sockets (e.g. ``tcp://*:5557``): a client must
 # connect to the worker's own host instead.
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+def is_ip_literal(host: str) -> bool:
+    """Whether ``host`` is an IP address (no brackets), not a name to resolve."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
@@ -59,12 +70,18 @@ def split_host_port(value: str, default_port: int | None = None) -> tuple[str, i
     return parts.hostname, port
 
 
+def url_port(url: str) -> int:
+    """The port of ``http(s)://host[:port]``: the one given, else the scheme's."""
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def resolve_endpoint(url: str) -> tuple[str, int]:
     """``http://host:port`` -> (ip, port); Envoy's ORIGINAL_DST accepts only IP literals."""
     parts = urlsplit(url)
     if not parts.hostname:
         raise ValueError(f"worker URL {url!r} has no host")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = url_port(url)
     ip = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)[0][4][0]
     return str(ip), port
 

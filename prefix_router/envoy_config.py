@@ -23,7 +23,6 @@ The pieces, in request order:
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from extproc.decision.request import GENERATION_PATHS
 from extproc.exchange.epp import SERVED_KEY, SUBSET_NAMESPACE
 from extproc.exchange.response import DESTINATION_HEADER, LB_METADATA_NAMESPACE, SAMPLED_MODE
 from extproc.fleet.info import DP_RANK_HEADERS
+from prefix_common.addresses import is_ip_literal
 
 __all__ = [
     "EXTPROC_CLUSTER",
@@ -86,14 +86,6 @@ DEFAULT_MAX_MESSAGE_TIMEOUT_MS = 35_000  # above FlowControlConfig.queue_ttl_s (
 
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 @dataclass
@@ -270,7 +262,7 @@ def _tls_socket(spec: GatewaySpec) -> dict[str, Any]:
 
 def _workers_assignment(spec: GatewaySpec, name: str) -> dict[str, Any]:
     """A cluster's type and endpoints: the workers (every address of a DNS name is one)."""
-    all_ips = all(_is_ip(h) for h, _ in spec.workers)
+    all_ips = all(is_ip_literal(h) for h, _ in spec.workers)
     return {
         "type": "STATIC" if all_ips else "STRICT_DNS",
         "load_assignment": {
@@ -337,7 +329,7 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
         host, port = spec.extproc
         extproc: dict[str, Any] = {
             "name": EXTPROC_CLUSTER,
-            "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+            "type": "STATIC" if is_ip_literal(host) else "STRICT_DNS",
             "connect_timeout": "0.25s",
             "circuit_breakers": _no_circuit_breaking(),
             "typed_extension_protocol_options": _http2(),
@@ -392,7 +384,7 @@ def clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
         out.append(
             {
                 "name": METRICS_CLUSTER,
-                "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+                "type": "STATIC" if is_ip_literal(host) else "STRICT_DNS",
                 "connect_timeout": "0.25s",
                 "load_assignment": {
                     "cluster_name": METRICS_CLUSTER,

@@ -305,14 +305,12 @@ class GatewayStack:
         """
         if self._router is not None and self._router.process.poll() is None:
             return
-        for attempt in range(3):
+
+        def spawn() -> _Child:
             self._router = self._spawn("router", self._router_argv())
-            try:
-                await self._wait(self._router, self._router_ready, "router")
-                return
-            except _PortTakenError:
-                if attempt == 2 or not repick or not self._repick("router_port", "metrics_port"):
-                    raise StackError(f"router could not bind its ports:\n{self._router.tail()}") from None
+            return self._router
+
+        await self._start_bound("router", spawn, self._router_ready, ("router_port", "metrics_port") if repick else ())
 
     async def stop_router(self, sig: signal.Signals = signal.SIGKILL) -> None:
         """Kill the router (default SIGKILL: a crash, not a goodbye); Envoy then fails open."""
@@ -566,16 +564,29 @@ class GatewayStack:
         ]
         if self.access_log:  # show each request as it happens, not in 10 s batches
             argv += ["--file-flush-interval-msec", "100"]
-        for attempt in range(3):
+
+        def spawn() -> _Child:
             self.envoy_config_path.write_text(envoy_config.dump(envoy_config.bootstrap(self.spec())))
             # With the access log on (``up``), Envoy's stdout is ours: each request shows its worker.
             self._envoy = self._spawn("envoy", argv, stdout=None if self.access_log else "log")
+            return self._envoy
+
+        await self._start_bound("envoy", spawn, self._envoy_ready, ("port", "admin_port") if repick else ())
+
+    async def _start_bound(
+        self, what: str, spawn: Callable[[], _Child], ready: Callable[[], Awaitable[bool]], ports: tuple[str, ...]
+    ) -> None:
+        """``spawn`` a child and wait until it is ready. When it found a port taken meanwhile, spawn it again on new
+        ones, three tries in all: ``ports`` names the attributes that may move (only auto-picked ones do; none:
+        fail at once)."""
+        for attempt in range(3):
+            child = spawn()
             try:
-                await self._wait(self._envoy, self._envoy_ready, "envoy")
+                await self._wait(child, ready, what)
                 return
             except _PortTakenError:
-                if attempt == 2 or not repick or not self._repick("port", "admin_port"):
-                    raise StackError(f"envoy could not bind its ports:\n{self._envoy.tail()}") from None
+                if attempt == 2 or not self._repick(*ports):
+                    raise StackError(f"{what} could not bind its ports:\n{child.tail()}") from None
 
     def _repick(self, *names: str) -> bool:
         """New free ports for the auto-picked ones among ``names``; False if none was ours to change."""

@@ -23,16 +23,11 @@ import pytest
 from prefix_common.addresses import free_port, free_ports
 from prefix_common.logs import configure_logging
 from prefix_router.cli import SUBCOMMANDS, subcommand_parser
+from tests.support.cli import run_cli
 from tests.support.gateway_http import post, request
-from tests.support.up import stop_up
+from tests.support.up import start_up, stop_up
 
 BENCH_SUITES = (["--suite", "routing"], ["--suite", "overhead"], ["--suite", "tiered"], ["--suite", "pd"], ["--matrix"])
-
-
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefix_router", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -44,16 +39,16 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_version_is_the_package_version() -> None:
-    done = _cli("--version")
+    done = run_cli("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"prefix-router {metadata.version('prefix-router')}"
 
 
 def test_unknown_options_and_commands_are_errors() -> None:
     for args, fragment in ((["--bogus"], "--bogus"), (["bogus"], "'bogus'"), (["--verbose", "up"], "--verbose")):
-        done = _cli(*args)
+        done = run_cli(*args)
         assert done.returncode == 2, args
         assert fragment in done.stderr and "usage: prefix-router" in done.stderr and done.stdout == "", done
-    helped = _cli("--help")
+    helped = run_cli("--help")
     assert helped.returncode == 0 and all(name in helped.stdout for name in SUBCOMMANDS)
 
 
@@ -90,7 +85,7 @@ def test_one_name_and_one_metavar_per_thing() -> None:
     assert "--profile" in shown and "--speedup" in shown and "--sim-" not in shown
     legacy = up.parse_args(["--sim-workers", "3", "--sim-profile", "instant", "--sim-speedup", "2"])
     assert (legacy.workers, legacy.profile, legacy.speedup) == (3, "instant", 2.0)
-    refused = _cli("up", "--engine", "sglang-cpu", "--profile", "instant", "--speedup", "2")
+    refused = run_cli("up", "--engine", "sglang-cpu", "--profile", "instant", "--speedup", "2")
     assert refused.returncode == 2 and "--profile and --speedup: only simulated workers take it" in refused.stderr
     for parser in (subcommand_parser("sim-worker")[1], up):  # the same words for the same knobs
         assert {"--profile", "--speedup", "--log-level", "--log-format"} <= set(parser._option_string_actions)
@@ -121,7 +116,7 @@ def test_metrics_port_zero_means_any_free_port_in_serve_as_in_up() -> None:
         serve.wait(30)
     for name in ("up", "serve"):  # and the help says so in both
         assert "0: any free port" in str(subcommand_parser(name)[1]._option_string_actions["--metrics-port"].help)
-    parallel = _cli("serve", "--processes", "2", "--port", "0", "--worker", "127.0.0.1:1")
+    parallel = run_cli("serve", "--processes", "2", "--port", "0", "--worker", "127.0.0.1:1")
     assert parallel.returncode == 2 and "fixed --port" in parallel.stderr  # Envoy must know N ports
 
 
@@ -174,11 +169,10 @@ def test_envoy_config_refuses_flags_it_would_ignore() -> None:
         (["--admin", "127.0.0.1:9901", "--access-log"], "--admin, --access-log only apply"),
         (["--tls-sni", "router"], "add --tls-ca"),
     ):
-        done = _cli("envoy-config", "--worker", "127.0.0.1:30001", *args)
+        done = run_cli("envoy-config", "--worker", "127.0.0.1:30001", *args)
         assert done.returncode == 2 and fragment in done.stderr and done.stdout == "", (args, done.stderr)
-    assert (
-        _cli("envoy-config", "--worker", "127.0.0.1:30001", "--bootstrap", "--listen", "0.0.0.0:8080").returncode == 0
-    )
+    bootstrap = run_cli("envoy-config", "--worker", "127.0.0.1:30001", "--bootstrap", "--listen", "0.0.0.0:8080")
+    assert bootstrap.returncode == 0, bootstrap.stderr
 
 
 def test_json_log_records_are_one_object_per_line() -> None:
@@ -231,13 +225,9 @@ def test_up_logs_json_everywhere_at_the_level_given(envoy_bin: str, tmp_path: Pa
     """``up --log-format json --log-level debug``: the banner, each access-log line and up's own messages are
     JSON objects, one per line; the router it starts logs JSON at debug (a line per routed request)."""
     port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--workers", "1", "--profile", "instant", "--port", str(port)]
-        + ["--log-format", "json", "--log-level", "debug", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    up = start_up(
+        *("--workers", "1", "--profile", "instant", "--port", str(port)),
+        *("--log-format", "json", "--log-level", "debug", "--log-dir", str(tmp_path)),
     )
     assert up.stdout is not None and up.stderr is not None
     try:

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from extproc.config import WorkerConfig
-from prefix_common.addresses import resolve_endpoint
+from prefix_common.addresses import resolve_endpoint, url_port
 
 __all__ = ["Worker", "WorkerRegistry"]
 
@@ -55,12 +55,14 @@ class Worker:
         return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
 
     @classmethod
-    def from_config(cls, config: WorkerConfig) -> Worker:
-        ip, port = resolve_endpoint(config.url)
-        parts = urlsplit(config.url)
-        label = config.name or f"{parts.hostname}:{port}"
+    def from_config(cls, config: WorkerConfig, ip: str | None = None) -> Worker:
+        """The worker a ``workers:`` entry names, at ``ip`` (a resolved address of its host; default: resolved now)."""
+        if ip is None:
+            ip, port = resolve_endpoint(config.url)
+        else:
+            port = url_port(config.url)
         return cls(
-            id=label,
+            id=config.name or f"{urlsplit(config.url).hostname}:{port}",
             url=config.url,
             ip=ip,
             port=port,

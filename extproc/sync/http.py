@@ -10,11 +10,12 @@ seconds on SGLang, a ``/v1/loads`` poll must not.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+
+from prefix_common.tasks import cancel_and_wait
 
 __all__ = ["Poller", "WorkerHttp"]
 
@@ -72,11 +73,8 @@ class Poller:
             self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         if self._wait_first:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 import threading
@@ -39,18 +38,11 @@ from extproc.config import (
     WorkerConfig,
 )
 from extproc.fleet.workers import Worker, WorkerRegistry
+from prefix_common.addresses import is_ip_literal, url_port
 
 __all__ = ["Resolver", "WorkerSources", "pod_worker"]
 
 log = logging.getLogger(__name__)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class Resolver:
@@ -78,7 +70,7 @@ class Resolver:
 
     async def addresses(self, host: str, port: int) -> list[str] | None:
         """Sorted addresses of ``host``; ``[]`` when it has none, ``None`` when the lookup failed."""
-        if _is_ip(host.strip("[]")):
+        if is_ip_literal(host.strip("[]")):
             return [host.strip("[]")]
         if self._resolver is not None:
             return await self._dns(host)
@@ -237,7 +229,7 @@ class WorkerSources:
     @property
     def dynamic(self) -> bool:
         """Whether anything here can change the worker set after start-up."""
-        names = any(not _is_ip(urlsplit(w.url).hostname or "") for w in self.workers)
+        names = any(not is_ip_literal(urlsplit(w.url).hostname or "") for w in self.workers)
         return bool(names or self.discovery.dns or self.discovery.kubernetes or self._watching_file)
 
     @property
@@ -303,25 +295,13 @@ class WorkerSources:
             log.info("worker %s left (%s)", worker.id, worker.endpoint)
 
     async def _static(self, entry: WorkerConfig) -> list[Worker]:
-        parts = urlsplit(entry.url)
-        host = parts.hostname or ""
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host, port = urlsplit(entry.url).hostname or "", url_port(entry.url)
         key = f"workers:{entry.url}:{entry.name}"
         addresses = await self.resolver.addresses(host, port)
         self._note_addresses(key, f"worker {entry.url}", host, addresses)
         if addresses is None or not addresses:
             return self._resolved.get(key, []) if addresses is None else []
-        worker = Worker(
-            id=entry.name or f"{host}:{port}",
-            url=entry.url,
-            ip=addresses[0],
-            port=port,
-            model=entry.model,
-            kv_events_endpoint=entry.kv_events_endpoint,
-            replay_endpoint=entry.replay_endpoint,
-            role=entry.role,
-            bootstrap_port=entry.bootstrap_port,
-        )
+        worker = Worker.from_config(entry, addresses[0])
         self._resolved[key] = [worker]
         return [worker]
 

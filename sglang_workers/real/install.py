@@ -132,13 +132,8 @@ def build_stub(install: CpuInstall, compiler: str) -> bool:
         _say(f"libcuda.so.1 stand-in up to date: {target}")
         return False
     install.libcuda_dir.mkdir(parents=True, exist_ok=True)
-    built = subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(CPU_DIR / "libcuda_stub.c")],
-        capture_output=True,
-        text=True,
-    )
-    if built.returncode != 0:
-        raise InstallError(f"{compiler} could not build the libcuda.so.1 stand-in:\n{built.stderr.strip()}")
+    source = CPU_DIR / "libcuda_stub.c"
+    _build("the libcuda.so.1 stand-in", [compiler, "-shared", "-fPIC", "-O2", "-o", str(target), str(source)])
     _say(f"built the libcuda.so.1 stand-in: {target}")
     return True
 
@@ -147,23 +142,18 @@ def build_model(install: CpuInstall, tokenizer: Path) -> bool:
     if (install.model_dir / "config.json").exists() and install.stamp().get("model") == model_digest(tokenizer):
         _say(f"tiny Llama up to date: {install.model_dir}")
         return False
-    built = subprocess.run(
-        [
-            str(install.python),
-            str(CPU_DIR / "build_tiny_model.py"),
-            "--tokenizer",
-            str(tokenizer),
-            "--out",
-            str(install.model_dir),
-        ],
-        env=cpu_environment(install),
-        capture_output=True,
-        text=True,
-    )
-    if built.returncode != 0:
-        raise InstallError(f"building the tiny Llama failed:\n{(built.stderr or built.stdout).strip()[-2000:]}")
+    script = CPU_DIR / "build_tiny_model.py"
+    argv = [str(install.python), str(script), "--tokenizer", str(tokenizer), "--out", str(install.model_dir)]
+    _build("the tiny Llama", argv, cpu_environment(install))
     _say(f"built the tiny Llama from {tokenizer}: {install.model_dir}")
     return True
+
+
+def _build(what: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Run one build step; InstallError with the end of its output when it fails."""
+    built = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if built.returncode != 0:
+        raise InstallError(f"building {what} failed ({argv[0]}):\n{(built.stderr or built.stdout).strip()[-2000:]}")
 
 
 PD_PROBE = "import msgpack; from mooncake.engine import TransferEngine"

@@ -156,6 +156,8 @@ class _Side:
             task.cancel()
 
     def report(self) -> dict[str, Any]:
+        """The ``disaggregation`` block of ``/v1/loads``: every key at its null value but the mode; each side
+        fills in its own queues."""
         return dict(NULL_DISAGGREGATION, mode=self.mode)
 
     async def start(self) -> None:
@@ -182,14 +184,12 @@ class PrefillSide(_Side):
         self._runner: web.AppRunner | None = None
 
     def report(self) -> dict[str, Any]:
-        return dict(
-            NULL_DISAGGREGATION,
-            mode="prefill",
-            prefill_bootstrap_queue_reqs=self.bootstrap_queue,
-            prefill_inflight_queue_reqs=self.inflight_queue,
-            kv_transfer_speed_gb_s=round(self.last_speed_gb_s, 3),
-            kv_transfer_latency_ms=round(self.last_latency_ms, 3),
-        )
+        return super().report() | {
+            "prefill_bootstrap_queue_reqs": self.bootstrap_queue,
+            "prefill_inflight_queue_reqs": self.inflight_queue,
+            "kv_transfer_speed_gb_s": round(self.last_speed_gb_s, 3),
+            "kv_transfer_latency_ms": round(self.last_latency_ms, 3),
+        }
 
     # -- the bootstrap server --------------------------------------------------------------------
     async def start(self) -> None:
@@ -328,12 +328,10 @@ class DecodeSide(_Side):
         self._session: aiohttp.ClientSession | None = None
 
     def report(self) -> dict[str, Any]:
-        return dict(
-            NULL_DISAGGREGATION,
-            mode="decode",
-            decode_prealloc_queue_reqs=self.prealloc_queue,
-            decode_transfer_queue_reqs=self.transfer_queue,
-        )
+        return super().report() | {
+            "decode_prealloc_queue_reqs": self.prealloc_queue,
+            "decode_transfer_queue_reqs": self.transfer_queue,
+        }
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

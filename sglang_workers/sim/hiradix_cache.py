@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .kv_events import BlockRemoved, BlockStored, hash_to_int64
+from .kv_events import MEDIUM_GPU
 from .radix_cache import RadixCache, TierMatch, TreeNode
 
 __all__ = [
@@ -55,10 +55,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MEDIUM_GPU = "GPU"
 MEDIUM_HOST = "CPU_PINNED"  # SGLang's StorageMedium.CPU
 LOAD_BACK_THRESHOLD = 10  # SGLang's load_back_threshold: shorter host spans are recomputed
 WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": 2}
+
+
+def _tombstone(node: TreeNode) -> bool:
+    """A node on neither tier (its pages are gone, its children are not): matching stops there."""
+    return not (node.device or node.host)
 
 
 def host_pool_tokens(device_tokens: int, page_size: int, ratio: float, size_gb: int, bytes_per_token: int) -> int:
@@ -154,29 +158,14 @@ class HiRadixCache(RadixCache):
         return m.device_len, m.device_node
 
     def match(self, key: Sequence[int], salt: str | None = None) -> TierMatch:
-        key = list(key[: self.page_align(len(key))])
         node = device_node = self.root
-        tick = next(self._clock)
-        node.last_access = tick
         device_len = host_len = 0
-        while key:
-            child = node.children.get(self._child_key(key, salt))
-            if child is None or not (child.device or child.host):
-                break  # absent, or a tombstone: matching stops there
-            child.last_access = tick
-            n = self._match_len(child.key, key)
-            partial = n < len(child.key)
-            if partial:
-                child = self._split(child, n)
-            if child.device:
-                device_len += n
-                device_node = child
+        for node in self._walk(list(key[: self.page_align(len(key))]), salt, stop=_tombstone):
+            if node.device:
+                device_len += len(node.key)
+                device_node = node
             else:
-                host_len += n
-            node = child
-            if partial:
-                break
-            key = key[n:]
+                host_len += len(node.key)
         return TierMatch(device_len, host_len, device_node, node)
 
     def _reached(self, node: TreeNode, new: bool) -> None:
@@ -366,26 +355,6 @@ class HiRadixCache(RadixCache):
     def _in_tree(self, node: TreeNode) -> bool:
         parent = node.parent
         return parent is not None and parent.children.get(self._child_key(node.key, node.salt)) is node
-
-    def _record_store(self, node: TreeNode, medium: str) -> None:
-        if not self.enable_events:
-            return
-        parent = node.parent
-        assert parent is not None
-        self._events.append(
-            BlockStored(
-                block_hashes=[hash_to_int64(d) for d in node.digests],
-                parent_block_hash=hash_to_int64(parent.digests[-1]) if parent.digests else None,
-                token_ids=list(node.key),
-                block_size=self.page_size,
-                medium=medium,
-                cache_salt=node.salt,
-            )
-        )
-
-    def _record_remove(self, node: TreeNode, medium: str) -> None:
-        if self.enable_events:
-            self._events.append(BlockRemoved([hash_to_int64(d) for d in node.digests], medium))
 
     def _count_hit(self, node: TreeNode) -> bool:
         """SGLang ``_inc_hit_count_and_check``: count the walk; True when the node should be backed up."""

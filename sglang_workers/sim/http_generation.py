@@ -97,6 +97,34 @@ class GenerationApi:
         await resp.write_eof()
         return True
 
+    def _whole_response(
+        self, head: dict[str, Any], choices: list[dict[str, Any]], body: dict[str, Any], reqs: list[Request]
+    ) -> web.Response:
+        """A whole (not streamed) OpenAI response as SGLang sends it: ``head`` (id, object, created, model), the
+        choices, their usage, the weight versions, and ``sglext`` when the request asks for it."""
+        metadata = {"weight_version": "default", "weight_versions": weight_versions(len(reqs[0].output_ids))}
+        whole = head | {"choices": choices, "usage": self._usage(reqs), "metadata": metadata}
+        return web.json_response(whole | self._sglext_field(body, reqs[0]))
+
+    async def _end_openai_stream(
+        self,
+        resp: web.StreamResponse,
+        head: dict[str, Any],
+        body: dict[str, Any],
+        reqs: list[Request],
+        usage_details: bool,
+    ) -> web.StreamResponse:
+        """The end of an OpenAI stream as SGLang sends it: ``sglext`` in a chunk of its own, then the usage chunk
+        (``stream_options.include_usage``), then ``[DONE]``. ``head``: the chunks' id, object, created, model."""
+        sglext = self._sglext(body, reqs[0])
+        if sglext is not None:
+            await self._send(resp, head | {"choices": [], "sglext": sglext})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await self._send(resp, head | {"choices": [], "usage": self._usage(reqs, details=usage_details)})
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
     def _cached_details(self, req: Request) -> dict[str, Any] | None:
         """SGLang's ``get_cached_tokens_details``: cached tokens by tier (None when nothing was cached)."""
         backend = self.worker.config.hicache_storage_backend
@@ -268,36 +296,14 @@ class GenerationApi:
         def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "matched_stop": None}
 
+        head: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
         if not body.get("stream"):
             await asyncio.gather(*(self._wait(r) for r in reqs))
-            return web.json_response(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        choice(i, self.tokenizer.decode(r.output_ids), finish_reason_name(r))
-                        for i, r in enumerate(reqs)
-                    ],
-                    "usage": self._usage(reqs),
-                    "metadata": {
-                        "weight_version": "default",
-                        "weight_versions": weight_versions(len(reqs[0].output_ids)),
-                    },
-                }
-                | self._sglext_field(body, reqs[0])
-            )
+            texts = [choice(i, self.tokenizer.decode(r.output_ids), finish_reason_name(r)) for i, r in enumerate(reqs)]
+            return self._whole_response(head, texts, body, reqs)
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": None,
-            }
+            return head | {"choices": choices, "usage": None}
 
         resp = await self._sse(request)
         for index, req in enumerate(reqs):
@@ -306,28 +312,7 @@ class GenerationApi:
             if await self._stream_failed(resp, req):
                 return resp
             await self._send(resp, chunk([choice(index, "", finish_reason_name(req))]))
-        sglext = self._sglext(body, reqs[0])
-        if sglext is not None:  # a chunk of its own, before the usage chunk
-            await self._send(
-                resp,
-                {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": []}
-                | {"sglext": sglext},
-            )
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await self._send(
-                resp,
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": self._usage(reqs, details=False),
-                },
-            )
-        await self._send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+        return await self._end_openai_stream(resp, head, body, reqs, usage_details=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -363,45 +348,28 @@ class GenerationApi:
 
         if not body.get("stream"):
             await asyncio.gather(*(self._wait(r) for r in reqs))
-            return web.json_response(
+            messages = [
                 {
-                    "id": cid,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": i,
-                            "message": {
-                                "role": "assistant",
-                                "content": self.tokenizer.decode(r.output_ids),
-                                "reasoning_content": None,
-                            },
-                            "logprobs": None,
-                            "finish_reason": finish_reason_name(r),
-                            "matched_stop": None,
-                        }
-                        for i, r in enumerate(reqs)
-                    ],
-                    "usage": self._usage(reqs),
-                    "metadata": {
-                        "weight_version": "default",
-                        "weight_versions": weight_versions(len(reqs[0].output_ids)),
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": self.tokenizer.decode(r.output_ids),
+                        "reasoning_content": None,
                     },
+                    "logprobs": None,
+                    "finish_reason": finish_reason_name(r),
+                    "matched_stop": None,
                 }
-                | self._sglext_field(body, reqs[0])
-            )
+                for i, r in enumerate(reqs)
+            ]
+            whole = {"id": cid, "object": "chat.completion", "created": created, "model": model}
+            return self._whole_response(whole, messages, body, reqs)
+
+        head: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
-                ],
-            }
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+            return head | {"choices": [choice]}
 
         resp = await self._sse(request)
         for index, req in enumerate(reqs):
@@ -417,25 +385,4 @@ class GenerationApi:
             if await self._stream_failed(resp, req):
                 return resp
             await self._send(resp, chunk(index, {"reasoning_content": None}, finish_reason_name(req)))
-        sglext = self._sglext(body, reqs[0])
-        if sglext is not None:  # SGLang sends it in a chunk of its own, before the usage chunk
-            await self._send(
-                resp,
-                {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": []}
-                | {"sglext": sglext},
-            )
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await self._send(
-                resp,
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": self._usage(reqs),
-                },
-            )
-        await self._send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+        return await self._end_openai_stream(resp, head, body, reqs, usage_details=True)

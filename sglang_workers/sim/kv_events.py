@@ -32,6 +32,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from prefix_common.tasks import cancel_and_wait
+
 __all__ = [
     "MEDIUM_GPU",
     "AllBlocksCleared",
@@ -330,12 +332,7 @@ class KVEventPublisher:
             await self._replay.send_multipart(envelope + ([b""] + end if self.replay_format == 3 else end))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

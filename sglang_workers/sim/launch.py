@@ -19,7 +19,7 @@ from prefix_common.addresses import free_ports
 
 from ..process import Launch, WorkerProcess, WorkerStartError, spawn
 
-__all__ = ["SimOption", "spawn_sim_worker"]
+__all__ = ["SimOption", "sim_worker_argv", "spawn_sim_worker"]
 
 SimOption = str | int | float | bool | None
 STARTUP_TIMEOUT_S = 30.0
@@ -35,6 +35,28 @@ def sim_flags(options: Mapping[str, SimOption]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
     return args
+
+
+def sim_worker_argv(host: str, port: int, kv_port: int, replay_port: int, *flags: str) -> list[str]:
+    """The command line of one ``prefix-router sim-worker`` on ``host``: its HTTP port, KV-event and replay ports
+    (DP rank r: ``+ r``), then ``flags``."""
+    return [
+        sys.executable,
+        "-m",
+        "prefix_router",
+        "sim-worker",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--kv-events-host",
+        host,
+        "--kv-events-port",
+        str(kv_port),
+        "--kv-replay-port",
+        str(replay_port),
+        *flags,
+    ]
 
 
 def port_runs(host: str, ranks: int) -> tuple[int, int, int]:
@@ -82,25 +104,8 @@ def spawn_sim_worker(
         bootstrap_port = free_ports(1, host)[0]  # each prefill worker of a fleet its own bootstrap server
     pd_flags = ["--disaggregation-bootstrap-port", str(bootstrap_port)] if mode == "prefill" else []
     options = {k: v for k, v in options.items() if k != "disaggregation_bootstrap_port" or mode != "prefill"}
-    argv = [
-        sys.executable,
-        "-m",
-        "prefix_router",
-        "sim-worker",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--kv-events-host",
-        host,
-        "--kv-events-port",
-        str(kv_port),
-        "--kv-replay-port",
-        str(replay_port),
-        *(["--grpc-port", str(grpc_port)] if grpc_port is not None else []),
-        *pd_flags,
-        *sim_flags(options),
-    ]
+    grpc_flags = ["--grpc-port", str(grpc_port)] if grpc_port is not None else []
+    argv = sim_worker_argv(host, port, kv_port, replay_port, *grpc_flags, *pd_flags, *sim_flags(options))
     launch = Launch(
         engine="sim",
         argv=argv,

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -130,24 +131,9 @@ class RadixCache:
 
     def match_prefix(self, key: Sequence[int], salt: str | None = None) -> tuple[int, TreeNode]:
         """Longest cached whole-page prefix of ``key``: (length in tokens, last node)."""
-        key = list(key[: self.page_align(len(key))])
-        node = self.root
-        tick = next(self._clock)
-        node.last_access = tick
-        matched = 0
-        while key:
-            child = node.children.get(self._child_key(key, salt))
-            if child is None:
-                break
-            child.last_access = tick
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                node = self._split(child, n)
-                matched += n
-                break
-            matched += n
-            node = child
-            key = key[n:]
+        node, matched = self.root, 0
+        for node in self._walk(list(key[: self.page_align(len(key))]), salt):
+            matched += len(node.key)
         return matched, node
 
     def match(self, key: Sequence[int], salt: str | None = None) -> TierMatch:
@@ -163,48 +149,73 @@ class RadixCache:
         the key's path), ``_stored`` (the new leaf) and ``_inserted`` (after the walk).
         """
         key = list(key[: self.page_align(len(key))])
+        node, total = self.root, 0
+        for node in self._walk(key, salt):
+            self._reached(node, total + len(node.key) > inserted_len)
+            total += len(node.key)
+        rest = key[total:]
+        if rest:
+            leaf = self._new_leaf(node, rest, salt)
+            self.evictable_size += len(rest)
+            self._update_leaf_status(node)
+            self._update_leaf_status(leaf)
+            self._stored(leaf, total + len(rest) > inserted_len)
+        self._inserted()
+        return total
+
+    def _walk(
+        self, key: list[int], salt: str | None, stop: Callable[[TreeNode], bool] | None = None
+    ) -> Iterator[TreeNode]:
+        """The cached nodes along ``key`` (whole pages) from the root, each given this walk's access tick.
+
+        The walk of ``match_prefix`` and ``insert`` (SGLang's ``_match_prefix_helper`` and ``_insert_helper``):
+        where the match ends inside a node, that node is split and its upper part is the last one yielded.
+        ``stop``: a node it holds for ends the walk before it (HiCache's tombstones).
+        """
         node = self.root
         tick = next(self._clock)
         node.last_access = tick
-        total = 0
         while key:
             child = node.children.get(self._child_key(key, salt))
-            if child is None:
-                break
+            if child is None or (stop is not None and stop(child)):
+                return
             child.last_access = tick
             n = self._match_len(child.key, key)
             if n < len(child.key):
-                child = self._split(child, n)
-            self._reached(child, total + n > inserted_len)
-            total += n
-            key = key[n:]
+                yield self._split(child, n)
+                return
+            yield child
             node = child
-        if key:
-            leaf = self._new_leaf(node, key, salt)
-            self.evictable_size += len(key)
-            self._update_leaf_status(node)
-            self._update_leaf_status(leaf)
-            self._stored(leaf, total + len(key) > inserted_len)
-        self._inserted()
-        return total
+            key = key[n:]
 
     def _reached(self, node: TreeNode, new: bool) -> None:
         """``insert`` walked through ``node``, already cached (``new``: not inserted by this request before)."""
 
     def _stored(self, leaf: TreeNode, new: bool) -> None:
         """``insert`` added ``leaf``: SGLang publishes it as one ``BlockStored``."""
-        if self.enable_events:
-            parent = leaf.parent
-            assert parent is not None
-            self._events.append(
-                BlockStored(
-                    block_hashes=[hash_to_int64(d) for d in leaf.digests],
-                    parent_block_hash=hash_to_int64(parent.digests[-1]) if parent.digests else None,
-                    token_ids=list(leaf.key),
-                    block_size=self.page_size,
-                    cache_salt=leaf.salt,
-                )
+        self._record_store(leaf, MEDIUM_GPU)
+
+    def _record_store(self, node: TreeNode, medium: str) -> None:
+        """``node``'s pages now held in ``medium``: one ``BlockStored``."""
+        if not self.enable_events:
+            return
+        parent = node.parent
+        assert parent is not None
+        self._events.append(
+            BlockStored(
+                block_hashes=[hash_to_int64(d) for d in node.digests],
+                parent_block_hash=hash_to_int64(parent.digests[-1]) if parent.digests else None,
+                token_ids=list(node.key),
+                block_size=self.page_size,
+                medium=medium,
+                cache_salt=node.salt,
             )
+        )
+
+    def _record_remove(self, node: TreeNode, medium: str) -> None:
+        """``node``'s pages gone from ``medium``: one ``BlockRemoved``."""
+        if self.enable_events:
+            self._events.append(BlockRemoved([hash_to_int64(d) for d in node.digests], medium))
 
     def _inserted(self) -> None:
         """``insert`` is done with its walk."""
@@ -233,8 +244,7 @@ class RadixCache:
             assert parent is not None
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
-            if self.enable_events:
-                self._events.append(BlockRemoved([hash_to_int64(d) for d in leaf.digests]))
+            self._record_remove(leaf, MEDIUM_GPU)
         return evicted
 
     def lock(self, node: TreeNode) -> None:

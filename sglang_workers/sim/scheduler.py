@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prefix_common.tasks import cancel_and_wait
+
 from .admission import LPM_FALLBACK_QUEUE, next_prefill_batch
 from .config import SimWorkerConfig
 from .hicache_storage import FileStorage, StoragePrefetcher
@@ -143,12 +145,7 @@ class Scheduler:
         self._task = self._loop.create_task(self._run(), name="sim-scheduler")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         if self.prefetcher is not None:
             self.prefetcher.close()
 

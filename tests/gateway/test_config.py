@@ -13,6 +13,8 @@ import yaml
 from prefix_common.addresses import free_port
 from prefix_router import envoy_config
 from prefix_router.envoy_config import EXAMPLE_SPEC, GatewaySpec, bootstrap, example_files
+from tests.support.cli import run_cli
+from tests.support.tls import self_signed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,39 +118,11 @@ def test_filter_order_and_modes() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefix_router", "envoy-config", *args], capture_output=True, text=True, timeout=60
-    )
+    return run_cli("envoy-config", *args)
 
 
 def test_cli_pieces_and_bootstrap_with_tls_validate(envoy_bin: str, tmp_path: Path) -> None:
-    ca = tmp_path / "ca.pem"
-    key = tmp_path / "key.pem"
-    openssl = subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(ca),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=router",
-            "-addext",
-            "subjectAltName=DNS:router",
-        ],
-        capture_output=True,
-    )
-    if openssl.returncode != 0:
-        pytest.skip("openssl CLI not available")
+    ca, key = self_signed(tmp_path, "router")
     pieces = _cli(
         "--worker",
         "127.0.0.1:30001",
@@ -206,21 +180,11 @@ def test_cli_rejects_bad_input() -> None:
 
 
 def test_serve_explains_missing_workers_and_bad_config(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "serve", "--no-metrics"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_cli("serve", "--no-metrics")
     assert run.returncode == 2 and "no workers" in run.stderr and "Traceback" not in run.stderr
     config = tmp_path / "bad.yaml"
     config.write_text("server: {port: not-a-port}\n")
-    run = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "serve", "--config", str(config), "--worker", "127.0.0.1:1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_cli("serve", "--config", str(config), "--worker", "127.0.0.1:1")
     assert run.returncode == 2 and "server.port" in run.stderr and "Traceback" not in run.stderr
 
 

@@ -20,7 +20,7 @@ from prefix_common.addresses import free_port
 from prefix_router import gie_envoy_config
 from prefix_router.stack import GatewayStack, find_envoy
 from sglang_workers.sim.config import SimWorkerConfig
-from tests.support.gateway_http import post, stream_lines
+from tests.support.gateway_http import post, sse_data
 from tests.support.gateway_http import request as http_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_generation_requests_reach_the_router_picked_worker(shaped: tuple[str, s
 def test_sse_streams_through(shaped: tuple[str, str]) -> None:
     url, mode = shaped
     body = {**CHAT, "max_tokens": 48, "stream": True, "ignore_eos": True}
-    events = [(t, line) for t, line in stream_lines(url + "/v1/chat/completions", body) if line.startswith(b"data:")]
+    events = sse_data(url + "/v1/chat/completions", body)
     assert events[-1][1].strip() == b"data: [DONE]" and len(events) >= 40
     if mode == "FULL_DUPLEX_STREAMED":  # tokens arrive as the worker makes them (BUFFERED: Envoy holds the response)
         assert events[-1][0] - events[0][0] > 0.15

@@ -28,7 +28,8 @@ from prefix_common.addresses import free_port
 from prefix_router import envoy_config
 from prefix_router.stack import GatewayStack
 from sglang_workers.sim.config import SimWorkerConfig
-from tests.support.gateway_http import envoy_stats, post, request, stream_lines
+from tests.support.gateway_http import assert_streams_as_generated, envoy_stats, post, request, sse_data, stream_lines
+from tests.support.waiting import wait_until
 
 CHAT = {"model": SimWorkerConfig().model, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
 LIMIT = 9 * 1024 * 1024
@@ -103,13 +104,6 @@ def _in_flight(stack: GatewayStack) -> dict[str, float]:
     return {key.split('"')[1]: value for key, value in _metric(stack, "prefix_router_worker_in_flight{").items()}
 
 
-def _wait_until(predicate, timeout: float = 8.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def test_every_request_is_served_by_a_real_worker_even_after_a_reset(stack: GatewayStack) -> None:
     """The primary is sometimes the resetting worker: Envoy retries the next endpoint of the router's list."""
     served = set()
@@ -123,7 +117,7 @@ def test_every_request_is_served_by_a_real_worker_even_after_a_reset(stack: Gate
 
 
 def test_served_endpoint_carries_the_in_flight_count(stack: GatewayStack, resetting_worker: str) -> None:
-    _wait_until(lambda: sum(_in_flight(stack).values()) == 0)
+    wait_until(lambda: sum(_in_flight(stack).values()) == 0)
     body = {**CHAT, "max_tokens": 300, "stream": True, "ignore_eos": True}
     for _ in range(3):  # round-robin: one of three streams has the resetting worker as its primary
         lines = stream_lines(stack.url + "/v1/chat/completions", body)
@@ -132,18 +126,11 @@ def test_served_endpoint_carries_the_in_flight_count(stack: GatewayStack, resett
         assert counts[resetting_worker] == 0  # never left on the worker that did not serve
         assert sum(counts.values()) == 1
         lines.close()
-        _wait_until(lambda: sum(_in_flight(stack).values()) == 0)
+        wait_until(lambda: sum(_in_flight(stack).values()) == 0)
 
 
 def test_sse_tokens_arrive_as_the_worker_streams_them(stack: GatewayStack) -> None:
-    body = {**CHAT, "max_tokens": 48, "stream": True, "ignore_eos": True}
-    events = [
-        (t, line) for t, line in stream_lines(stack.url + "/v1/chat/completions", body) if line.startswith(b"data:")
-    ]
-    assert events[-1][1].strip() == b"data: [DONE]"
-    assert len(events) >= 40
-    # 48 decode steps of the simulated GPU take ~0.35 s: buffered, every event would arrive at once.
-    assert events[-1][0] - events[0][0] > 0.15
+    assert_streams_as_generated(stack.url, CHAT)
 
 
 def _chunked_post(url: str, pieces: Iterator[bytes], timeout: float = 60.0) -> tuple[int, bytes]:
@@ -197,7 +184,7 @@ def test_model_name_rewrite_reaches_the_worker(stack: GatewayStack) -> None:
 
 
 def test_client_gone_mid_body_leaves_nothing_behind(stack: GatewayStack) -> None:
-    _wait_until(lambda: sum(_in_flight(stack).values()) == 0)
+    wait_until(lambda: sum(_in_flight(stack).values()) == 0)
     host, port = stack.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
@@ -213,13 +200,13 @@ def test_client_gone_mid_body_leaves_nothing_behind(stack: GatewayStack) -> None
 
 
 def test_client_gone_mid_stream_releases_the_slot(stack: GatewayStack) -> None:
-    _wait_until(lambda: sum(_in_flight(stack).values()) == 0)
+    wait_until(lambda: sum(_in_flight(stack).values()) == 0)
     body = {**CHAT, "max_tokens": 400, "stream": True, "ignore_eos": True}
     lines = stream_lines(stack.url + "/v1/chat/completions", body)
     next(lines)
     assert sum(_in_flight(stack).values()) == 1
     lines.close()
-    _wait_until(lambda: sum(_in_flight(stack).values()) == 0)
+    wait_until(lambda: sum(_in_flight(stack).values()) == 0)
 
 
 def test_no_5xx_and_nothing_lost_under_concurrent_streams(stack: GatewayStack) -> None:
@@ -227,10 +214,7 @@ def test_no_5xx_and_nothing_lost_under_concurrent_streams(stack: GatewayStack) -
     results: list[int] = []
 
     def client() -> None:
-        events = [
-            line for _, line in stream_lines(stack.url + "/v1/chat/completions", body) if line.startswith(b"data:")
-        ]
-        results.append(len(events))
+        results.append(len(sse_data(stack.url + "/v1/chat/completions", body)))
 
     threads = [threading.Thread(target=client) for _ in range(12)]
     for t in threads:
@@ -299,7 +283,7 @@ def envoy_config_binary() -> str:
 def test_subset_hint_is_honoured_and_an_empty_one_is_503(stack: GatewayStack, tmp_path: Path) -> None:
     allowed = sorted(_sims(stack))[0]
     # Earlier tests load the workers; a busy sim-worker may have missed its probes for a moment.
-    _wait_until(lambda: _metric(stack, f'prefix_router_worker_healthy{{worker="{allowed}"}}').popitem()[1] == 1)
+    wait_until(lambda: _metric(stack, f'prefix_router_worker_healthy{{worker="{allowed}"}}').popitem()[1] == 1)
     process, url = _subset_envoy(stack, [allowed], tmp_path)
     try:
         for _ in range(4):  # round-robin would visit all three workers
@@ -332,7 +316,7 @@ def test_with_the_router_down_buffered_fails_open_and_streamed_says_so_in_a_503(
         # Envoy 1.40 mostly does not fail open in FULL_DUPLEX_STREAMED: its bare 500 becomes a 503 that says why.
         assert reply.status == 503, reply.body
         assert "the router (ext_proc) failed" in reply.json()["error"]["message"]
-    _wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT).status == 200)
+    wait_until(lambda: post(stack.url + "/v1/chat/completions", CHAT).status == 200)
 
 
 # -- flow control behind the real Envoy ------------------------------------------------------------
@@ -426,7 +410,7 @@ def test_the_last_healthy_set_serves_while_every_worker_misses_its_probes(blip_s
     replies: list[int] = []
     try:
         healthy = "prefix_router_worker_healthy{"
-        _wait_until(lambda: sum(_metric(blip_stack, healthy).values()) == 0)  # every worker out of the candidates
+        wait_until(lambda: sum(_metric(blip_stack, healthy).values()) == 0)  # every worker out of the candidates
         thread = threading.Thread(
             target=lambda: replies.append(post(blip_stack.url + "/v1/chat/completions", CHAT, timeout=20).status)
         )

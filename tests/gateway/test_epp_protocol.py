@@ -22,9 +22,10 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, FlowControlConfig, ObjectiveConfig, RouterConfig, ServerConfig
-from extproc.exchange.servicer import add_services, mark_ready, mark_serving
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.router_service import serving
+from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
 CHUNK = 64 * 1024
@@ -138,24 +139,9 @@ async def service(
         flow_control=flow,
     )
     app = RouterApp(config, WorkerRegistry(workers))
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 32 * 1024 * 1024),
-            ("grpc.max_send_message_length", 32 * 1024 * 1024),
-        ]
-    )
-    health = add_services(server, app.servicer())
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await mark_serving(health, True)
-    await mark_ready(health, True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    limits = [("grpc.max_receive_message_length", 32 * 1024 * 1024), ("grpc.max_send_message_length", 32 * 1024 * 1024)]
+    async with serving(app, limits) as channel:
         yield app, pb_grpc.ExternalProcessorStub(channel), channel
-    finally:
-        await channel.close()
-        await server.stop(0)
-        await app.stop()
 
 
 def _in_flight(app: RouterApp) -> dict[str, int]:
@@ -169,14 +155,6 @@ def _destination(reply: pb.ProcessingResponse, phase: str) -> tuple[str, str]:
     headers = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
     metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
     return headers["x-gateway-destination-endpoint"], metadata.string_value
-
-
-async def _wait(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 # -- destination: header and metadata, primary plus fallbacks -------------------------------------
@@ -197,7 +175,7 @@ async def test_buffered_headers_continue_then_body_reply_names_the_destination(s
     assert header == metadata and len(endpoints) == 3 and set(endpoints) == set(ENDPOINTS)
     assert _in_flight(app)[endpoints[0]] == 1
     await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 async def test_streamed_headers_reply_waits_for_the_whole_body_then_precedes_the_body(service) -> None:  # type: ignore[no-untyped-def]
@@ -220,7 +198,7 @@ async def test_streamed_headers_reply_waits_for_the_whole_body_then_precedes_the
     assert [s.end_of_stream for s in streamed] == [False] * (len(streamed) - 1) + [True]
     assert max(len(s.body) for s in streamed) <= CHUNK
     await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 async def test_streamed_body_ended_by_trailers(service) -> None:  # type: ignore[no-untyped-def]
@@ -291,7 +269,7 @@ async def test_undeclared_mode_holds_the_headers_reply_until_the_streamed_body_i
     (echo,) = await gw.read(1)
     assert echo.response_body.response.body_mutation.streamed_response.body == event
     await gw.close()
-    await _wait(lambda: sum(_in_flight(router).values()) == 0)
+    await until(lambda: sum(_in_flight(router).values()) == 0)
 
 
 async def test_undeclared_mode_whole_body_in_one_message_is_answered_as_streamed(service) -> None:  # type: ignore[no-untyped-def]
@@ -436,7 +414,7 @@ async def test_served_endpoint_moves_the_accounting(service) -> None:  # type: i
     await gw.read(1)
     assert _in_flight(app)[primary] == 0 and _in_flight(app)[fallback] == 1
     await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 # -- GIE request headers -------------------------------------------------------------------------
@@ -541,7 +519,7 @@ async def test_flow_control_queues_sheds_and_expires(service) -> None:  # type: 
     assert "waited" in orjson.loads(expired.immediate_response.body)["error"]["message"]
     for gw in [waiting, late, *(g for g, _ in held[1:])]:
         await gw.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
     shed_samples = {
         (s.labels["priority"], s.labels["reason"]): s.value
         for m in app.telemetry.metrics.collect()
@@ -563,7 +541,7 @@ async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> No
     assert app.flow is not None and app.flow.waiting == 1
     task.cancel()
     await gw.close()
-    await _wait(lambda: app.flow is not None and app.flow.waiting == 0)
+    await until(lambda: app.flow is not None and app.flow.waiting == 0)
     # mid-body: headers and half the chunks, then the stream is gone
     partial = Gateway(stub)
     body = _chat("y" * 300_000)
@@ -572,7 +550,7 @@ async def test_client_gone_while_queued_or_mid_body_leaks_nothing(service) -> No
     await partial.close()
     for g, _ in held:
         await g.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)
 
 
 HEADROOM = FlowControlConfig(
@@ -596,4 +574,4 @@ async def test_sheddable_requests_leave_headroom_for_the_others(service) -> None
     assert (await task).WhichOneof("response") == "request_headers"  # critical: still room
     for g in [critical, *(g for g, _ in held)]:
         await g.close()
-    await _wait(lambda: sum(_in_flight(app).values()) == 0)
+    await until(lambda: sum(_in_flight(app).values()) == 0)

@@ -23,9 +23,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import EventsConfig, RouterConfig, ServerConfig
-from extproc.exchange.servicer import add_services, mark_ready, mark_serving
-from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.fleet.workers import WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.router_service import serving
+from tests.support.routing import loopback_workers
+from tests.support.waiting import until
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -94,24 +96,11 @@ class Gate:
 
 @pytest.fixture
 async def service() -> AsyncIterator[tuple[RouterApp, grpc.aio.Channel]]:
-    workers = [
-        Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(2)
-    ]
+    workers = loopback_workers(2, 41000)
     config = RouterConfig(server=ServerConfig(tokenize_threads=2), events=EventsConfig(enabled=False))
     app = RouterApp(config, WorkerRegistry(workers))
-    server = grpc.aio.server()
-    health = add_services(server, app.servicer())
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    await mark_serving(health, True)
-    await mark_ready(health, True)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
+    async with serving(app) as channel:
         yield app, channel
-    finally:
-        await channel.close()
-        await server.stop(0)
-        await app.stop()
 
 
 def _in_flight(app: RouterApp) -> int:
@@ -150,7 +139,7 @@ async def test_loop_answers_while_a_huge_prompt_is_tokenized(service: tuple[Rout
     assert set(destination.split(",")) == {w.endpoint for w in app.registry.workers}  # primary + fallback
     assert _in_flight(app) == 1  # the huge request's stream is still open: its slot is held
     big.cancel()
-    await _until(lambda: _in_flight(app) == 0)
+    await until(lambda: _in_flight(app) == 0)
 
 
 async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, grpc.aio.Channel]) -> None:
@@ -162,7 +151,7 @@ async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, g
     await _collect(call, 1)  # the headers were answered; the body is being tokenized
     await gate.wait_started()
     call.cancel()  # the client went away mid-tokenization
-    await _until(gate.done.is_set)
+    await until(gate.done.is_set)
     await asyncio.sleep(0.05)  # the loop would route now if the cancel had not reached the server
     assert _in_flight(app) == 0 and _decisions(app) == before
     # The pool is free again and later requests route normally.
@@ -170,7 +159,7 @@ async def test_cancel_while_tokenizing_takes_no_slot(service: tuple[RouterApp, g
     assert len(await asyncio.wait_for(_collect(follow, 2), 10)) == 2
     assert _in_flight(app) == 1
     follow.cancel()
-    await _until(lambda: _in_flight(app) == 0)
+    await until(lambda: _in_flight(app) == 0)
 
 
 async def _collect(call: grpc.aio.StreamStreamCall, count: int) -> list[pb.ProcessingResponse]:
@@ -178,12 +167,3 @@ async def _collect(call: grpc.aio.StreamStreamCall, count: int) -> list[pb.Proce
     while len(replies) < count:
         replies.append(await call.read())
     return replies
-
-
-async def _until(predicate: object, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():  # type: ignore[operator]
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)

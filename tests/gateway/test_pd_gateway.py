@@ -12,8 +12,6 @@ import asyncio
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +21,10 @@ import pytest
 
 from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import post, request, stream_lines
+from tests.support.cli import run_cli
+from tests.support.gateway_http import assert_streams_as_generated, post, request
 from tests.support.up import running_up
+from tests.support.waiting import wait_until
 
 GENERATE = {"text": "The quick brown fox jumps over the lazy dog. " * 12, "sampling_params": {"max_new_tokens": 8}}
 
@@ -71,16 +71,9 @@ def _label(worker: Any) -> str:
     return worker.url.removeprefix("http://")
 
 
-def _wait_until(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_a_pd_request_is_answered_by_decode_and_prefilled_by_a_prefill_worker(stack: GatewayStack) -> None:
     _prefill, decode = _roles(stack)
-    _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3)
+    wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3)
     before = _metrics(stack)
     reply = post(stack.url + "/generate", GENERATE, timeout=30)
     assert reply.status == 200, reply.body
@@ -123,20 +116,8 @@ def test_a_repeat_hits_the_prefill_workers_cache_and_only_prefill_workers_feed_t
 
 
 def test_streamed_tokens_pass_through_as_decode_makes_them(stack: GatewayStack) -> None:
-    body = {
-        "model": "default",
-        "messages": [{"role": "user", "content": "Tell me a story"}],
-        "max_tokens": 48,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    events = [
-        (t, line) for t, line in stream_lines(stack.url + "/v1/chat/completions", body, 30) if line.startswith(b"data:")
-    ]
-    assert events[-1][1].strip() == b"data: [DONE]"
-    assert len(events) >= 40
-    # 48 decode steps of the simulated GPU take ~0.35 s: buffered, every event would arrive at once.
-    assert events[-1][0] - events[0][0] > 0.15
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Tell me a story"}]}
+    assert_streams_as_generated(stack.url, chat, timeout=30)
 
 
 def _queued_on(worker: Any) -> int:
@@ -163,7 +144,7 @@ def test_a_request_the_router_did_not_pair_is_a_503_at_once_not_a_workers_400(st
     expected = ["prefill/decode fleet"] + (["the router (ext_proc) failed"] if stack.body_mode == "streamed" else [])
     assert any(e in error["message"] for e in expected) and error["type"] == "service_unavailable", error
     assert elapsed < 3.0
-    _wait_until(lambda: post(stack.url + "/generate", GENERATE, timeout=30).status == 200, 20)
+    wait_until(lambda: post(stack.url + "/generate", GENERATE, timeout=30).status == 200, timeout=20)
 
 
 def test_a_dead_decode_worker_stops_the_prefill_leg_it_was_paired_with(stack: GatewayStack) -> None:
@@ -176,10 +157,10 @@ def test_a_dead_decode_worker_stops_the_prefill_leg_it_was_paired_with(stack: Ga
         assert reply.status >= 500, reply.body  # Envoy could not reach the decode side (or the router knew it dead)
         assert time.monotonic() - began < 5
         # A prefill leg would otherwise wait out the bootstrap timeout (300 s) for a decode worker that never comes.
-        _wait_until(lambda: sum(_queued_on(p) for p in prefill) == 0, 5)
+        wait_until(lambda: sum(_queued_on(p) for p in prefill) == 0, timeout=5)
     finally:
         decode.restart(60)
-        _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, 20)
+        wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, timeout=20)
 
 
 def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_other(stack: GatewayStack) -> None:
@@ -205,7 +186,7 @@ def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_o
         victim = next((p for p in prefill if _sample(text, "prefix_router_worker_in_flight", worker=_label(p))), None)
         return victim is not None
 
-    _wait_until(busy, 10)
+    wait_until(busy, timeout=10)
     victim.process.send_signal(signal.SIGKILL)
     sender.join(60)
     reply = result["reply"]
@@ -221,7 +202,7 @@ def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_o
         again = post(stack.url + "/generate", GENERATE, timeout=30)
         assert again.status == 200, again.body
     victim.restart(60)
-    _wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, 20)
+    wait_until(lambda: _sample(_metrics(stack), "prefix_router_worker_healthy") == 3, timeout=20)
 
 
 def test_up_pd_runs_a_prefill_decode_fleet_behind_the_gateway(envoy_bin: str) -> None:
@@ -236,7 +217,5 @@ def test_up_pd_runs_a_prefill_decode_fleet_behind_the_gateway(envoy_bin: str) ->
 
 
 def test_up_refuses_a_bad_pd_shape() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "up", "--pd", "0P1D"], capture_output=True, text=True, timeout=60
-    )
+    done = run_cli("up", "--pd", "0P1D")
     assert done.returncode == 2 and "not a PD fleet shape like 1P1D" in done.stderr

@@ -12,9 +12,7 @@ import contextlib
 import dataclasses
 import os
 import signal
-import subprocess
-import sys
-import threading
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ import pytest
 from prefix_common.addresses import free_port
 from prefix_router.stack import CrashLoopError, GatewayStack
 from tests.support.gateway_http import post
-from tests.support.up import stop_up
+from tests.support.up import gather_stderr, start_up, stop_up
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -218,6 +216,24 @@ async def test_a_crash_loop_stops_the_supervisor_naming_the_child(envoy_bin: str
         assert sum("restarting" in line for line in said) == 2
 
 
+async def test_ports_taken_before_the_router_and_envoy_bind_them_are_picked_again(
+    envoy_bin: str, tmp_path: Path
+) -> None:
+    """Ports the stack picked itself may be taken before its children bind them (tests run side by side): the
+    router and Envoy are started again on new ones."""
+    stack = GatewayStack(sim_workers=1, sim_worker_options={"profile": "instant"}, log_dir=tmp_path / "logs")
+    taken = {"router_port": stack.router_port, "port": stack.port}
+    with socket.socket() as for_router, socket.socket() as for_envoy:
+        for sock, port in ((for_router, stack.router_port), (for_envoy, stack.port)):
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+        async with stack:
+            assert stack.router_port != taken["router_port"] and stack.port != taken["port"]
+            chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            reply = await asyncio.to_thread(post, stack.url + "/v1/chat/completions", chat)
+            assert reply.status == 200 and reply.headers.get("x-upstream-host")
+
+
 def _children(pid: int) -> dict[int, str]:
     """Child pid -> command line, read from /proc."""
     out = {}
@@ -235,16 +251,8 @@ def _children(pid: int) -> dict[int, str]:
 
 def test_up_restarts_a_killed_worker_and_router_and_serves_throughout(envoy_bin: str) -> None:
     port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--workers", "2", "--port", str(port), "--quiet"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    errors: list[str] = []
-    reader = threading.Thread(target=lambda: errors.extend(iter(up.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
+    up = start_up("--workers", "2", "--port", str(port), "--quiet")
+    errors = gather_stderr(up)
     url = f"http://127.0.0.1:{port}"
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     try:
@@ -295,16 +303,8 @@ def _gone(pid: int, cmdline: str) -> bool:
 def test_no_child_outlives_up_even_when_up_is_killed(envoy_bin: str) -> None:
     """SIGKILL runs no cleanup in ``up``: the kernel kills its children (PR_SET_PDEATHSIG), restarted ones too."""
     port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", "up", "--workers", "2", "--port", str(port), "--quiet"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # not the test's process group: only the kill below reaches it
-    )
-    errors: list[str] = []
-    reader = threading.Thread(target=lambda: errors.extend(iter(up.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
+    up = start_up("--workers", "2", "--port", str(port), "--quiet")  # its own session: only the kill below reaches it
+    errors = gather_stderr(up)
     children: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 60

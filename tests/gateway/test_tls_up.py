@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import envoy_stats, post
-from tests.support.up import stop_up
+from tests.support.tls import self_signed
+from tests.support.up import running_up
 
 PICKED = "cluster.prefix_router_picked.upstream_rq_total"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -26,34 +24,7 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "ma
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate for the name ``prefix-router`` (it is its own CA)."""
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    run = subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=prefix-router",
-            "-addext",
-            "subjectAltName=DNS:prefix-router",
-        ],
-        capture_output=True,
-    )
-    if run.returncode != 0:
-        pytest.skip(f"openssl CLI could not make a certificate: {run.stderr.decode()[-200:]}")
-    return cert, key
+    return self_signed(tmp_path_factory.mktemp("tls"), "prefix-router")
 
 
 @pytest.fixture(scope="module")
@@ -101,25 +72,11 @@ def _port_open(url: str) -> bool:
 @pytest.mark.parametrize("body_mode", ["buffered", "streamed"])
 def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str, body_mode: str, tmp_path: Path) -> None:
     port = free_port()
-    argv = ["up", "--workers", "2", "--port", str(port), "--policy", "round-robin", "--body-mode", body_mode]
-    up = subprocess.Popen(
-        [sys.executable, "-m", "prefix_router", *argv, "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert up.stdout is not None and up.stderr is not None
-    try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while not any("gateway is up" in line for line in lines):
-            assert time.monotonic() < deadline and up.poll() is None, "".join(lines) + up.stderr.read()
-            lines.append(up.stdout.readline())
+    argv = ["--workers", "2", "--port", str(port), "--policy", "round-robin", "--body-mode", body_mode]
+    with running_up(*argv, "--log-dir", str(tmp_path)) as (up, lines):
+        assert up.stdout is not None and up.stderr is not None
         url = f"http://127.0.0.1:{port}"
-        assert url in lines[-1]
-        while "Ctrl-C" not in lines[-1]:
-            lines.append(up.stdout.readline())
+        assert url in next(line for line in lines if "gateway is up" in line)
         banner = "".join(lines)
         workers = [line.strip() for line in lines if line.strip().startswith("http://") and str(port) not in line]
         assert len(workers) == 2
@@ -132,5 +89,3 @@ def test_up_prints_the_url_serves_and_stops_cleanly(envoy_bin: str, body_mode: s
         up.send_signal(signal.SIGTERM)
         assert up.wait(30) == 0, banner + up.stderr.read()
         assert not _port_open(url) and not any(_port_open(w) for w in workers)
-    finally:
-        stop_up(up)  # a failed assertion: let up stop its children (they run in their own sessions)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,11 +20,16 @@ import pytest
 import zmq
 
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import envoy_host_healthy, post, request, stream_lines
-from tests.support.real_sglang import restart_cpu_worker
+from tests.support import waiting
+from tests.support.gateway_http import envoy_host_healthy, post, request, sse_data
+from tests.support.kv_batches import apply_events
+from tests.support.real_sglang import restart_cpu_worker, streamed_chat, tiny_model_config
 from tests.support.sglang_session import fit_chat
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
+
+# Some checks replay a worker's whole event stream: poll five times a second, not twenty.
+wait_until = functools.partial(waiting.wait_until, every=0.2)
 
 MODEL = "tiny-llama"
 PAGE = 16
@@ -35,14 +39,12 @@ PAGE = 16
 def stack(
     sglang_cpu_workers: list[Any], envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayStack]:
-    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install
+    from sglang_workers.real.installation import find_install
 
     install = find_install()
     assert install is not None
     config = tmp_path_factory.mktemp("router") / "router.yaml"
-    config.write_text(
-        f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
-    )
+    config.write_text(tiny_model_config(install))
     with GatewayStack(worker_urls=[w.url for w in sglang_cpu_workers], config=config) as gateway:
         yield gateway
 
@@ -111,24 +113,11 @@ def implied_blocks(worker: Any) -> set[int]:
             frames = frames[1:] if frames and frames[0] == b"" else frames
             if int.from_bytes(frames[-2], "big", signed=True) < 0:
                 return blocks
-            for event in msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)[1]:
-                if event["type"] == "BlockStored":
-                    blocks.update(event["block_hashes"])
-                elif event["type"] == "BlockRemoved":
-                    blocks.difference_update(event["block_hashes"])
-                else:
-                    blocks.clear()
+            apply_events(blocks, msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)[1])
     finally:
         sock.close(0)
         ctx.term()
     raise AssertionError("replay did not end")
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f}s"
-        time.sleep(0.2)
 
 
 def index_matches_events(stack: GatewayStack, worker: Any) -> bool:
@@ -314,18 +303,8 @@ def test_loads_are_read_with_every_field(stack: GatewayStack, sglang_cpu_workers
 
 
 def test_streaming_passes_through_unbuffered(stack: GatewayStack) -> None:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Write a long story."}],
-        "max_tokens": 64,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    arrivals = [
-        t
-        for t, line in stream_lines(stack.url + "/v1/chat/completions", body, timeout=120)
-        if line.startswith(b"data:")
-    ]
+    body = streamed_chat("Write a long story.", 64)
+    arrivals = [t for t, _ in sse_data(stack.url + "/v1/chat/completions", body, timeout=120)]
     assert len(arrivals) >= 60
     spread = arrivals[-1] - arrivals[0]
     assert spread > 0.05  # 64 CPU decode steps take a while: chunks arrive as they are made...

@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 from prefix_router.fleet import PdFleet, start_pd_fleet
-from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd, wait_for
+from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd
 from tests.support.sglang_session import shape, shape_differences
 from tests.support.sim_fixtures import EventSubscriber, get_json, http, sse_events
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
 
@@ -118,7 +119,7 @@ def run_pd_session(pd: PdFleet) -> PdSession:
     answer: list[tuple[int, bytes]] = []
     thread = threading.Thread(target=lambda: answer.append(http("POST", decode.url + "/generate", lonely, None, 60)))
     thread.start()
-    wait_for(lambda: pd_load(decode)["decode_transfer_queue_reqs"] == 1, what="the decode half in its transfer queue")
+    wait_until(lambda: pd_load(decode)["decode_transfer_queue_reqs"] == 1, what="the decode half in its transfer queue")
     out.values["abort answer"] = http("POST", decode.url + "/abort_request", {"rid": "abandoned"})
     thread.join(30)
     status, raw = answer[0]
@@ -170,7 +171,7 @@ def test_refusals_aborts_and_reports_agree(sessions: tuple[PdSession, PdSession]
         for what in ("no room", "chat no room", "server_info", "bootstrap port", "loads", "model_info"):
             key = f"{side} {what}"
             assert real.values[key] == sim.values[key], key
-        assert real.values[f"{side} loads"] == (DISAGGREGATION_LOAD_KEYS, side)
+        assert real.values[f"{side} loads"] == (set(DISAGGREGATION_LOAD_KEYS), side)
     assert real.values["abort answer"] == sim.values["abort answer"] == (200, b"")
     assert real.values["aborted decode"] == sim.values["aborted decode"]
     assert real.values["aborted decode"]["code"] == 500

@@ -20,17 +20,16 @@ from typing import Any
 import pytest
 
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import post, stream_lines
-from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS
+from tests.support.gateway_http import post, sse_data
+from tests.support.real_sglang import CPU_EXTRA_FLAGS, CPU_POOL_TOKENS, streamed_chat, tiny_model_config
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
-
-MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayStack]:
-    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install, missing_install_reason
+    from sglang_workers.real.installation import find_install, missing_install_reason
 
     reason = missing_install_reason()
     if reason is not None:
@@ -39,8 +38,8 @@ def stack(envoy_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     assert install is not None
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
-        f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
-        "health: {interval_s: 0.5, timeout_s: 5.0, unhealthy_after: 2, keep_last_healthy_s: 0}\n"
+        tiny_model_config(install)
+        + "health: {interval_s: 0.5, timeout_s: 5.0, unhealthy_after: 2, keep_last_healthy_s: 0}\n"
     )
     gateway = GatewayStack(
         pd=(1, 1),
@@ -68,16 +67,9 @@ def _label(worker: Any) -> str:
     return f"127.0.0.1:{worker.port}"
 
 
-def _wait_until(check: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
-
-
 def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_prefill(stack: GatewayStack) -> None:
     prefill, decode = stack.sglang_cpu_processes
-    _wait_until(lambda: _metric(stack, "prefix_router_worker_healthy") == 2, 30)
+    wait_until(lambda: _metric(stack, "prefix_router_worker_healthy") == 2, timeout=30)
     body = {"text": "Routing prefill and decode apart on one machine. " * 12, "sampling_params": {"max_new_tokens": 8}}
     first = post(stack.url + "/generate", body, timeout=120)
     assert first.status == 200, first.body
@@ -85,24 +77,15 @@ def test_a_pd_request_through_the_gateway_is_paired_cached_and_indexed_from_pref
     assert first.json()["meta_info"]["completion_tokens"] == 8
     assert _metric(stack, "prefix_router_pd_routed_total", role="prefill", worker=_label(prefill)) == 1
     # The prefill worker's BlockStored events reach the index; the decode worker publishes none.
-    _wait_until(lambda: _metric(stack, "prefix_router_index_blocks", worker=_label(prefill)) > 0, 10)
+    wait_until(lambda: _metric(stack, "prefix_router_index_blocks", worker=_label(prefill)) > 0, timeout=10)
     assert _metric(stack, "prefix_router_index_blocks", worker=_label(decode)) == 0
     second = post(stack.url + "/generate", body, timeout=120)
     assert second.status == 200, second.body
     meta = second.json()["meta_info"]
     assert meta["cached_tokens"] >= meta["prompt_tokens"] - 16 > 0  # the prefill side's radix cache held it
 
-    chat = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Say something long."}],
-        "max_tokens": 24,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    events = [
-        line for _, line in stream_lines(stack.url + "/v1/chat/completions", chat, 120) if line.startswith(b"data:")
-    ]
-    assert events[-1].strip() == b"data: [DONE]" and len(events) >= 20
+    events = sse_data(stack.url + "/v1/chat/completions", streamed_chat("Say something long.", 24), 120)
+    assert events[-1][1].strip() == b"data: [DONE]" and len(events) >= 20
 
 
 def test_a_killed_prefill_worker_fails_requests_fast_and_clean(stack: GatewayStack) -> None:
@@ -119,7 +102,7 @@ def test_a_killed_prefill_worker_fails_requests_fast_and_clean(stack: GatewaySta
     sender = threading.Thread(target=send)
     sender.start()
     try:
-        _wait_until(lambda: _metric(stack, "prefix_router_worker_in_flight", worker=_label(decode)) == 1, 10)
+        wait_until(lambda: _metric(stack, "prefix_router_worker_in_flight", worker=_label(decode)) == 1, timeout=10)
         time.sleep(1.0)  # the decode worker has the request by now, waiting in its bootstrap queue
     finally:
         prefill.process.send_signal(signal.SIGKILL)

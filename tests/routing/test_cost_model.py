@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extproc.decision.policies.prefix_aware.cost_model import DecodeModel, PrefillModel, WorkerCostModel
+from extproc.decision.policies.prefix_aware.cost_model import DecodeModel, Learning, PrefillModel, WorkerCostModel
 from extproc.fleet.reports import WorkerLoad
 
 PRIOR = PrefillModel(0.02, 4e-5, 1e-9)
@@ -200,8 +200,9 @@ def test_a_replica_does_not_fit_windows_of_work_another_replica_sent() -> None:
     hit, cold = (64, 4096), (2048, 0)
 
     def run(min_attributed_share: float) -> tuple[WorkerCostModel, WorkerCostModel]:
-        mine = WorkerCostModel(prior, DECODE_PRIOR, min_attributed_share=min_attributed_share)
-        theirs = WorkerCostModel(prior, DECODE_PRIOR, min_attributed_share=min_attributed_share)
+        learning = Learning(min_attributed_share=min_attributed_share)
+        mine = WorkerCostModel(prior, DECODE_PRIOR, learning)
+        theirs = WorkerCostModel(prior, DECODE_PRIOR, learning)
         _drive_two_routers(mine, theirs, FifoWorker(truth), 120.0, random.Random(3))
         return mine, theirs
 

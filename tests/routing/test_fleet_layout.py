@@ -7,12 +7,11 @@ from extproc.decision.request import ParsedRequest
 from extproc.fleet.blocks import block_keys, chain_seed
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
+from tests.support.routing import loopback_workers
 
 
 def _router(count: int) -> tuple[RouterApp, list[Worker]]:
-    workers = [
-        Worker(id=f"w{i}", url=f"http://127.0.0.1:{43000 + i}", ip="127.0.0.1", port=43000 + i) for i in range(count)
-    ]
+    workers = loopback_workers(count, 43000)
     config = RouterConfig(events=EventsConfig(enabled=False), index=IndexConfig(default_block_size=16))
     return RouterApp(config, WorkerRegistry(workers)), workers
 

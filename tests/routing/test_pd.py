@@ -28,6 +28,7 @@ from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.pd.bootstrap import ROOM_LIMIT, bootstrap_body
 from extproc.serving.app import RouterApp
 from prefix_common.addresses import free_port
+from tests.support.http_server import start_app
 
 TOKENS = list(range(100, 164))  # four full pages of 16
 
@@ -160,18 +161,27 @@ class _Recorder:
         return app
 
 
+@dataclass
+class _Pair:
+    """A prefill and a decode stand-in, served: what reached each, and workers that name them."""
+
+    prefill: _Recorder
+    decode: _Recorder
+    prefill_port: int
+    decode_port: int
+
+    def workers(self, bootstrap_port: int | None = None) -> list[Worker]:
+        """A prefill worker ``p`` (with ``bootstrap_port``) and a decode worker ``d`` on the two servers."""
+        return [_worker("p", self.prefill_port, "prefill", bootstrap_port), _worker("d", self.decode_port, "decode")]
+
+
 @pytest.fixture
-async def servers() -> AsyncIterator[dict[str, tuple[_Recorder, int]]]:
-    runners, out = [], {}
-    for name in ("prefill", "decode"):
-        recorder, port = _Recorder(), free_port()
-        runner = web.AppRunner(recorder.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        out[name] = (recorder, port)
-    yield out
-    for runner in runners:
+async def servers() -> AsyncIterator[_Pair]:
+    prefill, decode = _Recorder(), _Recorder()
+    prefill_runner, prefill_port = await start_app(prefill.app())
+    decode_runner, decode_port = await start_app(decode.app())
+    yield _Pair(prefill, decode, prefill_port, decode_port)
+    for runner in (prefill_runner, decode_runner):
         await runner.cleanup()
 
 
@@ -185,13 +195,10 @@ async def _launch(app: RouterApp, retries: list[float] | None = None) -> Any:
     return await app.pairs.launch(await route(), route, "generate", "/generate", body, {"authorization": "x"}, on_retry)
 
 
-async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_end(
-    servers: dict[str, tuple[_Recorder, int]],
-) -> None:
-    prefill, prefill_port = servers["prefill"]
-    _, decode_port = servers["decode"]
+async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_end(servers: _Pair) -> None:
+    prefill = servers.prefill
     prefill.delay_s = 0.2
-    workers = [_worker("p", prefill_port, "prefill", 9300), _worker("d", decode_port, "decode")]
+    workers = servers.workers(bootstrap_port=9300)
     app = _router(workers)
     try:
         outcome, body, pair = await _launch(app)
@@ -209,13 +216,10 @@ async def test_the_prefill_leg_carries_the_body_decode_gets_and_is_read_to_its_e
         await app.stop()
 
 
-async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_answered(
-    servers: dict[str, tuple[_Recorder, int]],
-) -> None:
-    prefill, prefill_port = servers["prefill"]
-    _, decode_port = servers["decode"]
+async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_answered(servers: _Pair) -> None:
+    prefill = servers.prefill
     dead = _worker("dead", free_port(), "prefill")
-    workers = [dead, _worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")]
+    workers = [dead, *servers.workers()]
     app = _router(workers)
     _hold(app, "dead", 4)  # the best cache is on the dead worker: it is tried first
     try:
@@ -242,12 +246,8 @@ async def test_a_refused_prefill_leg_is_retried_with_a_new_pair_before_envoy_is_
         await app.stop()
 
 
-async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer(
-    servers: dict[str, tuple[_Recorder, int]],
-) -> None:
-    prefill, prefill_port = servers["prefill"]
-    _, decode_port = servers["decode"]
-    workers = [_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")]
+async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer(servers: _Pair) -> None:
+    prefill, workers = servers.prefill, servers.workers()
     for warm_idle_s, waits_again in ((2.0, False), (0.0, True)):
         app = _router(workers, warm_idle_s=warm_idle_s)
         client = app.prefill_client
@@ -269,17 +269,12 @@ async def test_a_leg_on_an_idle_pooled_connection_does_not_hold_up_envoys_answer
     assert len(prefill.bodies) == 4
 
 
-async def test_a_prefill_worker_that_died_is_cold_again_and_its_refusal_retries_the_pair(
-    servers: dict[str, tuple[_Recorder, int]],
-) -> None:
-    survivor, survivor_port = servers["prefill"]
-    _, decode_port = servers["decode"]
-    doomed, port = _Recorder(), free_port()
-    runner = web.AppRunner(doomed.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+async def test_a_prefill_worker_that_died_is_cold_again_and_its_refusal_retries_the_pair(servers: _Pair) -> None:
+    survivor = servers.prefill
+    doomed = _Recorder()
+    runner, port = await start_app(doomed.app())
     dead = _worker("dead", port, "prefill")
-    workers = [dead, _worker("p", survivor_port, "prefill"), _worker("d", decode_port, "decode")]
+    workers = [dead, *servers.workers()]
     app = _router(workers)
     _hold(app, "dead", 4)  # the best cache is on the worker about to die: it is tried first
     try:
@@ -300,11 +295,10 @@ async def test_a_prefill_worker_that_died_is_cold_again_and_its_refusal_retries_
         await runner.cleanup()
 
 
-async def test_a_failed_prefill_leg_aborts_the_decode_side_by_rid(servers: dict[str, tuple[_Recorder, int]]) -> None:
-    prefill, prefill_port = servers["prefill"]
-    decode, decode_port = servers["decode"]
+async def test_a_failed_prefill_leg_aborts_the_decode_side_by_rid(servers: _Pair) -> None:
+    prefill, decode = servers.prefill, servers.decode
     prefill.status = 500
-    app = _router([_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")], abort_repeat_s=0.05)
+    app = _router(servers.workers(), abort_repeat_s=0.05)
     try:
         outcome, _, pair = await _launch(app)
         await asyncio.wait_for(pair.leg.task, 5)
@@ -325,11 +319,10 @@ async def test_a_failed_prefill_leg_aborts_the_decode_side_by_rid(servers: dict[
         await app.stop()
 
 
-async def test_a_leg_cancelled_because_decode_ended_aborts_nothing(servers: dict[str, tuple[_Recorder, int]]) -> None:
-    prefill, prefill_port = servers["prefill"]
-    decode, decode_port = servers["decode"]
+async def test_a_leg_cancelled_because_decode_ended_aborts_nothing(servers: _Pair) -> None:
+    prefill, decode = servers.prefill, servers.decode
     prefill.delay_s = 5
-    app = _router([_worker("p", prefill_port, "prefill"), _worker("d", decode_port, "decode")])
+    app = _router(servers.workers())
     try:
         outcome, _, pair = await _launch(app)
         pair.leg.cancel()

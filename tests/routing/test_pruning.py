@@ -15,12 +15,7 @@ from extproc.decision.request import ParsedRequest
 from extproc.fleet.reports import WorkerLoad
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.serving.app import RouterApp
-
-
-def _workers(count: int) -> list[Worker]:
-    return [
-        Worker(id=f"w{i}", url=f"http://127.0.0.1:{42000 + i}", ip="127.0.0.1", port=42000 + i) for i in range(count)
-    ]
+from tests.support.routing import loopback_workers
 
 
 def _router(count: int, max_candidates: int, clock: Clock = MONOTONIC) -> RouterApp:
@@ -29,7 +24,7 @@ def _router(count: int, max_candidates: int, clock: Clock = MONOTONIC) -> Router
         index=IndexConfig(default_block_size=16),
         policy=PolicyConfig(max_candidates=max_candidates),
     )
-    return RouterApp(config, WorkerRegistry(_workers(count)), clock=clock)
+    return RouterApp(config, WorkerRegistry(loopback_workers(count, 42000)), clock=clock)
 
 
 def _prompt(rng: random.Random, prefix: int) -> ParsedRequest:
@@ -85,7 +80,7 @@ def _candidate(worker: Worker, rng: random.Random) -> Candidate:
 @pytest.mark.parametrize("keep", [2, 3, 8, 16, 33])
 def test_on_a_large_fleet_the_best_matches_and_the_least_loaded_always_survive(keep: int) -> None:
     rng = random.Random(keep)
-    workers = _workers(256)
+    workers = loopback_workers(256, 42000)
     pruner = CandidatePruner(keep)
     for _ in range(200):
         candidates = [_candidate(w, rng) for w in workers]
@@ -107,7 +102,7 @@ def test_on_a_large_fleet_the_best_matches_and_the_least_loaded_always_survive(k
 
 
 def test_equally_idle_workers_take_turns_on_the_shortlist() -> None:
-    workers = _workers(64)
+    workers = loopback_workers(64, 42000)
     pruner = CandidatePruner(4)
     seen: set[str] = set()
     for _ in range(64):

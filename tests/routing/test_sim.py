@@ -25,6 +25,7 @@ from extproc.serving.app import RouterApp
 from prefix_common.addresses import free_ports
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
+from tests.support.waiting import until
 
 PAGE = 16
 pytestmark = pytest.mark.timeout(60)
@@ -63,18 +64,10 @@ async def app(fleet: list[WorkerProcess]) -> AsyncIterator[RouterApp]:
     r = _router([WorkerConfig(url=w.url) for w in fleet])
     await r.start()
     try:
-        await _until(lambda: all(r.events.state(w) == "synced" for w in r.registry.workers))
+        await until(lambda: all(r.events.state(w) == "synced" for w in r.registry.workers))
         yield r
     finally:
         await r.stop()
-
-
-async def _until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def _send(worker: Worker, parsed: ParsedRequest, max_tokens: int = 2) -> dict[str, int]:
@@ -106,7 +99,7 @@ async def test_same_prefix_lands_on_the_worker_that_caches_it(app: RouterApp) ->
     assert usage["prompt"] == len(first.request.token_ids)  # router's tokens == the worker's
     assert usage["cached"] == 0
     keys = first.request.block_keys
-    await _until(lambda: _confirmed(app, first.worker, keys), what="KV events of the first request")
+    await until(lambda: _confirmed(app, first.worker, keys), what="KV events of the first request")
     others = [w for w in app.registry.workers if w is not first.worker]
     assert not any(app.index.blocks(w.id) & set(keys) for w in others)
 
@@ -135,11 +128,11 @@ async def test_overloaded_holder_sheds_to_another_worker(app: RouterApp) -> None
     system = _words(rng, 700)
     first, _ = await _route_and_send(app, _chat(system, "warm up"))
     holder = first.worker
-    await _until(lambda: _confirmed(app, holder, first.request.block_keys), what="holder's events")
+    await until(lambda: _confirmed(app, holder, first.request.block_keys), what="holder's events")
     # Another router's traffic swamps the holder: long distinct prompts it has to prefill.
     flood = [asyncio.create_task(_send(holder, _chat(_words(rng, 1500), str(i)), max_tokens=16)) for i in range(6)]
     try:
-        await _until(lambda: (app.loads.get(holder) or _NoLoad).num_waiting_reqs >= 3, what="holder's queue")
+        await until(lambda: (app.loads.get(holder) or _NoLoad).num_waiting_reqs >= 3, what="holder's queue")
         shed = app.router.route(_chat(system, "now"))
         try:
             candidate = next(c for c in shed.candidates if c.worker is holder)
@@ -164,13 +157,13 @@ async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
     try:
         await r.start()
         (worker,) = r.registry.workers
-        await _until(lambda: r.events.state(worker) == "synced")
+        await until(lambda: r.events.state(worker) == "synced")
         victim = _chat(_words(rng, 60), "q")
         first, _usage = await _route_and_send(r, victim)
-        await _until(lambda: _confirmed(r, worker, first.request.block_keys), what="stored events")
+        await until(lambda: _confirmed(r, worker, first.request.block_keys), what="stored events")
         for i in range(4):  # each ~300 tokens: the 1024-token pool must evict the victim
             await _route_and_send(r, _chat(_words(rng, 60), str(i)))
-        await _until(lambda: not r.index.blocks(worker.id) & set(first.request.block_keys), what="removal events")
+        await until(lambda: not r.index.blocks(worker.id) & set(first.request.block_keys), what="removal events")
         assert r.events.views[worker.id][0].stats.blocks_removed > 0
         again = await _send(worker, victim)
         assert again["cached"] == 0  # ground truth: the worker really lost it
@@ -232,14 +225,14 @@ async def test_dropped_batch_is_repaired_by_replay(replay_target: WorkerProcess)
     try:
         await r.start()
         (worker,) = r.registry.workers
-        await _until(lambda: r.events.state(worker) == "synced")
+        await until(lambda: r.events.state(worker) == "synced")
         await asyncio.sleep(0.3)  # relay's own subscription past the slow-joiner window
         armed[0] = True
         lost, _ = await _route_and_send(r, _chat(_words(rng, 200), "lost"))
-        await _until(lambda: bool(dropped), what="the relay to drop a batch")
+        await until(lambda: bool(dropped), what="the relay to drop a batch")
         assert not _confirmed(r, worker, lost.request.block_keys)
         later, _ = await _route_and_send(r, _chat(_words(rng, 200), "later"))
-        await _until(lambda: _confirmed(r, worker, later.request.block_keys), what="later events")
+        await until(lambda: _confirmed(r, worker, later.request.block_keys), what="later events")
         view = r.events.views[worker.id][0]
         assert view.stats.gaps >= 1 and view.stats.gaps_repaired >= 1
         assert _confirmed(r, worker, lost.request.block_keys)  # recovered from the replay buffer
@@ -258,13 +251,13 @@ async def test_restarted_worker_is_reset() -> None:
     try:
         await r.start()
         (worker,) = r.registry.workers
-        await _until(lambda: r.events.state(worker) == "synced")
+        await until(lambda: r.events.state(worker) == "synced")
         before, _ = await _route_and_send(r, _chat(_words(rng, 200), "before"))
-        await _until(lambda: _confirmed(r, worker, before.request.block_keys), what="stored events")
+        await until(lambda: _confirmed(r, worker, before.request.block_keys), what="stored events")
         proc.stop()
         proc.restart(20)  # the same command on the same ports: an empty worker where the old one was
         view = r.events.views[worker.id][0]
-        await _until(lambda: view.stats.restarts >= 1 and r.events.state(worker) == "synced", what="resync")
+        await until(lambda: view.stats.restarts >= 1 and r.events.state(worker) == "synced", what="resync")
         assert r.index.size(worker.id) == 0
         assert r.index.match(before.request.block_keys, [worker.id]) == {worker.id: 0}
     finally:

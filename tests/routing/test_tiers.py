@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TypeVar
 
 import pytest
 from prometheus_client import generate_latest
 
 from extproc.config import RouterConfig
-from extproc.decision.policies import Candidate, Policy, RoutingRequest, create_policy
+from extproc.decision.policies import Candidate, RoutingRequest, create_policy
 from extproc.decision.policies.prefix_aware import PrefixAwarePolicy
 from extproc.decision.policies.prefix_aware.tier_cost import (
     PRIOR_STORAGE_OP_S,
@@ -25,26 +24,14 @@ from extproc.fleet.blocks import block_keys, chain_seed
 from extproc.fleet.index import BlockIndex
 from extproc.fleet.info import prefetch_threshold, storage_group
 from extproc.fleet.reports import TierReport, WorkerLoad
-from extproc.fleet.workers import Worker, WorkerRegistry
+from extproc.fleet.workers import WorkerRegistry
 from extproc.serving.app import RouterApp
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.event_wire import decode_payload
 from extproc.sync.tier_stats import parse_tier_metrics
+from tests.support.routing import as_policy, loopback_workers
 
 PAGE = 16
-
-
-T = TypeVar("T", bound=Policy)
-
-
-def _as(cls: type[T], policy: Policy) -> T:
-    """The policy as its concrete class, for the tests that read its internals."""
-    assert isinstance(policy, cls)
-    return policy
-
-
-def _workers(n: int) -> list[Worker]:
-    return [Worker(id=f"w{i}", url=f"http://127.0.0.1:{41000 + i}", ip="127.0.0.1", port=41000 + i) for i in range(n)]
 
 
 def _request(tokens: int) -> RoutingRequest:
@@ -107,13 +94,13 @@ def test_host_stores_of_a_storage_group_member_feed_the_shared_tier() -> None:
 
 
 def test_storage_groups_come_from_server_info() -> None:
-    a, b, c, d = _workers(4)
+    a, b, c, d = loopback_workers(4, 41000)
     a.info, b.info = _hicache_info(), _hicache_info()
     c.info = _hicache_info(path="/elsewhere")
     d.info = _hicache_info(backend=None)
     assert storage_group(a) == storage_group(b) is not None
     assert storage_group(c) != storage_group(a)
-    assert storage_group(d) is None and storage_group(_workers(1)[0]) is None
+    assert storage_group(d) is None and storage_group(loopback_workers(1, 41000)[0]) is None
     a.info["hicache_storage_backend_extra_config"] = json.dumps({"file_storage_path": "/x", "prefetch_threshold": 64})
     assert storage_group(a) is not None and "/x" in storage_group(a)  # type: ignore[operator]
     assert prefetch_threshold(a) == 64 and prefetch_threshold(b) == 256
@@ -180,9 +167,9 @@ def test_tier_metrics_parse_from_sglang_names() -> None:
 
 # -- policies -----------------------------------------------------------------------------------------
 def test_prefix_aware_prices_host_and_shared_hits_between_gpu_and_recompute() -> None:
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
     request = _request(8192)
-    gpu, host, shared, cold = _workers(4)
+    gpu, host, shared, cold = loopback_workers(4, 41000)
     cands = {
         "gpu": Candidate(worker=gpu, matched_blocks=500, host_matched_blocks=500, shared_matched_blocks=500),
         "host": Candidate(worker=host, matched_blocks=0, host_matched_blocks=500, shared_matched_blocks=500),
@@ -205,7 +192,7 @@ def test_prefix_aware_prices_host_and_shared_hits_between_gpu_and_recompute() ->
 def test_dynamo_cost_credits_tiers_like_dynamo() -> None:
     policy = create_policy("dynamo-cost")
     request = _request(1600)  # 100 blocks
-    a, b, c = _workers(3)
+    a, b, c = loopback_workers(3, 41000)
     cands = [
         Candidate(worker=a, matched_blocks=40, host_matched_blocks=40, shared_matched_blocks=40),
         Candidate(worker=b, matched_blocks=0, host_matched_blocks=40, shared_matched_blocks=40),
@@ -222,7 +209,7 @@ def test_the_router_reports_the_per_tier_match_in_spans_and_metrics() -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    workers = _workers(2)
+    workers = loopback_workers(2, 41000)
     for w in workers:
         w.info = _hicache_info()
         w.model = "m"

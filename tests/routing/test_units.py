@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.decision.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, create_policy
 from extproc.decision.policies.prefix_aware import PrefixAwareOptions, PrefixAwarePolicy
-from extproc.decision.policies.prefix_aware.cost_model import PrefillModel
+from extproc.decision.policies.prefix_aware.cost_model import PrefillModel, WorkerCostModel
 from extproc.decision.policies.sgl_cache_aware import SglCacheAwarePolicy
 from extproc.decision.request import ParsedRequest
 from extproc.fleet.blocks import block_keys
@@ -23,6 +23,7 @@ from extproc.fleet.reports import WorkerLoad
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.memory import BLOCK_BYTES, RECENT_BYTES
 from extproc.serving.app import RouterApp
+from tests.support.routing import as_policy, loopback_workers
 
 
 class Clock:
@@ -31,19 +32,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-T = TypeVar("T", bound=Policy)
-
-
-def _as(cls: type[T], policy: Policy) -> T:
-    """The policy as its concrete class, for the tests that read its internals."""
-    assert isinstance(policy, cls)
-    return policy
-
-
-def _workers(n: int) -> list[Worker]:
-    return [Worker(id=f"w{i}", url=f"http://127.0.0.1:{40000 + i}", ip="127.0.0.1", port=40000 + i) for i in range(n)]
 
 
 def _request(tokens: int, keys: list[int] | None = None, **extra: Any) -> RoutingRequest:
@@ -268,14 +256,14 @@ def _select(policy: Policy, request: RoutingRequest, candidates: list[Candidate]
 
 def test_longest_cached_prefix_wins_when_idle() -> None:
     policy = create_policy("prefix-aware")
-    workers = _workers(3)
+    workers = loopback_workers(3)
     decision = _select(policy, _request(4096), _candidates(workers, [10, 200, 0]))
     assert decision.ranked[0] is workers[1] and decision.reason == "prefix-hit"
 
 
 def test_busy_holder_spills_to_an_idle_worker() -> None:
     policy = create_policy("prefix-aware")
-    workers = _workers(2)
+    workers = loopback_workers(2)
     busy = WorkerLoad(num_running_reqs=40, num_waiting_reqs=30, token_usage=0.5, polled_at=time.monotonic())
     decision = _select(policy, _request(4096), _candidates(workers, [200, 0], [busy, None]))
     assert decision.ranked[0] is workers[1] and decision.reason == "prefix-spill"
@@ -289,7 +277,7 @@ def test_busy_holder_spills_to_an_idle_worker() -> None:
 
 def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
     policy = create_policy("prefix-aware")
-    workers = _workers(4)
+    workers = loopback_workers(4)
     chosen = {}
     for prefix in range(200):
         keys = block_keys([prefix] * 64, 16)
@@ -305,7 +293,7 @@ def test_near_ties_spread_by_prefix_and_stay_consistent() -> None:
 def test_a_full_cache_costs_the_evictions_it_forces() -> None:
     """With evictions priced (the default), a cold prompt goes where it evicts nothing, even against the tie-break."""
     policy = create_policy("prefix-aware")
-    full, empty = _workers(2)
+    full, empty = loopback_workers(2)
     now = time.monotonic()
     loads = [
         WorkerLoad(max_total_num_tokens=24576, polled_at=now),
@@ -325,8 +313,8 @@ def test_a_full_cache_costs_the_evictions_it_forces() -> None:
 
 def test_only_the_evictions_a_choice_could_avoid_are_priced() -> None:
     """Where every cache is full a prompt evicts as much anywhere: only the excess over the least is charged."""
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
-    workers = _workers(3)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    workers = loopback_workers(3)
     now = time.monotonic()
     loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
     candidates = _candidates(workers, [0, 0, 0], loads)
@@ -346,7 +334,7 @@ def test_only_the_evictions_a_choice_could_avoid_are_priced() -> None:
 def test_evictions_are_priced_only_where_a_new_prefix_is_placed() -> None:
     """A prompt one worker holds goes to it or spills, priced by GPU time alone: no candidate pays evictions."""
     policy = create_policy("prefix-aware")
-    holder, full, empty = _workers(3)
+    holder, full, empty = loopback_workers(3)
     now = time.monotonic()
     loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in range(3)]
     candidates = _candidates([holder, full, empty], [0, 0, 0], loads)
@@ -360,8 +348,8 @@ def test_evictions_are_priced_only_where_a_new_prefix_is_placed() -> None:
 
 def test_an_eviction_is_priced_at_the_fleets_reuse_not_the_workers() -> None:
     """A worker that drew cold prompts (low reuse of its own) is no cheaper to evict on than one that drew hits."""
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
-    cold, warm, empty = _workers(3)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    cold, warm, empty = loopback_workers(3)
     for _ in range(30):
         for worker, new, cached in ((cold, 2048.0, 0.0), (warm, 64.0, 2048.0)):
             scores = {worker.id: {"new_tokens": new, "cached_tokens": cached}}
@@ -388,7 +376,7 @@ def test_bad_options_are_reported() -> None:
 # -- peers and session ------------------------------------------------------------------------------
 def test_sgl_cache_aware_follows_text_then_balances() -> None:
     policy = create_policy("sgl-cache-aware")
-    workers = _workers(2)
+    workers = loopback_workers(2)
     text = "system prompt " * 20
     req = RoutingRequest(model="m", path="/generate", prompt_text=text + "one")
     first = _select(policy, req, _candidates(workers, [0, 0]))
@@ -403,8 +391,8 @@ def test_sgl_cache_aware_follows_text_then_balances() -> None:
 
 
 def test_sgl_tree_evicts_to_its_bound() -> None:
-    policy = _as(SglCacheAwarePolicy, create_policy("sgl-cache-aware", {"max_tree_size": 100}))
-    workers = _workers(1)
+    policy = as_policy(SglCacheAwarePolicy, create_policy("sgl-cache-aware", {"max_tree_size": 100}))
+    workers = loopback_workers(1)
     for i in range(20):
         req = RoutingRequest(model="m", path="/generate", prompt_text=f"{i:03d}" + "x" * 40)
         policy.on_routed(req, _select(policy, req, _candidates(workers, [0])))
@@ -413,7 +401,7 @@ def test_sgl_tree_evicts_to_its_bound() -> None:
 
 def test_gie_prefix_scores_cached_servers_higher() -> None:
     policy = create_policy("gie-prefix")
-    workers = _workers(3)
+    workers = loopback_workers(3)
     req = RoutingRequest(model="m", path="/generate", prompt_text="abc" * 400)
     first = _select(policy, req, _candidates(workers, [0, 0, 0]))
     policy.on_routed(req, first)
@@ -424,7 +412,7 @@ def test_gie_prefix_scores_cached_servers_higher() -> None:
 
 def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
     policy = create_policy("dynamo-cost")
-    workers = _workers(2)
+    workers = loopback_workers(2)
     req = _request(1600)  # 100 blocks
     decision = _select(policy, req, _candidates(workers, [80, 0]))
     assert decision.ranked[0] is workers[0]
@@ -436,7 +424,7 @@ def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
 
 def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
     policy = create_policy("session", {"fallback": "least-load"})
-    workers = _workers(3)
+    workers = loopback_workers(3)
     req = RoutingRequest(model="m", path="/generate", headers={"x-session-id": "abc"})
     first = _select(policy, req, _candidates(workers, [0, 0, 0]))
     policy.on_routed(req, first)
@@ -457,7 +445,7 @@ def test_router_tokenizes_records_and_traces() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     config = RouterConfig(observability=ObservabilityConfig(exporter="none"))
-    app = RouterApp(config, WorkerRegistry(_workers(3)))
+    app = RouterApp(config, WorkerRegistry(loopback_workers(3)))
     untraced = app.router.route(
         ParsedRequest(
             path="/generate",
@@ -496,7 +484,7 @@ def test_router_tokenizes_records_and_traces() -> None:
 
 def test_router_counts_each_workers_traffic_and_predicted_hit() -> None:
     """Per chosen worker: requests, prompt tokens, and the leading tokens the index said it held."""
-    app = RouterApp(RouterConfig(), WorkerRegistry(_workers(2)))
+    app = RouterApp(RouterConfig(), WorkerRegistry(loopback_workers(2)))
     messages = [{"role": "system", "content": "You are terse. " * 400}, {"role": "user", "content": "hi"}]
     parsed = ParsedRequest(path="/v1/chat/completions", kind="chat", model="m", messages=messages)
     first = app.router.route(parsed)
@@ -521,7 +509,7 @@ def test_router_counts_each_workers_traffic_and_predicted_hit() -> None:
 
 
 def test_untokenizable_request_is_still_routed() -> None:
-    app = RouterApp(RouterConfig(), WorkerRegistry(_workers(2)))
+    app = RouterApp(RouterConfig(), WorkerRegistry(loopback_workers(2)))
     bad = ParsedRequest(
         path="/v1/chat/completions",
         kind="chat",
@@ -611,7 +599,7 @@ def test_every_field_of_sglang_0_5_23_loads_is_read() -> None:
 def test_event_endpoints_come_from_server_info_with_wildcards_replaced() -> None:
     from extproc.fleet.info import event_endpoints, page_size
 
-    worker = _workers(1)[0]
+    worker = loopback_workers(1)[0]
     worker.info = {
         "page_size": 32,
         "kv_events": {
@@ -640,7 +628,7 @@ def test_decision_span_explains_the_choice_without_prompt_text() -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    app = RouterApp(RouterConfig(), WorkerRegistry(_workers(3)))
+    app = RouterApp(RouterConfig(), WorkerRegistry(loopback_workers(3)))
     exporter = InMemorySpanExporter()
     app.telemetry.add_span_processor(SimpleSpanProcessor(exporter))
     secret = "the launch codes are " + "zebra " * 80
@@ -667,7 +655,7 @@ def test_decisions_ignore_the_simulator_block_of_server_info() -> None:
     ranked = []
     for info in ({"simulator": {"speedup": 0.25, "profile": "llama-3.1-8b-h100"}}, {}):
         policy = create_policy("prefix-aware")
-        workers = _workers(3)
+        workers = loopback_workers(3)
         for w in workers:
             w.info = dict(info)
         decisions = [
@@ -680,8 +668,8 @@ def test_decisions_ignore_the_simulator_block_of_server_info() -> None:
 
 def test_each_worker_is_judged_by_its_own_learned_speed() -> None:
     """Two idle workers, neither holding the prompt: the one measured faster wins (no prior decides)."""
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
-    slow, fast = _workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    slow, fast = loopback_workers(2)
     truth = {"w0": PrefillModel(0.06, 92e-6, 2.1e-9), "w1": PrefillModel(0.015, 23e-6, 0.52e-9)}
     busy = dict.fromkeys(truth, 0.0)
     tokens = dict.fromkeys(truth, 0)
@@ -746,12 +734,12 @@ def test_a_cold_prompt_is_placed_by_balance_across_like_workers_measured_apart()
     Measured under cache pressure on a simulated 2P2D fleet: noise of that size sent 40 of 66 cold prefixes
     to one prefill worker. A worker 3x faster, or one with a queue, still wins (``cold_tie_rel`` band).
     """
-    quick, slow = _workers(2)
+    quick, slow = loopback_workers(2)
     prior = PrefillModel(0.02, 4e-5, 1e-9)
     truth = {quick: prior, slow: PrefillModel(prior.c0 * 1.1, prior.a * 1.1, prior.b * 1.1)}
     chosen = {}
     for band in (0.0, 0.15):
-        policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", {"cold_tie_rel": band}))
+        policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", {"cold_tie_rel": band}))
         _learned(policy, truth)
         _traffic(policy, quick, 20)  # the quicker one took more of the fleet's traffic lately
         decision = policy.select(_request(4096, keys=[5]), _candidates([quick, slow], [0, 0]))
@@ -767,7 +755,7 @@ def test_a_cold_prompt_is_placed_by_balance_across_like_workers_measured_apart()
     queued = policy.select(_request(4096, keys=[6]), _candidates([quick, slow], [0, 0]))
     assert queued.scores[slow.id]["queue_s"] > 0.003 and queued.ranked[0] is quick
     # a worker 3x slower stays out of it too
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
     _learned(policy, {quick: prior, slow: PrefillModel(prior.c0 * 3, prior.a * 3, prior.b * 3)})
     _traffic(policy, quick, 20)
     assert policy.select(_request(4096, keys=[7]), _candidates([quick, slow], [0, 0])).ranked[0] is quick
@@ -775,9 +763,9 @@ def test_a_cold_prompt_is_placed_by_balance_across_like_workers_measured_apart()
 
 def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
     """The same queue imbalance spills a hot prefix on an idle fleet but not on a saturated one."""
-    workers = _workers(2)
+    workers = loopback_workers(2)
     for utilization, expected in ((0.1, "prefix-spill"), (0.97, "prefix-hit")):
-        policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+        policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
         for w in workers:
             # 40 requests in the worker at the last report: the queue is real
             policy.cost_model(w).observe(WorkerLoad(num_running_reqs=40, polled_at=time.monotonic() - 0.1))
@@ -795,8 +783,8 @@ def _light_fleet_with_a_busy_holder(options: dict[str, Any], cached_blocks: int 
     """Three measured, lightly used workers: w0 holds 3,000 of a 3,200-token prompt behind ~0.19 s of the
     router's own cold sends; w1 and w2 hold nothing and have ``cached_blocks`` of a 24k-token pool filled;
     w2 also has a queue when ``busy`` is 2."""
-    workers = _workers(3)
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", options))
+    workers = loopback_workers(3)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", options))
     now = time.monotonic()
     loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
     for w, ld in zip(workers, loads):
@@ -841,8 +829,8 @@ def test_an_idle_worker_of_a_mostly_busy_fleet_keeps_the_least_price() -> None:
 
 
 def test_the_fleet_price_is_the_measured_workers_mean_and_forgets_a_removed_worker() -> None:
-    workers = _workers(3)
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": "utilization"}))
+    workers = loopback_workers(3)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": "utilization"}))
     assert policy.fleet_price() == math.inf  # nobody measured: idle workers keep the least price
     for w, utilization in zip(workers, (0.5, 0.2, 0.0)):
         model = policy.cost_model(w)
@@ -856,10 +844,10 @@ def test_the_fleet_price_is_the_measured_workers_mean_and_forgets_a_removed_work
 
 def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
     """Busy all the time but never more than one request in it: its follow-ups stay (real SGLang, CPU)."""
-    workers = _workers(2)
+    workers = loopback_workers(2)
     chosen = {}
     for work_price in ("utilization", "lesser"):
-        policy = _as(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": work_price}))
+        policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": work_price}))
         holder = policy.cost_model(workers[0])
         # The client's previous turn kept it busy (the only request in it), and has just finished.
         holder.observe(WorkerLoad(num_running_reqs=1, polled_at=time.monotonic() - 0.1))
@@ -871,24 +859,30 @@ def test_a_worker_busy_with_one_client_at_a_time_keeps_its_prefix() -> None:
     assert chosen == {"utilization": "w1", "lesser": "w0"}
 
 
-def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
-    """The holder measured itself slower than the priors; an unmeasured idle worker must not look faster."""
-    workers = _workers(2)
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
-    holder = policy.cost_model(workers[0])
-    truth = PrefillModel(0.05, 4e-5, 1e-9)  # a per-request floor 2.5x the prior's (a CPU, a small model)
+def _feed(model: WorkerCostModel, new: int, steps: int, seconds: Callable[[int], float]) -> None:
+    """``steps`` requests of ``new`` uncached tokens sent every 0.5 s, each taking ``seconds(new)`` of prefill on
+    the worker: its cumulative counters, polled 0.4 s after each send, reported to ``model``."""
     busy = tokens = 0.0
-    for step in range(20):
-        holder.sent(400, 0, step * 0.5)
-        busy += truth.seconds(400, 0)
-        tokens += 400
-        holder.observe(
+    for step in range(steps):
+        model.sent(new, 0, step * 0.5)
+        busy += seconds(new)
+        tokens += new
+        model.observe(
             WorkerLoad(
                 total_prefill_busy_us=int(busy * 1e6),
                 total_prefill_uncached_tokens=int(tokens),
                 polled_at=step * 0.5 + 0.4,
             )
         )
+
+
+def test_a_fresh_worker_is_judged_by_the_measured_ones_not_the_priors() -> None:
+    """The holder measured itself slower than the priors; an unmeasured idle worker must not look faster."""
+    workers = loopback_workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    holder = policy.cost_model(workers[0])
+    truth = PrefillModel(0.05, 4e-5, 1e-9)  # a per-request floor 2.5x the prior's (a CPU, a small model)
+    _feed(holder, 400, 20, lambda new: truth.seconds(new, 0))
     assert holder.windows and holder.prefill.seconds(400, 0) == pytest.approx(truth.seconds(400, 0), rel=0.1)
     assert policy.cost_model(workers[1]).windows == 0
     decision = _select(policy, _request(433, keys=[5]), _candidates(workers, [25, 0]))
@@ -900,7 +894,7 @@ def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:
     from extproc.fleet.index import rank_key
     from extproc.fleet.info import DP_RANK_HEADERS
 
-    workers = _workers(2)
+    workers = loopback_workers(2)
     for w in workers:
         w.info = {"dp_size": 2, "page_size": 16}
     app = RouterApp(RouterConfig(), WorkerRegistry(workers))
@@ -934,7 +928,7 @@ def test_dp_ranks_are_indexed_apart_and_the_holding_rank_is_pinned() -> None:
 
 def test_session_affinity_headers_are_a_configurable_list() -> None:
     policy = create_policy("session", {"fallback": "least-load"})
-    workers = _workers(3)
+    workers = loopback_workers(3)
     # aiperf's header is among the defaults; the first header present names the session.
     aiperf = RoutingRequest(model="m", path="/generate", headers={"x-session-affinity": "conv-7"})
     first = _select(policy, aiperf, _candidates(workers, [0, 0, 0]))
@@ -956,7 +950,7 @@ def test_session_affinity_headers_are_a_configurable_list() -> None:
 def test_ranking_reads_the_cost_models_and_reports_feed_them() -> None:
     """``select`` changes no learned state; a load report reaches the model through ``on_load`` only."""
     policy = create_policy("prefix-aware")
-    workers = _workers(2)
+    workers = loopback_workers(2)
     load = WorkerLoad(num_waiting_reqs=4, num_waiting_uncached_tokens=8000, polled_at=1.0)
     policy.select(_request(2048), _candidates(workers, [0, 0], [load, None]))
     assert policy.costs == {}  # type: ignore[attr-defined]
@@ -967,7 +961,7 @@ def test_ranking_reads_the_cost_models_and_reports_feed_them() -> None:
 
 def test_router_clock_reaches_index_loads_and_policy_and_departed_workers_are_forgotten() -> None:
     clock = Clock()
-    workers = _workers(3)
+    workers = loopback_workers(3)
     registry = WorkerRegistry(workers)
     app = RouterApp(RouterConfig(), registry, clock=clock)
     assert app.pipeline.policy.clock is clock and app.loads.clock is clock
@@ -1068,21 +1062,11 @@ def test_the_fleet_mean_is_kept_as_running_sums() -> None:
 
 
 def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_it() -> None:
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
-    measured, fresh = _workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    measured, fresh = loopback_workers(2)
     model = policy.cost_model(measured)
-    busy = tokens = 0.0
-    for step in range(6):  # a worker twice as slow as the priors in every constant
-        model.sent(1000, 0, step * 0.5)
-        busy += 2 * policy.cost_model(fresh).learned.seconds(1000, 0)
-        tokens += 1000
-        model.observe(
-            WorkerLoad(
-                total_prefill_busy_us=int(busy * 1e6),
-                total_prefill_uncached_tokens=int(tokens),
-                polled_at=step * 0.5 + 0.4,
-            )
-        )
+    # a worker twice as slow as the priors in every constant
+    _feed(model, 1000, 6, lambda new: 2 * policy.cost_model(fresh).learned.seconds(new, 0))
     assert model.windows
     assert policy.cost_model(fresh).prefill == model.learned  # judged by the measured one, for queue and prefill
     policy.remove_worker(measured.id)
@@ -1097,8 +1081,8 @@ def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False) -> Decisi
     prompt the router just queued there. ``stale``: since the document was last used there, 18.7k other new
     tokens were stored on w0 (and prefilled), so the LRU order puts the document first in line for eviction."""
     now = [1000.0]
-    workers = _workers(3)
-    policy = _as(PrefixAwarePolicy, create_policy("prefix-aware"))
+    workers = loopback_workers(3)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
     policy.clock = lambda: now[0]
     loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now[0]) for _ in workers]
     for w, ld in zip(workers, loads):

@@ -12,6 +12,7 @@ import pytest
 
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
+from tests.support.pd import DISAGGREGATION_LOAD_KEYS
 from tests.support.sim_fixtures import get_json, http, post_json, sse_events
 
 PAGE = 4
@@ -182,16 +183,7 @@ LOADS_CORE_KEYS = [
 ]
 LOADS_SECTIONS = {
     "memory": ["weight_gb", "kv_cache_gb", "graph_gb", "token_capacity"],
-    "disaggregation": [
-        "mode",
-        "prefill_bootstrap_queue_reqs",
-        "prefill_inflight_queue_reqs",
-        "decode_prealloc_queue_reqs",
-        "decode_transfer_queue_reqs",
-        "decode_retracted_queue_reqs",
-        "kv_transfer_speed_gb_s",
-        "kv_transfer_latency_ms",
-    ],
+    "disaggregation": DISAGGREGATION_LOAD_KEYS,
     "queues": ["waiting", "grammar", "paused", "retracted", "prealloc_ready"],
 }
 RECORDED_LOADS = Path(__file__).resolve().parents[2].parent / "shared" / "sglang-http" / "v1_loads.json"

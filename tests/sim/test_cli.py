@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 
 from prefix_common.addresses import free_ports
+from tests.support.cli import run_cli
 
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefix_router", "sim-worker", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return run_cli("sim-worker", *args, timeout=timeout)
 
 
 def test_help_explains_every_flag() -> None:

@@ -18,8 +18,9 @@ import pytest
 
 from prefix_common.addresses import free_ports
 from prefix_router.fleet import PdFleet, start_fleet, start_pd_fleet
-from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd, wait_for
+from tests.support.pd import DISAGGREGATION_LOAD_KEYS, pd_body, pd_load, send_pd
 from tests.support.sim_fixtures import EventSubscriber, get_json, http, post_json, sse_events
+from tests.support.waiting import wait_until
 
 PAGE = 4
 PROMPT = list(range(100, 160))  # 60 tokens: 15 pages
@@ -114,7 +115,7 @@ def test_server_info_and_loads_name_the_side(pair: PdFleet) -> None:
     for worker, mode in ((prefill, "prefill"), (decode, "decode")):
         block = pd_load(worker)
         assert block["mode"] == mode
-        assert set(block) == DISAGGREGATION_LOAD_KEYS
+        assert set(block) == set(DISAGGREGATION_LOAD_KEYS)
         assert get_json(worker, "/model_info")[1]["disaggregation_mode"] == mode
 
 
@@ -134,7 +135,7 @@ def test_abort_request_fails_a_request_waiting_for_its_other_half(pair: PdFleet,
     body = pd_body({"input_ids": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 4}}, prefill)
     out: list[tuple[int, bytes]] = []
     thread = _post_in_thread(worker.url + "/generate", body, out)  # only one half: it waits for the other
-    wait_for(lambda: pd_load(worker)[queue] == 1)
+    wait_until(lambda: pd_load(worker)[queue] == 1)
     status, raw = http("POST", worker.url + "/abort_request", {"rid": rid})
     assert (status, raw) == (200, b"")
     thread.join(10)
@@ -156,7 +157,7 @@ def test_abort_request_ends_a_running_request_with_finish_reason_abort() -> None
         out: list[tuple[int, bytes]] = []
         body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 5000}}
         thread = _post_in_thread(worker.url + "/generate", body, out)
-        wait_for(lambda: get_json(worker, "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1)
+        wait_until(lambda: get_json(worker, "/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1)
         assert http("POST", worker.url + "/abort_request", {"rid": "long"}) == (200, b"")  # rid prefixes match
         thread.join(10)
         status, raw = out[0]
@@ -218,7 +219,7 @@ def test_a_failed_prefill_fails_its_decode_at_once(pair: PdFleet) -> None:
     started = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(http, "POST", prefill.url + "/generate", body | {"rid": rid}, None, 30)
-        wait_for(lambda: pd_load(prefill)["prefill_bootstrap_queue_reqs"] == 1)
+        wait_until(lambda: pd_load(prefill)["prefill_bootstrap_queue_reqs"] == 1)
         # the prefill waits in its bootstrap queue: abort it there, then the decode half arrives and fails fast
         assert http("POST", prefill.url + "/abort_request", {"rid": rid})[0] == 200
         assert p.result()[0] == 500

@@ -9,7 +9,8 @@ GPU and host sizes. The scheduler tests run the real loop in-process with a huge
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,9 @@ import pytest
 from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.hiradix_cache import HiRadixCache, host_pool_tokens
 from sglang_workers.sim.kv_events import AllBlocksCleared, BlockStored, KVEvent
-from sglang_workers.sim.request import Request
 from sglang_workers.sim.scheduler import Scheduler
-from sglang_workers.sim.timing import TimingProfile
+from tests.support.sim_scheduler import PROFILE as BASE_PROFILE
+from tests.support.sim_scheduler import VOCAB, Factory, finish, started
 
 PAGE = 4
 GPU, HOST = "GPU", "CPU_PINNED"
@@ -273,30 +274,18 @@ def test_host_pool_is_sized_like_sglang() -> None:
 
 
 # -- the scheduler with a host tier -----------------------------------------------------------------
-PROFILE = TimingProfile(
-    "test",
-    "round numbers",
-    c0=0.01,
-    a=1e-5,
-    b=1e-9,
-    d0=0.005,
-    d1=1e-4,
-    d2=1e-8,
-    kv_pool_tokens=100_000,
+PROFILE = replace(
+    BASE_PROFILE,
     layers=10,
     kv_bytes_per_token=1000,
     h2d_gbps=1.0,  # 1 us per token: easy to read
     d2h_gbps=1.0,
 )
-VOCAB = list(range(1000, 1100))
-Factory = Callable[..., Scheduler]
 
 
 @pytest.fixture
 async def make(tmp_path: Path) -> AsyncIterator[Factory]:
-    made: list[Scheduler] = []
-
-    def factory(**overrides: object) -> Scheduler:
+    def build(**overrides: object) -> Scheduler:
         values: dict[str, object] = {
             "page_size": 16,
             "speedup": 1e9,
@@ -307,22 +296,10 @@ async def make(tmp_path: Path) -> AsyncIterator[Factory]:
         }
         config = SimWorkerConfig.model_validate(values)
         cache = HiRadixCache(16, enable_events=False, host_capacity=100_000, write_policy=config.hicache_write_policy)
-        scheduler = Scheduler(config, PROFILE, cache, None, VOCAB)
-        scheduler.start()
-        made.append(scheduler)
-        return scheduler
+        return Scheduler(config, PROFILE, cache, None, VOCAB)
 
-    yield factory
-    for scheduler in made:
-        await scheduler.stop()
-
-
-async def finish(*reqs: Request) -> None:
-    async def drain(req: Request) -> None:
-        while await req.updates.get() is not None:
-            pass
-
-    await asyncio.wait_for(asyncio.gather(*(drain(r) for r in reqs)), timeout=10)
+    async with started(build) as factory:
+        yield factory
 
 
 async def test_a_host_hit_counts_as_cached_and_its_copy_overlaps_the_prefill(make: Factory) -> None:
@@ -365,15 +342,20 @@ async def test_storage_prefetch_lands_pages_another_worker_wrote(make: Factory) 
 SLOW_STORAGE = '{"sim_op_latency_us": 200000}'  # 0.2 s per storage operation, at speedup 1
 
 
-async def test_best_effort_prefetch_does_not_wait_for_the_reads(make: Factory) -> None:
-    prompt = await written_prompt(make, 7000)
-    reader = make(
+def slow_reader(make: Factory, policy: str, extra_config: str = SLOW_STORAGE) -> Scheduler:
+    """A worker prefetching from the shared storage directory with ``policy``, in real time (speedup 1)."""
+    return make(
         hicache_storage_backend="file",
-        hicache_storage_prefetch_policy="best_effort",
-        hicache_storage_backend_extra_config=SLOW_STORAGE,
+        hicache_storage_prefetch_policy=policy,
+        hicache_storage_backend_extra_config=extra_config,
         speedup=1.0,
         capacity_tokens=8192,
     )
+
+
+async def test_best_effort_prefetch_does_not_wait_for_the_reads(make: Factory) -> None:
+    prompt = await written_prompt(make, 7000)
+    reader = slow_reader(make, "best_effort")
     req = reader.submit(prompt + [1, 2, 3], 1)
     await finish(req)
     assert req.cached_tokens == 0  # admitted at the first poll, before any page landed
@@ -382,13 +364,10 @@ async def test_best_effort_prefetch_does_not_wait_for_the_reads(make: Factory) -
 
 async def test_timeout_prefetch_gives_up_at_its_deadline(make: Factory) -> None:
     prompt = await written_prompt(make, 9000)
-    reader = make(
-        hicache_storage_backend="file",
-        hicache_storage_backend_extra_config=(
-            '{"sim_op_latency_us": 200000, "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0}'
-        ),
-        speedup=1.0,
-        capacity_tokens=8192,
+    reader = slow_reader(
+        make,
+        "timeout",
+        '{"sim_op_latency_us": 200000, "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0}',
     )
     req = reader.submit(prompt + [1, 2, 3], 1)
     await finish(req)
@@ -399,13 +378,7 @@ async def test_timeout_prefetch_gives_up_at_its_deadline(make: Factory) -> None:
 
 async def test_wait_complete_prefetch_waits_for_slow_reads(make: Factory) -> None:
     prompt = await written_prompt(make, 11000)
-    reader = make(
-        hicache_storage_backend="file",
-        hicache_storage_prefetch_policy="wait_complete",
-        hicache_storage_backend_extra_config=SLOW_STORAGE,
-        speedup=1.0,
-        capacity_tokens=8192,
-    )
+    reader = slow_reader(make, "wait_complete")
     started = asyncio.get_running_loop().time()
     req = reader.submit(prompt + [1, 2, 3], 1)
     await finish(req)

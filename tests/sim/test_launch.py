@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_cli
+
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "prefix_router", "sglang-launch", *args], capture_output=True, text=True, timeout=30
-    )
+    return run_cli("sglang-launch", *args, timeout=30)
 
 
 def test_prints_launch_command_with_router_flags() -> None:
@@ -101,21 +101,10 @@ def test_cpu_launch_command_uses_the_install_and_the_cpu_flags(tmp_path: Path) -
 
 
 def test_cpu_launch_without_the_install_names_make_sglang_cpu(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "sglang-launch", "--cpu"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")},
-    )
+    nowhere = {"PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")}
+    done = run_cli("sglang-launch", "--cpu", timeout=30, env=nowhere)
     assert done.returncode == 1 and "make sglang-cpu" in done.stderr and "Traceback" not in done.stderr
-    up = subprocess.run(
-        [sys.executable, "-m", "prefix_router", "up", "--engine", "sglang-cpu", "--workers", "2"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "PREFIX_ROUTER_SGLANG_CPU": str(tmp_path / "nothing")},
-    )
+    up = run_cli("up", "--engine", "sglang-cpu", "--workers", "2", timeout=30, env=nowhere)
     assert up.returncode == 1 and "make sglang-cpu" in up.stderr and "Traceback" not in up.stderr
 
 
@@ -131,6 +120,13 @@ def test_install_errors_say_what_to_do(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(installer.InstallError, match=r"needs about 12 GB free .* 3\.0 GB are"):
         installer.install(tmp_path / "venv", sys.executable)
     assert installer.main(["--dir", str(tmp_path / "venv")]) == 1  # the same, as one line on stderr
+    # A build step that fails names itself and shows the end of what it printed.
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: fatal error: no input files' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(installer.InstallError) as failed:
+        installer.build_stub(installer.CpuInstall(tmp_path / "venv"), str(broken))
+    assert "building the libcuda.so.1 stand-in failed" in str(failed.value) and "no input files" in str(failed.value)
 
 
 # ``ldconfig -p`` as Debian prints it, on a machine with libc but without Mooncake's RDMA libraries.

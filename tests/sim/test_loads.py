@@ -8,50 +8,21 @@ speed (that is what a router learns from their deltas), ``decode_moments`` the d
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 
-from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.load_report import DECODE_LOG_INTERVAL
-from sglang_workers.sim.radix_cache import RadixCache
-from sglang_workers.sim.request import Request
-from sglang_workers.sim.scheduler import Scheduler
-from sglang_workers.sim.timing import TimingProfile
+from tests.support.sim_scheduler import PROFILE, Factory, finish, plain_scheduler, started
 
-PROFILE = TimingProfile(
-    "test", "round numbers", c0=0.01, a=1e-5, b=1e-9, d0=0.005, d1=1e-4, d2=1e-8, kv_pool_tokens=100_000
-)
-VOCAB = list(range(1000, 1100))
-
-Factory = Callable[..., Scheduler]
+SPEEDUP = 20.0  # the steps' wall time is what the counters report: profile time / speedup
 
 
 @pytest.fixture
 async def make() -> AsyncIterator[Factory]:
-    made: list[Scheduler] = []
-
-    def factory(**overrides: object) -> Scheduler:
-        config = SimWorkerConfig(**{"page_size": 16, "speedup": SPEEDUP, "kv_events": False, **overrides})
-        scheduler = Scheduler(config, PROFILE, RadixCache(config.page_size, enable_events=False), None, VOCAB)
-        scheduler.start()
-        made.append(scheduler)
-        return scheduler
-
-    yield factory
-    for scheduler in made:
-        await scheduler.stop()
-
-
-async def finish(*reqs: Request) -> None:
-    async def drain(req: Request) -> None:
-        while await req.updates.get() is not None:
-            pass
-
-    await asyncio.wait_for(asyncio.gather(*(drain(r) for r in reqs)), timeout=10)
-
-
-SPEEDUP = 20.0  # the steps' wall time is what the counters report: profile time / speedup
+    async with started(partial(plain_scheduler, speedup=SPEEDUP)) as factory:
+        yield factory
 
 
 def prefill_s(new: int, cached: int = 0) -> float:

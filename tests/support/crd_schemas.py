@@ -22,171 +22,119 @@ from typing import Any
 
 __all__ = ["CRD_SCHEMAS"]
 
+
+def _fields(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    """An object with these fields and no other (strict field validation), ``required`` among them."""
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _resource(spec: dict[str, Any]) -> dict[str, Any]:
+    """A custom resource: apiVersion, kind, metadata with a name, and ``spec``."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"metadata": {"type": "object", "required": ["name"]}, "spec": spec},
+    }
+
+
 _NAME = {"type": "string", "minLength": 1, "maxLength": 253}
 # GIE's LabelValue: at most 63 characters, alphanumeric at both ends, [-_.] and alphanumerics between.
 _LABEL_VALUE = {"type": "string", "maxLength": 63, "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}
-_PORT = {
-    "type": "object",
-    "required": ["number"],
-    "additionalProperties": False,
-    "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}},
-}
-_META = {"type": "object", "required": ["name"]}
+_PORT = _fields({"number": {"type": "integer", "minimum": 1, "maximum": 65535}}, ["number"])
 
-_INFERENCE_POOL: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "metadata": _META,
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "targetPorts", "endpointPickerRef"],
-            "properties": {
-                "selector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["matchLabels"],
-                    "properties": {
-                        "matchLabels": {
-                            "type": "object",
-                            "minProperties": 1,
-                            "maxProperties": 64,
-                            "additionalProperties": _LABEL_VALUE,
-                        }
-                    },
-                },
-                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 1, "uniqueItems": True, "items": _PORT},
-                "endpointPickerRef": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["name"],
-                    "properties": {
-                        "group": {
-                            "type": "string",
-                            "maxLength": 253,
-                            "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
-                        },
-                        "kind": {
-                            "type": "string",
-                            "minLength": 1,
-                            "maxLength": 63,
-                            "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$",
-                        },
-                        "name": _NAME,
-                        "port": _PORT,
-                        "failureMode": {"enum": ["FailOpen", "FailClose"]},
-                    },
-                    # CEL: self.kind != 'Service' || has(self.port); kind defaults to Service.
-                    "anyOf": [
-                        {"required": ["port"]},
-                        {"required": ["kind"], "properties": {"kind": {"not": {"const": "Service"}}}},
-                    ],
-                },
-            },
+_ENDPOINT_PICKER_REF = _fields(
+    {
+        "group": {
+            "type": "string",
+            "maxLength": 253,
+            "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
         },
-    },
-}
-
-_GATEWAY: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "metadata": _META,
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["gatewayClassName", "listeners"],
-            "properties": {
-                "gatewayClassName": _NAME,
-                "listeners": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["name", "port", "protocol"],
-                        "properties": {
-                            "name": _NAME,
-                            "port": {"type": "integer", "minimum": 1, "maximum": 65535},
-                            "protocol": {"enum": ["HTTP", "HTTPS", "TLS", "TCP", "UDP"]},
-                        },
-                    },
-                },
-            },
+        "kind": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 63,
+            "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$",
         },
+        "name": _NAME,
+        "port": _PORT,
+        "failureMode": {"enum": ["FailOpen", "FailClose"]},
     },
+    ["name"],
+) | {
+    # CEL: self.kind != 'Service' || has(self.port); kind defaults to Service.
+    "anyOf": [
+        {"required": ["port"]},
+        {"required": ["kind"], "properties": {"kind": {"not": {"const": "Service"}}}},
+    ],
 }
 
-_HTTP_ROUTE_RULE: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "matches": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "path": {
+_INFERENCE_POOL = _resource(
+    _fields(
+        {
+            "selector": _fields(
+                {
+                    "matchLabels": {
                         "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
-                            "value": {"type": "string"},
-                        },
+                        "minProperties": 1,
+                        "maxProperties": 64,
+                        "additionalProperties": _LABEL_VALUE,
                     }
                 },
-            },
+                ["matchLabels"],
+            ),
+            "targetPorts": {"type": "array", "minItems": 1, "maxItems": 1, "uniqueItems": True, "items": _PORT},
+            "endpointPickerRef": _ENDPOINT_PICKER_REF,
         },
-        "backendRefs": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "additionalProperties": False,
-                "required": ["name"],
-                "properties": {
-                    "group": {"type": "string"},
-                    "kind": {"type": "string"},
-                    "name": _NAME,
-                    "port": {"type": "integer"},
-                    "weight": {"type": "integer"},
-                },
-            },
-        },
-        "timeouts": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {"request": {"type": "string"}, "backendRequest": {"type": "string"}},
-        },
-    },
-}
+        ["selector", "targetPorts", "endpointPickerRef"],
+    )
+)
 
-_HTTP_ROUTE: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "metadata": _META,
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["parentRefs", "rules"],
-            "properties": {
-                "parentRefs": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["name"],
-                        "properties": {"group": {"type": "string"}, "kind": {"type": "string"}, "name": _NAME},
-                    },
-                },
-                "rules": {"type": "array", "minItems": 1, "items": _HTTP_ROUTE_RULE},
-            },
-        },
+_LISTENER = _fields(
+    {
+        "name": _NAME,
+        "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "protocol": {"enum": ["HTTP", "HTTPS", "TLS", "TCP", "UDP"]},
     },
-}
+    ["name", "port", "protocol"],
+)
+_GATEWAY = _resource(
+    _fields(
+        {"gatewayClassName": _NAME, "listeners": {"type": "array", "minItems": 1, "items": _LISTENER}},
+        ["gatewayClassName", "listeners"],
+    )
+)
+
+_PATH_MATCH = _fields({"type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]}, "value": {"type": "string"}})
+_BACKEND_REF = _fields(
+    {
+        "group": {"type": "string"},
+        "kind": {"type": "string"},
+        "name": _NAME,
+        "port": {"type": "integer"},
+        "weight": {"type": "integer"},
+    },
+    ["name"],
+)
+_HTTP_ROUTE_RULE = _fields(
+    {
+        "matches": {"type": "array", "items": {"type": "object", "properties": {"path": _PATH_MATCH}}},
+        "backendRefs": {"type": "array", "minItems": 1, "items": _BACKEND_REF},
+        "timeouts": _fields({"request": {"type": "string"}, "backendRequest": {"type": "string"}}),
+    }
+)
+_PARENT_REF = _fields({"group": {"type": "string"}, "kind": {"type": "string"}, "name": _NAME}, ["name"])
+_HTTP_ROUTE = _resource(
+    _fields(
+        {
+            "parentRefs": {"type": "array", "minItems": 1, "items": _PARENT_REF},
+            "rules": {"type": "array", "minItems": 1, "items": _HTTP_ROUTE_RULE},
+        },
+        ["parentRefs", "rules"],
+    )
+)
 
 CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): _INFERENCE_POOL,

@@ -70,6 +70,22 @@ def stream_lines(url: str, body: dict[str, Any], timeout: float = 10.0) -> Gener
         conn.close()
 
 
+def sse_data(url: str, body: dict[str, Any], timeout: float = 10.0) -> list[tuple[float, bytes]]:
+    """POST a streamed request: the ``data:`` lines of its response, each with the time it arrived."""
+    return [(t, line) for t, line in stream_lines(url, body, timeout) if line.startswith(b"data:")]
+
+
+def assert_streams_as_generated(url: str, chat: dict[str, Any], timeout: float = 10.0) -> None:
+    """48 tokens streamed through the gateway at ``url`` arrive spread over their decode, not at once: nothing on
+    the way (Envoy, the router) buffers the SSE body. ``chat``: a chat completion body for a simulated worker."""
+    body = {**chat, "max_tokens": 48, "stream": True, "ignore_eos": True}
+    events = sse_data(url + "/v1/chat/completions", body, timeout)
+    assert events[-1][1].strip() == b"data: [DONE]"
+    assert len(events) >= 40
+    # 48 decode steps of the simulated GPU take ~0.35 s: buffered, every event would arrive at once.
+    assert events[-1][0] - events[0][0] > 0.15
+
+
 def envoy_stats(admin_url: str) -> dict[str, int]:
     """Envoy's counters and gauges by name (from its admin endpoint)."""
     with urllib.request.urlopen(admin_url + "/stats?format=json", timeout=5) as response:

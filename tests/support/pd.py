@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sglang_workers.process import WorkerProcess
 from tests.support.sim_fixtures import get_json, http
 
-# The ``disaggregation`` block of a 0.5.23 ``/v1/loads`` entry (../shared/sglang-http/v1_loads.json).
-DISAGGREGATION_LOAD_KEYS = {
+# The ``disaggregation`` block of a 0.5.23 ``/v1/loads`` entry, in order (../shared/sglang-http/v1_loads.json).
+DISAGGREGATION_LOAD_KEYS = [
     "mode",
     "prefill_bootstrap_queue_reqs",
     "prefill_inflight_queue_reqs",
@@ -22,7 +20,7 @@ DISAGGREGATION_LOAD_KEYS = {
     "decode_retracted_queue_reqs",
     "kv_transfer_speed_gb_s",
     "kv_transfer_latency_ms",
-}
+]
 
 
 def pd_load(worker: WorkerProcess) -> dict[str, Any]:
@@ -30,15 +28,6 @@ def pd_load(worker: WorkerProcess) -> dict[str, Any]:
     _, loads = get_json(worker, "/v1/loads")
     block: dict[str, Any] = loads["loads"][0]["disaggregation"]
     return block
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll ``check`` until it holds (AssertionError naming ``what`` after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout:.0f} s")
-        time.sleep(0.02)
 
 
 def pd_body(body: dict[str, Any], prefill: WorkerProcess, room: int | None = None) -> dict[str, Any]:

@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 from extproc.sync.sources import pod_worker
-from prefix_common.addresses import free_port
+from prefix_common.addresses import free_port, free_ports
+from sglang_workers.sim.launch import sim_worker_argv
+from tests.support.waiting import wait_until
 
 dnslib = pytest.importorskip("dnslib")
 from dnslib import RR, A  # noqa: E402
@@ -61,26 +63,9 @@ def dns_server() -> Iterator[tuple[_Records, int]]:
 
 
 def _sim_worker(host: str, port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefix_router",
-            "sim-worker",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--kv-events-host",
-            host,
-            "--kv-events-port",
-            str(free_port(host)),
-            "--profile",
-            "instant",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    kv_port, replay_port = free_ports(2, host)
+    argv = sim_worker_argv(host, port, kv_port, replay_port, "--profile", "instant")
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture
@@ -92,8 +77,8 @@ def two_addresses() -> Iterator[int]:
             break
     workers = [_sim_worker("127.0.0.2", port), _sim_worker("127.0.0.3", port)]
     try:
-        for host in ("127.0.0.2", "127.0.0.3"):
-            _wait(lambda h=host: _get(f"http://{h}:{port}/health") == 200, f"sim worker on {host}")
+        hosts = ("127.0.0.2", "127.0.0.3")
+        wait_until(lambda: all(_get(f"http://{h}:{port}/health") == 200 for h in hosts), "both sim workers")
         yield port
     finally:
         for worker in workers:
@@ -118,13 +103,6 @@ def _get(url: str) -> int | str:
             return int(response.status) if "metrics" not in url else response.read().decode()
     except OSError:
         return -1
-
-
-def _wait(predicate: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _healthy(metrics_port: int) -> dict[str, float]:
@@ -154,7 +132,7 @@ def _serve(config: Path) -> tuple[subprocess.Popen[bytes], int]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    _wait(lambda: isinstance(_get(f"http://127.0.0.1:{metrics_port}/metrics"), str), "router metrics")
+    wait_until(lambda: isinstance(_get(f"http://127.0.0.1:{metrics_port}/metrics"), str), "router metrics")
     return router, metrics_port
 
 
@@ -181,11 +159,11 @@ def test_every_address_of_a_dns_name_is_a_worker_and_follows_its_records(
     first, second = f"workers.test/127.0.0.2:{port}", f"workers.test/127.0.0.3:{port}"
     router, metrics = _serve(config)
     try:
-        _wait(lambda: _healthy(metrics) == {first: 1.0}, "the one address")
+        wait_until(lambda: _healthy(metrics) == {first: 1.0}, "the one address")
         records.addresses = ["127.0.0.2", "127.0.0.3"]  # scaled up: the new address joins
-        _wait(lambda: _healthy(metrics) == {first: 1.0, second: 1.0}, "both addresses")
+        wait_until(lambda: _healthy(metrics) == {first: 1.0, second: 1.0}, "both addresses")
         records.addresses = ["127.0.0.3"]  # the first one went away
-        _wait(lambda: _healthy(metrics) == {second: 1.0}, "only the second")
+        wait_until(lambda: _healthy(metrics) == {second: 1.0}, "only the second")
         assert router.poll() is None
     finally:
         log = _stop(router)
@@ -206,9 +184,9 @@ def test_config_file_is_reloaded_on_change_and_on_sighup(two_addresses: int, tmp
     write([a], 0.2)
     router, metrics = _serve(config)
     try:
-        _wait(lambda: _healthy(metrics) == {a: 1.0}, "the first worker")
+        wait_until(lambda: _healthy(metrics) == {a: 1.0}, "the first worker")
         write([a, b], 0.2)  # a changed file is picked up by itself
-        _wait(lambda: _healthy(metrics) == {a: 1.0, b: 1.0}, "the added worker")
+        wait_until(lambda: _healthy(metrics) == {a: 1.0, b: 1.0}, "the added worker")
         config.write_text("workers: [{url: 42}]\nno_such_section: {}\n")  # a broken file: keep serving as before
         time.sleep(1.0)
         assert router.poll() is None and _healthy(metrics) == {a: 1.0, b: 1.0}
@@ -219,12 +197,12 @@ def test_config_file_is_reloaded_on_change_and_on_sighup(two_addresses: int, tmp
     write([b], 3600)  # the file is not polled in time: only SIGHUP makes the router read it
     router, metrics = _serve(config)
     try:
-        _wait(lambda: _healthy(metrics) == {b: 1.0}, "the configured worker")
+        wait_until(lambda: _healthy(metrics) == {b: 1.0}, "the configured worker")
         write([a], 3600)
         time.sleep(0.5)
         assert _healthy(metrics) == {b: 1.0}
         os.kill(router.pid, signal.SIGHUP)
-        _wait(lambda: _healthy(metrics) == {a: 1.0}, "the worker named after SIGHUP")
+        wait_until(lambda: _healthy(metrics) == {a: 1.0}, "the worker named after SIGHUP")
     finally:
         log = _stop(router)
     assert "config reload (SIGHUP)" in log

@@ -20,6 +20,7 @@ from prefix_router.fleet import start_fleet
 from prefix_router.stack import GatewayStack
 from sglang_workers.real.launch_command import DP_ENV
 from tests.support.gateway_http import post, request
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,13 +48,6 @@ def _index_blocks(stack: GatewayStack) -> dict[str, float]:
             rank = line.split('dp_rank="')[1].split('"')[0]
             out[rank] = float(line.rsplit(" ", 1)[1])
     return out
-
-
-def _wait(predicate: Any, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +92,15 @@ def test_both_ranks_are_subscribed_and_indexed_on_their_own(stack: GatewayStack)
     for doc, rank in ((DOC_A, 0), (DOC_B, 1)):
         reply = post(worker + "/v1/chat/completions", {**_chat(doc, "warm"), "routed_dp_rank": rank})
         assert reply.status == 200
-    _wait(lambda: all(v > 50 for v in _index_blocks(stack).values()) and len(_index_blocks(stack)) == 2, "both ranks")
+    wait_until(
+        lambda: all(v > 50 for v in _index_blocks(stack).values()) and len(_index_blocks(stack)) == 2, "both ranks"
+    )
     blocks = _index_blocks(stack)
     assert set(blocks) == {"0", "1"}
 
 
 def test_requests_are_pinned_to_the_rank_holding_their_prefix(stack: GatewayStack) -> None:
-    _wait(lambda: len(_index_blocks(stack)) == 2 and min(_index_blocks(stack).values()) > 50, "both ranks indexed")
+    wait_until(lambda: len(_index_blocks(stack)) == 2 and min(_index_blocks(stack).values()) > 50, "both ranks indexed")
     for doc in (DOC_B, DOC_A, DOC_B, DOC_A, DOC_B, DOC_A):
         reply = post(stack.url + "/v1/chat/completions", _chat(doc, f"question {time.monotonic()}"))
         assert reply.status == 200
@@ -121,7 +117,7 @@ def test_requests_are_pinned_to_the_rank_holding_their_prefix(stack: GatewayStac
 
 def test_a_client_cannot_pick_the_rank(stack: GatewayStack) -> None:
     """Envoy strips client copies of the rank headers, as it does the destination header."""
-    _wait(lambda: len(_index_blocks(stack)) == 2 and min(_index_blocks(stack).values()) > 50, "both ranks indexed")
+    wait_until(lambda: len(_index_blocks(stack)) == 2 and min(_index_blocks(stack).values()) > 50, "both ranks indexed")
     for header in ("x-data-parallel-rank", "x-override-routed-dp-rank"):
         reply = post(stack.url + "/v1/chat/completions", _chat(DOC_A, "spoof"), {header: "5"})
         assert reply.status == 200 and _cached(reply) > 400  # not a 400 for rank 5: the router's pin won

@@ -19,6 +19,7 @@ from extproc.fleet.blocks import block_keys, chain_seed
 from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.event_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
+from tests.support.kv_batches import apply_events
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "sglang-events"
 
@@ -83,13 +84,7 @@ def test_decoder_rebuilds_the_recorded_block_sets(name: str) -> None:
         assert payload.hex() == batch["payload_hex"]
         assert view.ingest(batch["frames"]["seq"], payload) is None
         applied += 1
-        for event in batch["decoded"][1]:
-            if event["type"] == "BlockStored":
-                live.update(event["block_hashes"])
-            elif event["type"] == "BlockRemoved":
-                live.difference_update(event["block_hashes"])
-            else:
-                live.clear()
+        apply_events(live, batch["decoded"][1])
         assert index.blocks("w") == {own_of[h] for h in live}, f"{name} step {step['step']}"
         assert view.state == "synced"
     assert view.stats.batches == applied

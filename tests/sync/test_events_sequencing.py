@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import msgpack
-
 from extproc.fleet.blocks import block_keys, chain_seed
 from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
-
-PAGE = 4
+from tests.support.kv_batches import CLEARED, PAGE, removed, stored
 
 
 class Clock:
@@ -18,24 +15,6 @@ class Clock:
         return self.now
 
 
-def _stored(tokens: list[int], hashes: list[int], parent: int | None = None, medium: str = "GPU") -> bytes:
-    event = {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": PAGE,
-        "lora_id": None,
-        "medium": medium,
-    }
-    return msgpack.packb([1.0, [event], 0])
-
-
-def _removed(hashes: list[int], medium: str = "GPU") -> bytes:
-    return msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}], 0])
-
-
-CLEARED = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}], 0])
 A = list(range(1, 9))  # two pages
 B = list(range(100, 104))  # one page, child of A's second page
 
@@ -53,18 +32,18 @@ def _view(clock: Clock | None = None) -> tuple[WorkerCacheView, BlockIndex]:
 
 def test_gap_is_filled_from_the_replay_answer() -> None:
     view, index = _view()
-    assert view.ingest(1, _stored(A, [11, 12])) is None
+    assert view.ingest(1, stored(A, [11, 12])) is None
     # batch 2 (B) is lost on the way; batch 3 arrives
-    assert view.ingest(3, _removed([11, 12, 13])) == 2
-    view.replayed([(2, _stored(B, [13], parent=12)), (3, _removed([11, 12, 13]))])
+    assert view.ingest(3, removed([11, 12, 13])) == 2
+    view.replayed([(2, stored(B, [13], parent=12)), (3, removed([11, 12, 13]))])
     assert view.last_seq == 3 and view.stats.gaps == 1 and view.stats.gaps_repaired == 1
     assert index.blocks("w") == set() and view.state == "synced"
 
 
 def test_unanswered_replay_drops_the_worker_and_says_so() -> None:
     view, index = _view()
-    view.ingest(1, _stored(A, [11, 12]))
-    assert view.ingest(3, _stored(B, [13], parent=12)) == 2
+    view.ingest(1, stored(A, [11, 12]))
+    assert view.ingest(3, stored(B, [13], parent=12)) == 2
     view.replayed(None)
     assert view.state == "unknown"
     assert index.blocks("w") == set()  # removals may have been missed: claim nothing
@@ -75,9 +54,9 @@ def test_unanswered_replay_drops_the_worker_and_says_so() -> None:
 
 def test_replay_buffer_that_no_longer_reaches_back_is_a_loss() -> None:
     view, index = _view()
-    view.ingest(1, _stored(A, [11, 12]))
-    view.ingest(6, _stored([7, 7, 7, 7], [99]))
-    view.replayed([(5, _stored([5, 5, 5, 5], [55])), (6, _stored([7, 7, 7, 7], [99]))])
+    view.ingest(1, stored(A, [11, 12]))
+    view.ingest(6, stored([7, 7, 7, 7], [99]))
+    view.replayed([(5, stored([5, 5, 5, 5], [55])), (6, stored([7, 7, 7, 7], [99]))])
     assert view.state == "unknown" and view.stats.gaps_repaired == 0
     assert index.blocks("w") == set(_keys([5, 5, 5, 5]) + _keys([7, 7, 7, 7]))  # only what was seen since
 
@@ -85,7 +64,7 @@ def test_replay_buffer_that_no_longer_reaches_back_is_a_loss() -> None:
 def test_unknown_state_recovers_after_clean_events() -> None:
     clock = Clock()
     view, _ = _view(clock)
-    view.ingest(2, _stored(A, [11, 12]))
+    view.ingest(2, stored(A, [11, 12]))
     view.replayed(None)
     assert view.state == "unknown"
     clock.now += 31
@@ -94,21 +73,21 @@ def test_unknown_state_recovers_after_clean_events() -> None:
 
 def test_seq_going_back_is_a_restart() -> None:
     view, index = _view()
-    view.ingest(1, _stored(A, [11, 12]))
-    view.ingest(2, _stored(B, [13], parent=12))
+    view.ingest(1, stored(A, [11, 12]))
+    view.ingest(2, stored(B, [13], parent=12))
     assert index.size("w") == 3
     index.record_routed("w", _keys(A))
     assert view.ingest(0, CLEARED) is None
     assert view.stats.restarts == 1 and index.size("w") == 0 and view.state == "synced"
     assert index.match(_keys(A), ["w"]) == {"w": 0}  # the router's record of it went too
-    assert view.ingest(1, _stored(B, [13], parent=12)) is None  # a chain from before the restart
+    assert view.ingest(1, stored(B, [13], parent=12)) is None  # a chain from before the restart
     assert view.stats.orphans == 1 and index.size("w") == 0
 
 
 def test_a_flushed_cache_takes_the_routers_record_of_its_sends_with_it() -> None:
     """AllBlocksCleared in sequence (a flush, not a restart): no hit is predicted from what was sent before."""
     view, index = _view()
-    view.ingest(1, _stored(A, [11, 12]))
+    view.ingest(1, stored(A, [11, 12]))
     index.record_routed("w", _keys(A))  # sent again just before the flush: the router's record says held
     assert index.match(_keys(A), ["w"]) == {"w": 2} and index.size("w") == 2
     clears = view.stats.clears
@@ -127,19 +106,19 @@ def test_first_batch_after_seq_zero_asks_for_a_replay_from_zero() -> None:
     index = BlockIndex()
     view = WorkerCacheView("w", index)
     assert view.state == "unknown"
-    assert view.ingest(2, _stored(B, [13], parent=12)) == 0
-    view.replayed([(0, CLEARED), (1, _stored(A, [11, 12])), (2, _stored(B, [13], parent=12))])
+    assert view.ingest(2, stored(B, [13], parent=12)) == 0
+    view.replayed([(0, CLEARED), (1, stored(A, [11, 12])), (2, stored(B, [13], parent=12))])
     assert view.state == "synced" and index.blocks("w") == set(_keys(A + B))
 
 
 def test_tiers_are_tracked_separately_through_the_hash_map() -> None:
     view, index = _view()
-    view.ingest(1, _stored(A, [11, 12]))
-    view.ingest(2, _stored(A, [11, 12], medium="CPU_PINNED"))  # offloaded copy
-    view.ingest(3, _removed([11, 12]))  # GPU copy evicted
+    view.ingest(1, stored(A, [11, 12]))
+    view.ingest(2, stored(A, [11, 12], medium="CPU_PINNED"))  # offloaded copy
+    view.ingest(3, removed([11, 12]))  # GPU copy evicted
     assert index.blocks("w", "gpu") == set()
     assert index.blocks("w", "host") == set(_keys(A))
-    view.ingest(4, _removed([11, 12], medium="CPU_PINNED"))
+    view.ingest(4, removed([11, 12], medium="CPU_PINNED"))
     assert index.blocks("w", "host") == set() and view._own == {}
 
 
@@ -148,7 +127,7 @@ def test_engine_hash_map_is_bounded() -> None:
     view = WorkerCacheView("w", index, max_hashes=5)
     view.ingest(0, CLEARED)
     for i in range(1, 5):
-        view.ingest(i, _stored([i] * 8, [10 * i, 10 * i + 1]))
+        view.ingest(i, stored([i] * 8, [10 * i, 10 * i + 1]))
     assert len(view._own) == 5 and 41 in view._own and 10 not in view._own
 
 
@@ -161,10 +140,10 @@ def test_engine_hash_maps_share_one_bound_and_the_largest_gives_way() -> None:
     for view in (big, late):
         view.ingest(0, CLEARED)
     for i in range(1, 6):
-        big.ingest(i, _stored([i] * 8, [10 * i, 10 * i + 1]))
+        big.ingest(i, stored([i] * 8, [10 * i, 10 * i + 1]))
     assert len(big._own) == 10 and bound.used == 10
-    late.ingest(1, _stored([7] * 8, [700, 701]))
-    late.ingest(2, _stored([8] * 8, [800, 801]))
+    late.ingest(1, stored([7] * 8, [700, 701]))
+    late.ingest(2, stored([8] * 8, [800, 801]))
     # The worker that joined a full fleet keeps what it publishes; the largest map dropped its oldest.
     assert set(late._own) == {700, 701, 800, 801} and len(big._own) == 6 and bound.used == 10
     assert 10 not in big._own and 51 in big._own

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 from sglang_workers.sim.kv_events import BlockRemoved, BlockStored, KVEvent
 from tests.support.sim_fixtures import EventSubscriber, sha256_chain
+from tests.support.waiting import until
 
 PAGE = 16
 pytestmark = pytest.mark.timeout(60)
@@ -37,14 +37,6 @@ async def generate(url: str, ids: list[int]) -> dict[str, Any]:
         assert resp.status == 200, await resp.text()
         meta: dict[str, Any] = (await resp.json())["meta_info"]
     return meta
-
-
-async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def tier_events(batches: list[tuple[int, list[KVEvent], bytes]]) -> list[tuple[str, str | None, list[int]]]:

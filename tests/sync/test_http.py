@@ -12,7 +12,7 @@ from extproc.config import RouterConfig, WorkerConfig
 from extproc.fleet.workers import WorkerRegistry
 from extproc.serving.app import RouterApp
 from extproc.sync.http import Poller, WorkerHttp
-from prefix_common.addresses import free_port
+from tests.support.http_server import serving_app
 
 
 @pytest.fixture
@@ -27,12 +27,8 @@ async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/slow", slow)
     app.router.add_get("/fast", fast)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 async def test_each_request_has_its_own_timeout(server: str) -> None:

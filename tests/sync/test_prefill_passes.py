@@ -19,9 +19,9 @@ from extproc.config import LoadConfig
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import WorkerHttp
 from extproc.sync.load import LoadTracker, parse_prefill_passes
-from prefix_common.addresses import free_port
 from prefix_router.fleet import start_fleet
 from tests.support.gateway_http import post
+from tests.support.http_server import serving_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,12 +113,8 @@ async def no_count_worker() -> AsyncIterator[tuple[str, list[str]]]:
     app = web.Application()
     app.router.add_get("/v1/loads", loads)
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", hits
-    await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url, hits
 
 
 async def test_a_worker_without_the_count_is_asked_three_times_then_left_alone(

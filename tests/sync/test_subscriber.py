@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -23,23 +22,10 @@ from extproc.fleet.index import BlockIndex
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.subscriber import EventSubscriber
 from prefix_common.addresses import free_ports
+from tests.support.kv_batches import CLEARED, PAGE, stored
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
-
-PAGE = 4
-CLEARED = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}], 0])
-
-
-def _stored(tokens: list[int], hashes: list[int], parent: int | None) -> bytes:
-    event = {
-        "type": "BlockStored",
-        "block_hashes": hashes,
-        "parent_block_hash": parent,
-        "token_ids": tokens,
-        "block_size": PAGE,
-        "medium": "GPU",
-    }
-    return msgpack.packb([1.0, [event], 0])
 
 
 @dataclass
@@ -103,14 +89,6 @@ async def stream() -> AsyncIterator[Stream]:
         ctx.destroy(linger=0)
 
 
-async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 def _keys(tokens: list[int], parent: int | None = None) -> list[int]:
     return block_keys(tokens, PAGE, chain_seed(""), parent=parent)
 
@@ -121,16 +99,16 @@ A, B, C, D, E = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17
 async def test_batches_sent_during_a_replay_are_applied_after_it_in_order(stream: Stream) -> None:
     pub = stream.publisher
     await pub.publish(0, CLEARED)
-    await pub.publish(1, _stored(A, [11, 12], None))
-    await _until(lambda: stream.view.last_seq == 1, "the first two batches")
+    await pub.publish(1, stored(A, [11, 12], None))
+    await until(lambda: stream.view.last_seq == 1, "the first two batches")
     pub.replay_delay_s[2] = 0.5  # the replay of the gap answers late
-    await pub.publish(2, _stored(B, [13], 12), lost=True)
+    await pub.publish(2, stored(B, [13], 12), lost=True)
     # 3 and 4 back to back: read in one drain, which must stop at the gap 3 shows and leave 4 queued.
-    await pub.publish(3, _stored(C, [14], 13))
-    await pub.publish(4, _stored(D, [15], 14))
+    await pub.publish(3, stored(C, [14], 13))
+    await pub.publish(4, stored(D, [15], 14))
     await asyncio.sleep(0.1)
-    await pub.publish(5, _stored(E, [16], 15))  # while the replay is under way: it waits in the socket
-    await _until(lambda: stream.view.last_seq == 5, "the replay and the batches after it")
+    await pub.publish(5, stored(E, [16], 15))  # while the replay is under way: it waits in the socket
+    await until(lambda: stream.view.last_seq == 5, "the replay and the batches after it")
 
     assert 2 in pub.asked
     assert stream.view.stats.gaps == 1 and stream.view.stats.gaps_repaired == 1
@@ -148,7 +126,7 @@ async def test_a_batch_that_fails_to_apply_resyncs_and_the_stream_goes_on(
 ) -> None:
     pub = stream.publisher
     await pub.publish(0, CLEARED)
-    await _until(lambda: stream.view.last_seq == 0, "the first batch")
+    await until(lambda: stream.view.last_seq == 0, "the first batch")
     apply: Callable[..., Awaitable[None] | None] = stream.view.apply_batch
     failures = [RuntimeError("a bug in applying")]
 
@@ -159,12 +137,12 @@ async def test_a_batch_that_fails_to_apply_resyncs_and_the_stream_goes_on(
 
     monkeypatch.setattr(stream.view, "apply_batch", fail_once)
     with caplog.at_level(logging.ERROR, logger="extproc.sync.subscriber"):
-        await pub.publish(1, _stored(A, [11, 12], None))
-        await _until(lambda: stream.view.stats.restarts == 1, "the resync after the failure")
+        await pub.publish(1, stored(A, [11, 12], None))
+        await until(lambda: stream.view.stats.restarts == 1, "the resync after the failure")
     assert "applying a KV-event batch failed" in caplog.text
-    await pub.publish(2, _stored(B, [13], 12))
+    await pub.publish(2, stored(B, [13], 12))
     # After the resync the view asks for the replay from 0, which brings batch 1 back: nothing is lost.
-    await _until(lambda: stream.view.last_seq == 2, "the stream after the failure")
+    await until(lambda: stream.view.last_seq == 2, "the stream after the failure")
     a = _keys(A)
     assert stream.index.blocks("w") == {*a, *_keys(B, a[-1])}
     assert 0 in pub.asked[1:]  # the replay after the resync, besides the first catch-up's

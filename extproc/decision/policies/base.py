@@ -6,7 +6,8 @@ of the prompt each one holds) in one context, and returns a ranking. Optional ho
 nothing. Policies never do I/O: the router gathers inputs, the policy decides.
 
 Each policy owns its options: a ``PolicyOptions`` model (unknown keys refused, every field
-described) named by its ``Options`` class attribute, validated once here, in the base class.
+described) named once, as the type argument of its base (``class P(Policy[POptions])``: ``P.Options``
+is ``POptions`` and ``self.opts`` one of them), validated once here, in the base class.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast, get_args, get_origin
 
 from pydantic import ValidationError
 
@@ -102,8 +103,12 @@ def _problems(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'options'}: {err['msg']}" for err in exc.errors())
 
 
-class Policy(ABC):
-    """Base class: set ``name`` (and ``Options`` if the policy has constants); override ``select``.
+OptionsT = TypeVar("OptionsT", bound=PolicyOptions)
+
+
+class Policy(ABC, Generic[OptionsT]):
+    """Base class: set ``name`` (and the options model as the type argument if the policy has constants);
+    override ``select``.
 
     ``sections`` holds every policy's configured section by policy name, for policies composed of
     others (``session`` places new sessions with its fallback policy, configured in its own section).
@@ -112,8 +117,15 @@ class Policy(ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
+    opts: OptionsT
     needs_tokens: bool = False  # True: the router tokenizes and fills matched_blocks
     needs_text: bool = False  # True: the router renders the prompt text (character-based peers)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            if get_origin(base) is Policy:  # ``class P(Policy[POptions])``: POptions validates P's options
+                cls.Options = get_args(base)[0]
 
     def __init__(
         self,
@@ -123,16 +135,16 @@ class Policy(ABC):
     ) -> None:
         self.clock = clock
         try:
-            self.opts = self.Options.model_validate(dict(options or {}))
+            self.opts = cast(OptionsT, self.Options.model_validate(dict(options or {})))
         except ValidationError as exc:
             raise PolicyError(f"invalid {self.name} options: {_problems(exc)}") from exc
         self.sections = dict(sections or {})
         self.setup()
 
-    def setup(self) -> None:  # noqa: B027 (optional hook)
+    def setup(self) -> None:
         """Build the policy's own state; ``opts``, ``sections`` and ``clock`` are set (one constructor for all)."""
 
-    def compose(self, create: Callable[[str], Policy]) -> None:  # noqa: B027 (optional hook)
+    def compose(self, create: Callable[[str], Policy]) -> None:
         """Called once after construction with the registry's factory: a policy made of others creates them here."""
 
     @abstractmethod
@@ -152,14 +164,14 @@ class Policy(ABC):
         """What the policy has learned of one worker (its cost constants, say), for the debug view; none here."""
         return {}
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:  # noqa: B027 (optional hook)
+    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         """Called after a decision is sent to Envoy (update own state)."""
 
-    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:  # noqa: B027 (optional hook)
+    def on_complete(self, request: RoutingRequest, worker: Worker) -> None:
         """Called when the request's ext_proc stream ends (response fully sent)."""
 
-    def on_load(self, worker: Worker, load: WorkerLoad) -> None:  # noqa: B027 (optional hook)
+    def on_load(self, worker: Worker, load: WorkerLoad) -> None:
         """Called with each load report as it arrives (learn from it here; ``select`` only reads)."""
 
-    def remove_worker(self, worker_id: str) -> None:  # noqa: B027 (optional hook)
+    def remove_worker(self, worker_id: str) -> None:
         """Called when a worker left the fleet (or moved to another address): forget what was kept on it."""

@@ -9,7 +9,8 @@ its KV pool is (room for the new request's tokens). Exact ties rotate, as ``leas
 
 from __future__ import annotations
 
-from extproc.decision.policies.base import Candidate, Decision, Policy, RoutingRequest
+from extproc.decision.policies.base import Candidate
+from extproc.decision.policies.least_load import LeastLoadPolicy
 from extproc.fleet.reports import WorkerLoad
 
 __all__ = ["DecodeLoadPolicy", "decode_queue"]
@@ -31,39 +32,14 @@ def decode_queue(load: WorkerLoad | None) -> int:
     return queued
 
 
-class DecodeLoadPolicy(Policy):
+class DecodeLoadPolicy(LeastLoadPolicy):
+    """``least-load``'s ranking with SGLang's decode queues counted as queued."""
+
     name = "decode-load"
 
-    _tiebreak = 0
+    def queue(self, load: WorkerLoad | None) -> int:
+        return decode_queue(load)
 
-    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        self._tiebreak += 1
-        return self._rank(candidates, self._tiebreak)
-
-    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        """The next ``select``'s ranking, the rotation left where it is."""
-        return self._rank(candidates, self._tiebreak + 1)
-
-    @staticmethod
-    def _rank(candidates: list[Candidate], tiebreak: int) -> Decision:
-        n = len(candidates)
-        queued = {c.worker.id: decode_queue(c.load) for c in candidates}
-
-        def key(item: tuple[int, Candidate]) -> tuple[float, ...]:
-            i, c = item
-            usage = c.load.token_usage if c.load else 0.0
-            return (c.in_flight, queued[c.worker.id], usage, (i - tiebreak) % n)
-
-        ordered = [c for _, c in sorted(enumerate(candidates), key=key)]
-        return Decision(
-            ranked=[c.worker for c in ordered],
-            reason="decode-load",
-            scores={
-                c.worker.id: {
-                    "in_flight": c.in_flight,
-                    "decode_queue": queued[c.worker.id],
-                    "kv_usage": c.load.token_usage if c.load else 0.0,
-                }
-                for c in ordered
-            },
-        )
+    def scores(self, candidate: Candidate, queued: int) -> dict[str, float]:
+        usage = candidate.load.token_usage if candidate.load else 0.0
+        return {"in_flight": candidate.in_flight, "decode_queue": queued, "kv_usage": usage}

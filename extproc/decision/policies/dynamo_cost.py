@@ -35,10 +35,8 @@ class DynamoCostOptions(PolicyOptions):
     temperature: float = Field(0.0, ge=0, description="0: argmin; >0: softmax sampling over -cost/temperature.")
 
 
-class DynamoCostPolicy(Policy):
+class DynamoCostPolicy(Policy[DynamoCostOptions]):
     name = "dynamo-cost"
-    Options = DynamoCostOptions
-    opts: DynamoCostOptions
     needs_tokens = True
 
     def setup(self) -> None:

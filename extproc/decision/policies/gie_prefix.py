@@ -32,10 +32,8 @@ class GiePrefixOptions(PolicyOptions):
     kv_weight: float = Field(2.0, description="Weight of the KV-utilisation scorer.")
 
 
-class GiePrefixPolicy(Policy):
+class GiePrefixPolicy(Policy[GiePrefixOptions]):
     name = "gie-prefix"
-    Options = GiePrefixOptions
-    opts: GiePrefixOptions
     needs_text = True
 
     def setup(self) -> None:

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 from extproc.decision.policies.base import Candidate, Decision, Policy, RoutingRequest
+from extproc.fleet.reports import WorkerLoad
 
 __all__ = ["LeastLoadPolicy"]
 
 
 class LeastLoadPolicy(Policy):
+    """Ranks by the router's in-flight count, then ``queue`` (what the worker reports waiting), then KV usage;
+    exact ties rotate."""
+
     name = "least-load"
 
     _tiebreak = 0
+
+    def queue(self, load: WorkerLoad | None) -> int:
+        """Requests the worker reports waiting (0 when it reports nothing)."""
+        return load.num_waiting_reqs if load else 0
+
+    def scores(self, candidate: Candidate, queued: int) -> dict[str, float]:
+        """What the span shows of one candidate."""
+        return {"in_flight": candidate.in_flight}
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         # Rotate the starting point so exact ties spread instead of always hitting worker 0.
@@ -21,19 +33,18 @@ class LeastLoadPolicy(Policy):
         """The next ``select``'s ranking, the rotation left where it is."""
         return self._rank(candidates, self._tiebreak + 1)
 
-    @staticmethod
-    def _rank(candidates: list[Candidate], tiebreak: int) -> Decision:
+    def _rank(self, candidates: list[Candidate], tiebreak: int) -> Decision:
         n = len(candidates)
+        queued = [self.queue(c.load) for c in candidates]
 
-        def key(item: tuple[int, Candidate]) -> tuple[float, ...]:
-            i, c = item
-            waiting = c.load.num_waiting_reqs if c.load else 0
+        def key(i: int) -> tuple[float, ...]:
+            c = candidates[i]
             usage = c.load.token_usage if c.load else 0.0
-            return (c.in_flight, waiting, usage, (i - tiebreak) % n)
+            return (c.in_flight, queued[i], usage, (i - tiebreak) % n)
 
-        ordered = [c for _, c in sorted(enumerate(candidates), key=key)]
+        order = sorted(range(n), key=key)
         return Decision(
-            ranked=[c.worker for c in ordered],
-            reason="least-load",
-            scores={c.worker.id: {"in_flight": c.in_flight} for c in ordered},
+            ranked=[candidates[i].worker for i in order],
+            reason=self.name,
+            scores={candidates[i].worker.id: self.scores(candidates[i], queued[i]) for i in order},
         )

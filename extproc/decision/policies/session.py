@@ -39,10 +39,8 @@ class SessionOptions(PolicyOptions):
     )
 
 
-class SessionPolicy(Policy):
+class SessionPolicy(Policy[SessionOptions]):
     name = "session"
-    Options = SessionOptions
-    opts: SessionOptions
 
     def setup(self) -> None:
         if self.opts.fallback == self.name:

@@ -123,10 +123,8 @@ class CharRadixTree:
                     return
 
 
-class SglCacheAwarePolicy(Policy):
+class SglCacheAwarePolicy(Policy[SglCacheAwareOptions]):
     name = "sgl-cache-aware"
-    Options = SglCacheAwareOptions
-    opts: SglCacheAwareOptions
     needs_text = True
 
     def setup(self) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from extproc.fleet.reports import WorkerLoad
 
-__all__ = ["DecodeModel", "FleetMean", "PrefillModel", "WorkerCostModel"]
+__all__ = ["DecodeModel", "FleetMean", "Learning", "PrefillModel", "WorkerCostModel"]
 
 _MIN_SCALE = 1e-4  # a learned constant never drops below this fraction of its prior (or below zero)
 _MAX_SENT = 4096  # requests remembered per worker for attribution (older ones are dropped)
@@ -117,6 +117,17 @@ class _Sent:
     seconds: float  # its predicted prefill under the model of that time
 
 
+@dataclass(frozen=True)
+class Learning:
+    """How every worker's model learns (``policy.prefix_aware``'s options say)."""
+
+    memory_s: float = 10.0  # time constant of the fit's memory: older windows weigh exp(-age / memory_s)
+    prior_weight: float = 1.0  # the priors' say in the fit (1: a hundredth of one window's)
+    min_window_tokens: int = 256  # a window with fewer tokens (and under 50 ms busy) is not fitted
+    min_attributed_share: float = 0.5  # ... nor one whose tokens the router's sends explain less of
+    utilization_window_s: float = 5.0  # time constant of the utilisation and concurrency averages
+
+
 class WorkerCostModel:
     """One worker's learned prefill and decode constants, utilisation and queued prefill work."""
 
@@ -124,27 +135,19 @@ class WorkerCostModel:
         self,
         prior: PrefillModel,
         decode_prior: DecodeModel,
-        *,
-        memory_s: float = 10.0,
-        prior_weight: float = 1.0,
-        min_window_tokens: int = 256,
-        min_attributed_share: float = 0.5,
-        utilization_window_s: float = 5.0,
+        learning: Learning = Learning(),
         fleet: FleetMean | None = None,
     ) -> None:
         self.prior = prior
         self.decode_prior = decode_prior
-        self.memory_s = memory_s
-        self.min_window_tokens = min_window_tokens
-        self.min_attributed_share = min_attributed_share
-        self.utilization_window_s = utilization_window_s
+        self.learning = learning
         self._scale = [1.0, 1.0, 1.0]  # learned constants = prior * scale
         # Forgotten sums of the relative-error least squares (normal equations), and the prior's weight
         # in windows: 0.01 means a hundredth of one window's say.
         self._gram = [[0.0] * 3 for _ in range(3)]
         self._fitted_at: float | None = None
         self._rhs = [0.0] * 3
-        self._ridge = 0.01 * prior_weight
+        self._ridge = 0.01 * learning.prior_weight
         self._sent: deque[_Sent] = deque()
         self._last: WorkerLoad | None = None  # the report the current window started at
         self._window_start: WorkerLoad | None = None
@@ -298,7 +301,7 @@ class WorkerCostModel:
             self.concurrency = present
             return
         elapsed = load.polled_at - previous.polled_at
-        alpha = 1.0 - math.exp(-elapsed / self.utilization_window_s)
+        alpha = 1.0 - math.exp(-elapsed / self.learning.utilization_window_s)
         self.concurrency += alpha * (present - self.concurrency)
 
     def _observe_prefill(self, previous: WorkerLoad | None, load: WorkerLoad) -> None:
@@ -335,7 +338,7 @@ class WorkerCostModel:
         if elapsed < 0.2:  # two polls that close together measure mostly jitter
             return
         busy = (load.total_prefill_busy_us - start.total_prefill_busy_us) / 1e6 / max(load.ranks, 1)
-        alpha = 1.0 - math.exp(-elapsed / self.utilization_window_s)
+        alpha = 1.0 - math.exp(-elapsed / self.learning.utilization_window_s)
         self.prefill_utilization += alpha * (min(busy / elapsed, 1.0) - self.prefill_utilization)
         # How often a request arriving here has to wait (in M/G/1 that is the utilisation itself). It
         # also sees a worker whose queue waits for KV memory, not for prefill time.
@@ -351,7 +354,7 @@ class WorkerCostModel:
         assert start.total_prefill_busy_us is not None
         tokens = load.total_prefill_uncached_tokens - start.total_prefill_uncached_tokens
         busy = (load.total_prefill_busy_us - start.total_prefill_busy_us) / 1e6
-        if tokens < self.min_window_tokens and busy < 0.05:
+        if tokens < self.learning.min_window_tokens and busy < 0.05:
             if tokens == 0 and busy == 0:
                 self._window_start = load  # idle: nothing to learn, nothing to carry over
                 self._drop_admitted(load)
@@ -359,7 +362,7 @@ class WorkerCostModel:
         self._window_start = load
         requests, attention, unattributed = self._attribute(tokens)
         self._drop_admitted(load)
-        if unattributed > (1.0 - self.min_attributed_share) * tokens:
+        if unattributed > (1.0 - self.learning.min_attributed_share) * tokens:
             # Most of the window is work this router did not send (another replica's requests, or a
             # misprediction): their count and attention are guessed from this router's own mean, and a
             # fit on the guess drifts apart between replicas (each learns a worker it rarely uses as
@@ -419,7 +422,7 @@ class WorkerCostModel:
         if busy <= 0:
             return
         x = [self.prior.c0 * floors / busy, self.prior.a * tokens / busy, self.prior.b * attention / busy]
-        lam = math.exp(-(now - self._fitted_at) / self.memory_s) if self._fitted_at is not None else 1.0
+        lam = math.exp(-(now - self._fitted_at) / self.learning.memory_s) if self._fitted_at is not None else 1.0
         self._fitted_at = now
         for i in range(3):
             self._rhs[i] = lam * self._rhs[i] + x[i]

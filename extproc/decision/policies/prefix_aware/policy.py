@@ -60,7 +60,13 @@ import xxhash
 from pydantic import Field
 
 from extproc.decision.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
-from extproc.decision.policies.prefix_aware.cost_model import DecodeModel, FleetMean, PrefillModel, WorkerCostModel
+from extproc.decision.policies.prefix_aware.cost_model import (
+    DecodeModel,
+    FleetMean,
+    Learning,
+    PrefillModel,
+    WorkerCostModel,
+)
 from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
 from extproc.decision.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
 from extproc.fleet.reports import WorkerLoad
@@ -164,16 +170,20 @@ class PrefixAwareOptions(PolicyOptions):
     )
 
 
-class PrefixAwarePolicy(Policy):
+class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
     name = "prefix-aware"
-    Options = PrefixAwareOptions
-    opts: PrefixAwareOptions
     needs_tokens = True
 
     def setup(self) -> None:
         o = self.opts
         self._prior = PrefillModel(o.prefill_floor_s, o.prefill_per_token_s, o.attention_per_token2_s)
         self._decode_prior = DecodeModel(o.decode_step_s, o.decode_per_request_s)
+        self._learning = Learning(
+            memory_s=o.memory_s,
+            prior_weight=o.prior_weight,
+            min_attributed_share=o.min_attributed_share,
+            utilization_window_s=o.utilization_window_s,
+        )
         self.costs: dict[str, WorkerCostModel] = {}  # worker id -> its learned cost model
         self.fleet = FleetMean()  # the measured workers' mean constants (judge the unmeasured ones)
         self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
@@ -189,16 +199,7 @@ class PrefixAwarePolicy(Policy):
         self._turn = 0
 
     def _new_model(self) -> WorkerCostModel:
-        o = self.opts
-        return WorkerCostModel(
-            self._prior,
-            self._decode_prior,
-            memory_s=o.memory_s,
-            prior_weight=o.prior_weight,
-            min_attributed_share=o.min_attributed_share,
-            utilization_window_s=o.utilization_window_s,
-            fleet=self.fleet,
-        )
+        return WorkerCostModel(self._prior, self._decode_prior, self._learning, self.fleet)
 
     def cost_model(self, worker: Worker) -> WorkerCostModel:
         """The worker's learned cost model, created from the priors on first report or send."""
