@@ -15,6 +15,7 @@ __all__ = [
     "LOOPBACK",
     "WILDCARD_HOSTS",
     "free_port",
+    "free_port_run",
     "free_ports",
     "is_ip_literal",
     "is_loopback",
@@ -110,3 +111,22 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 def free_port(host: str = LOOPBACK) -> int:
     """One TCP port free on ``host`` right now."""
     return free_ports(1, host)[0]
+
+
+def free_port_run(count: int, host: str = LOOPBACK) -> int:
+    """The first of ``count`` consecutive TCP ports free on ``host`` right now (``serve --processes N`` takes a run)."""
+    for _ in range(50):
+        base = free_port(host)
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+        return base
+    raise RuntimeError(f"no run of {count} free ports on {host}")

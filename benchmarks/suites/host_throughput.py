@@ -28,7 +28,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,32 +43,13 @@ import yaml
 from benchmarks.argtypes import positive, positive_list
 from benchmarks.fleet.floor_server import floor_command
 from benchmarks.fleet.procs import tree_cpu_seconds
-from prefix_common.addresses import free_port, split_host_port
+from prefix_common.addresses import free_port, free_port_run, split_host_port
 from prefix_router.envoy_config import GatewaySpec, bootstrap
 from prefix_router.stack import find_envoy
 
 __all__ = ["configure", "main"]
 
 JSON = {"content-type": "application/json"}
-
-
-def _port_run(count: int) -> int:
-    """The first of ``count`` consecutive free ports."""
-    for _ in range(50):
-        base = free_port()
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-        return base
-    raise RuntimeError(f"no run of {count} free ports")
 
 
 def _wait_router(port: int, processes: int, timeout: float = 60.0) -> None:
@@ -126,7 +106,7 @@ class Gateway:
             self.children.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.router_pid = self.children[-1].pid
         elif processes:
-            port = _port_run(processes)
+            port = free_port_run(processes)
             extproc = ("127.0.0.1", port)
             args = [sys.executable, "-m", "prefix_router", "serve", "--processes", str(processes), "--port", str(port)]
             args += ["--no-metrics", "--log-level", "warning", *(f"--worker={u}" for u in worker_urls)]

@@ -101,24 +101,23 @@ class StartedPair(Protocol):
         """Stop the prefill leg (the decode side is over or failed)."""
 
 
-class PairStarter(Protocol):
-    """Starts the prefill leg of a paired decision (``extproc.pd.launch.PairLauncher``, plugged in by the app).
-
-    The servicer calls it only for a decision that is disaggregated, so a request of an aggregated
-    fleet never enters ``extproc.pd``.
-    """
-
-    async def launch(
-        self,
-        outcome: RouteOutcome,
-        reroute: Callable[[], Awaitable[RouteOutcome]],
-        kind: RequestKind,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        on_retry: Callable[[float], Awaitable[None]] | None = None,
-    ) -> tuple[RouteOutcome, bytes, StartedPair | None]:
-        """The pair Envoy sends on, the body it sends (with bootstrap fields) and the leg to follow."""
+# Starts the prefill leg of a paired decision (``extproc.pd.launch.PairLauncher.launch``, plugged in by the app):
+# given the decision, how to choose a pair again, the request's kind, path, body and headers, and what to await
+# before another pair is tried, it returns the pair Envoy sends on, the body it sends (with the bootstrap
+# fields) and the leg to follow. The servicer calls it only for a decision that is disaggregated, so a request
+# of an aggregated fleet never enters ``extproc.pd``.
+PairStarter = Callable[
+    [
+        RouteOutcome,
+        Callable[[], Awaitable[RouteOutcome]],
+        RequestKind,
+        str,
+        bytes,
+        Mapping[str, str],
+        Callable[[float], Awaitable[None]] | None,
+    ],
+    Awaitable[tuple[RouteOutcome, bytes, StartedPair | None]],
+]
 
 
 @dataclass
@@ -345,8 +344,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if self.pairs is None:
                     self.router.finish(outcome)
                     raise NoWorkerError("this router does not launch prefill/decode pairs")
-                outcome, body, ex.pair = await self.pairs.launch(
-                    outcome, route, ex.kind, ex.path, body, ex.headers, on_retry=ex.extend_timeout
+                outcome, body, ex.pair = await self.pairs(
+                    outcome, route, ex.kind, ex.path, body, ex.headers, ex.extend_timeout
                 )
         except RequestError as exc:
             ex.ended = True

@@ -72,25 +72,19 @@ class LaunchedPair:
         self.leg.cancel()
 
 
+@dataclass
 class PairLauncher:
-    """Starts prefill legs for one router; knows nothing of gRPC."""
+    """Starts prefill legs for one router; knows nothing of gRPC.
 
-    def __init__(
-        self,
-        router: Router,
-        registry: WorkerRegistry,
-        telemetry: Telemetry,
-        client: PrefillClient,
-        config: PdConfig,
-        fallbacks: int = 0,
-    ) -> None:
-        """``fallbacks``: how many decode fallbacks follow the primary in Envoy's destination list."""
-        self.router = router
-        self.registry = registry
-        self.telemetry = telemetry
-        self.client = client
-        self.config = config
-        self.fallbacks = fallbacks
+    ``fallbacks``: how many decode fallbacks follow the primary in Envoy's destination list.
+    """
+
+    router: Router
+    registry: WorkerRegistry
+    telemetry: Telemetry
+    client: PrefillClient
+    config: PdConfig
+    fallbacks: int = 0
 
     async def launch(
         self,

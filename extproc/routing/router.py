@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 from extproc.config import RouterConfig
 from extproc.decision.pipeline import (
@@ -51,34 +52,24 @@ log = logging.getLogger(__name__)
 _ADMIT_ALL = Admission()
 
 
+@dataclass
 class Router:
-    """Runs the decision pipeline for each request and keeps its books; knows nothing of gRPC."""
+    """Runs the decision pipeline for each request and keeps its books; knows nothing of gRPC.
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        registry: WorkerRegistry,
-        pipeline: DecisionPipeline,
-        loads: LoadSource,
-        telemetry: Telemetry,
-        pool: Executor,
-        flow: FlowController | None = None,
-        shared: SharedDecisions | None = None,
-        decisions: DecisionLog | None = None,
-        drift: DriftMeter | None = None,
-    ) -> None:
-        """``decisions``: the last decisions for the debug view (none kept if not given); ``drift``: the
-        meter of sampled responses (none sampled if not given)."""
-        self.config = config
-        self.registry = registry
-        self.pipeline = pipeline
-        self.loads = loads
-        self.telemetry = telemetry
-        self.flow = flow
-        self.shared = shared
-        self.decisions = decisions if decisions is not None else DecisionLog(0)
-        self.drift = drift
-        self._pool = pool
+    ``pool`` prepares prompts off the loop; ``decisions`` keeps the last decisions for the debug view (none
+    kept by default); ``drift`` meters sampled responses (none sampled without one).
+    """
+
+    config: RouterConfig
+    registry: WorkerRegistry
+    pipeline: DecisionPipeline
+    loads: LoadSource
+    telemetry: Telemetry
+    pool: Executor
+    flow: FlowController | None = None
+    shared: SharedDecisions | None = None
+    decisions: DecisionLog = field(default_factory=lambda: DecisionLog(0))
+    drift: DriftMeter | None = None
 
     # -- the decision -----------------------------------------------------------------------------
     def route(self, parsed: ParsedRequest) -> RouteOutcome:
@@ -121,7 +112,7 @@ class Router:
         stale = prompt is None
         if prompt is None:
             loop = asyncio.get_running_loop()
-            prompt = await loop.run_in_executor(self._pool, pipeline.prompts.prepare, parsed, chains)
+            prompt = await loop.run_in_executor(self.pool, pipeline.prompts.prepare, parsed, chains)
             assert prompt is not None  # no budget, so never refused
         waited = 0.0
         if self.flow is not None:
@@ -221,7 +212,7 @@ class Router:
         pipeline = self.pipeline
         fleet = pipeline.read_fleet(pipeline.eligible(parsed))
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(self._pool, pipeline.prompts.prepare, parsed, fleet.chains)
+        prompt = await loop.run_in_executor(self.pool, pipeline.prompts.prepare, parsed, fleet.chains)
         assert prompt is not None  # no budget, so never refused
         fleet = pipeline.read_fleet(pipeline.eligible(parsed))  # health may have changed meanwhile
         return pipeline.explain(parsed, prompt, fleet)

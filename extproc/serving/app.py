@@ -121,7 +121,7 @@ class RouterApp:
 
     def servicer(self) -> ExtProcServicer:
         """The ext_proc servicer over this router, with pairs launched by this app."""
-        return ExtProcServicer(self.config, self.router, self.pairs)
+        return ExtProcServicer(self.config, self.router, self.pairs.launch)
 
     async def start(self) -> None:
         """Start background work (event subscriptions, load and tier polling, shared state)."""

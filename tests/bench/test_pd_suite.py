@@ -13,6 +13,7 @@ from benchmarks.metrics import RequestResult, summarize
 from benchmarks.suites.pd import Layout, configure, layouts
 from benchmarks.workloads.flags import workload_from_args
 from prefix_router.cli import main as cli_main
+from tests.support.bench import TINY_GSP, quick_run
 
 
 def test_layouts_parse_and_refuse_bad_shapes() -> None:
@@ -59,25 +60,10 @@ def test_pd_suite_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str])
             "smg-pd,sgl-router-minilb,ours-pd:prefix-aware",
             "--aggregated-contenders",
             "envoy-rr",
-            "--gsp-groups",
-            "2",
-            "--gsp-prompts-per-group",
-            "3",
-            "--gsp-system-len",
-            "256",
-            "--gsp-question-len",
-            "16",
-            "--output-len",
-            "4",
+            *TINY_GSP,
             "--rate",
             "10",
-            "--speedup",
-            "5",
-            "--capacity-tokens",
-            "4096",
-            "--json",
-            str(out),
-            "--no-progress",
+            *quick_run(out, speedup="5"),
         ]
     )
     assert rc == 0

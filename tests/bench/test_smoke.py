@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from prefix_router.cli import main as cli_main
+from tests.support.bench import TINY_GSP, quick_run
 
 
 @pytest.mark.timeout(90)
@@ -20,27 +21,12 @@ def test_bench_two_contenders_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
             "envoy-rr,ours:prefix-aware,ours:no-such-policy",
             "--workers",
             "2",
-            "--gsp-groups",
-            "2",
-            "--gsp-prompts-per-group",
-            "3",
-            "--gsp-system-len",
-            "256",
-            "--gsp-question-len",
-            "16",
-            "--output-len",
-            "4",
+            *TINY_GSP,
             "--rate",
             "20",
-            "--speedup",
-            "5",
-            "--capacity-tokens",
-            "4096",
-            "--json",
-            str(out),
+            *quick_run(out, speedup="5"),
             "--out-dir",
             str(tmp_path),
-            "--no-progress",
         ]
     )
     assert rc == 0
@@ -107,13 +93,7 @@ def test_bench_tiered_suite_with_a_shared_storage_tier(tmp_path: Path, capsys: p
             "3",
             "--output-len",
             "2",
-            "--speedup",
-            "20",
-            "--capacity-tokens",
-            "4096",
-            "--json",
-            str(out),
-            "--no-progress",
+            *quick_run(out, speedup="20"),
         ]
     )
     assert rc == 0

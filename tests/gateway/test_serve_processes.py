@@ -6,7 +6,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import aiohttp
 import pytest
 import yaml
 
-from prefix_common.addresses import free_port, split_host_port
+from prefix_common.addresses import free_port, free_port_run, split_host_port
 from prefix_router.envoy_config import GatewaySpec, bootstrap
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
@@ -27,25 +26,6 @@ from sglang_workers.process import WorkerProcess
 pytestmark = pytest.mark.timeout(180)
 
 PROCESSES = 2
-
-
-def _consecutive_ports(count: int) -> int:
-    """A free run of ``count`` ports (the router's processes take port .. port + count - 1)."""
-    for _ in range(50):
-        base = free_port()
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-        return base
-    raise RuntimeError("no run of free ports")
 
 
 def _wait_http(url: str, timeout: float = 60.0) -> None:
@@ -80,7 +60,7 @@ def _decisions(metrics_port: int) -> float:
 @pytest.fixture
 def gateway(envoy_bin: str, tmp_path: Path) -> Iterator[tuple[str, int, Path, subprocess.Popen[bytes]]]:
     workers: list[WorkerProcess] = start_fleet("sim", 2)
-    port, metrics = _consecutive_ports(PROCESSES), _consecutive_ports(PROCESSES)
+    port, metrics = free_port_run(PROCESSES), free_port_run(PROCESSES)
     log = tmp_path / "router.log"
     urls = [w.url for w in workers]
     router = subprocess.Popen(

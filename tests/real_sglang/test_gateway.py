@@ -39,12 +39,8 @@ PAGE = 16
 def stack(
     sglang_cpu_workers: list[Any], envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayStack]:
-    from sglang_workers.real.installation import find_install
-
-    install = find_install()
-    assert install is not None
     config = tmp_path_factory.mktemp("router") / "router.yaml"
-    config.write_text(tiny_model_config(install))
+    config.write_text(tiny_model_config())
     with GatewayStack(worker_urls=[w.url for w in sglang_cpu_workers], config=config) as gateway:
         yield gateway
 

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
 from tests.support.gateway_http import post, request
+from tests.support.real_sglang import tiny_model_config
 from tests.support.sglang_session import fit_chat
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(1200)]
@@ -49,10 +50,6 @@ def _id(worker: Any) -> str:
 def stack(
     sglang_cpu_workers: list[Any], envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayStack]:
-    from sglang_workers.real.installation import TINY_MODEL_VOCAB, find_install
-
-    install = find_install()
-    assert install is not None
     synced, cut = sglang_cpu_workers
     # Cold caches whatever ran on the session's workers before (the figures assume it). This module runs after
     # test_gateway.py, whose first test counts on the workers' start-up warm-up being all they hold.
@@ -61,8 +58,7 @@ def stack(
     dead = [free_port(), free_port()]  # nothing listens there: the router never hears B's events
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
-        f"models:\n  - name: {MODEL}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
-        "observability: {drift_sample_rate: 1.0}\n"
+        tiny_model_config() + "observability: {drift_sample_rate: 1.0}\n"
         "debug: {decisions: 256}\n"
         "workers:\n"
         f"  - url: {synced.url}\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_workers.real.installation import TINY_MODEL_NAME, TINY_MODEL_VOCAB, CpuInstall
+from sglang_workers.real.installation import TINY_MODEL_NAME, TINY_MODEL_VOCAB, CpuInstall, find_install
 
 __all__ = ["CPU_EXTRA_FLAGS", "CPU_POOL_TOKENS", "restart_cpu_worker", "streamed_chat", "tiny_model_config"]
 
@@ -21,8 +21,13 @@ def restart_cpu_worker(workers: list[Any], index: int, crash: bool = True) -> An
     return worker
 
 
-def tiny_model_config(install: CpuInstall) -> str:
-    """The router config's ``models:`` entry for the tiny Llama the CPU workers serve (its tokenizer)."""
+def tiny_model_config(install: CpuInstall | None = None) -> str:
+    """The router config's ``models:`` entry for the tiny Llama the CPU workers serve (its tokenizer).
+
+    ``install``: the ``make sglang-cpu`` install (found if not given; the session's workers ran from it).
+    """
+    install = install or find_install()
+    assert install is not None, "no make sglang-cpu install"
     entry = f"  - name: {TINY_MODEL_NAME}\n    tokenizer: {install.model_dir}\n    vocab_size: {TINY_MODEL_VOCAB}\n"
     return "models:\n" + entry
 

@@ -12,6 +12,7 @@ is ``POptions`` and ``self.opts`` one of them), validated once here, in the base
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,16 @@ from extproc.config import Section
 from extproc.fleet.reports import TierReport, WorkerLoad
 from extproc.fleet.workers import Worker
 
-__all__ = ["Candidate", "Decision", "Policy", "PolicyError", "PolicyOptions", "RoutingRequest", "WorkerLoad"]
+__all__ = [
+    "Candidate",
+    "Decision",
+    "Policy",
+    "PolicyError",
+    "PolicyOptions",
+    "RandomTieBreakPolicy",
+    "RoutingRequest",
+    "WorkerLoad",
+]
 
 
 class PolicyError(ValueError):
@@ -124,8 +134,10 @@ class Policy(ABC, Generic[OptionsT]):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for base in cls.__dict__.get("__orig_bases__", ()):
-            if get_origin(base) is Policy:  # ``class P(Policy[POptions])``: POptions validates P's options
-                cls.Options = get_args(base)[0]
+            origin, args = get_origin(base), get_args(base)
+            # ``class P(Policy[POptions])`` (or of a generic policy base): POptions validates P's options.
+            if isinstance(origin, type) and issubclass(origin, Policy) and args and isinstance(args[0], type):
+                cls.Options = args[0]
 
     def __init__(
         self,
@@ -175,3 +187,20 @@ class Policy(ABC, Generic[OptionsT]):
 
     def remove_worker(self, worker_id: str) -> None:
         """Called when a worker left the fleet (or moved to another address): forget what was kept on it."""
+
+
+class RandomTieBreakPolicy(Policy[OptionsT]):
+    """A policy that breaks ties with its own random generator (``_rng``, made in ``setup``).
+
+    ``explain`` runs ``select`` and puts the generator back, so an explained prompt draws nothing the next
+    real decision would have drawn.
+    """
+
+    _rng: random.Random
+
+    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        state = self._rng.getstate()
+        try:
+            return self.select(request, candidates)
+        finally:
+            self._rng.setstate(state)

@@ -17,7 +17,13 @@ import random
 
 from pydantic import Field
 
-from extproc.decision.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.decision.policies.base import (
+    Candidate,
+    Decision,
+    PolicyOptions,
+    RandomTieBreakPolicy,
+    RoutingRequest,
+)
 from extproc.fleet.workers import Worker
 
 __all__ = ["DynamoCostOptions", "DynamoCostPolicy"]
@@ -35,7 +41,7 @@ class DynamoCostOptions(PolicyOptions):
     temperature: float = Field(0.0, ge=0, description="0: argmin; >0: softmax sampling over -cost/temperature.")
 
 
-class DynamoCostPolicy(Policy[DynamoCostOptions]):
+class DynamoCostPolicy(RandomTieBreakPolicy[DynamoCostOptions]):
     name = "dynamo-cost"
     needs_tokens = True
 
@@ -84,14 +90,6 @@ class DynamoCostPolicy(Policy[DynamoCostOptions]):
                 pick = self._rng.choice(tied)
                 order = [pick, *(c for c in order if c is not pick)]
         return Decision(ranked=[c.worker for c in order], reason="dynamo-cost", scores=costs)
-
-    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        """``select`` with its random tie-break's generator put back: the next decision draws what it would have."""
-        state = self._rng.getstate()
-        try:
-            return self.select(request, candidates)
-        finally:
-            self._rng.setstate(state)
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         worker = decision.ranked[0]

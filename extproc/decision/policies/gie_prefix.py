@@ -16,7 +16,13 @@ from collections import OrderedDict
 import xxhash
 from pydantic import Field
 
-from extproc.decision.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
+from extproc.decision.policies.base import (
+    Candidate,
+    Decision,
+    PolicyOptions,
+    RandomTieBreakPolicy,
+    RoutingRequest,
+)
 
 __all__ = ["GiePrefixOptions", "GiePrefixPolicy"]
 
@@ -32,7 +38,7 @@ class GiePrefixOptions(PolicyOptions):
     kv_weight: float = Field(2.0, description="Weight of the KV-utilisation scorer.")
 
 
-class GiePrefixPolicy(Policy[GiePrefixOptions]):
+class GiePrefixPolicy(RandomTieBreakPolicy[GiePrefixOptions]):
     name = "gie-prefix"
     needs_text = True
 
@@ -78,14 +84,6 @@ class GiePrefixPolicy(Policy[GiePrefixOptions]):
         self._rng.shuffle(shuffled)  # random tie-break: sort is stable
         ranked = sorted(shuffled, key=lambda c: -scores[c.worker.id]["score"])
         return Decision(ranked=[c.worker for c in ranked], reason="gie-prefix", scores=scores)
-
-    def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
-        """``select`` with its random tie-break's generator put back: the next decision draws what it would have."""
-        state = self._rng.getstate()
-        try:
-            return self.select(request, candidates)
-        finally:
-            self._rng.setstate(state)
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         hashes = self.hashes(request.model, request.prompt_text)
