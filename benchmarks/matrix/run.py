@@ -22,6 +22,7 @@ every knee and cell, so a resumed run continues where one stopped; ``matrix.repo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -116,7 +117,8 @@ async def find_knee(
     rate = 0.5 * fleet.workers
     probes = []
     for _ in range(4):
-        w = build(rate, o)  # the cells' size: the offered load per nominal rate is the same (multiturn's ramp)
+        # The cells' size: the offered load per nominal rate is the same (multiturn's ramp).
+        w = build(rate, dataclasses.replace(o, gpu_slowdown=1.0 / fleet.speedup))
         busy, wall = await run_load_on(ROUND_ROBIN, w, _spec(fleet, o))
         if busy is None or wall <= 0:
             raise ClusterError("the workers do not report prefill busy time (/v1/loads total_prefill_busy_us)")
@@ -294,7 +296,7 @@ async def run_matrix(
                 if key in data["cells"]:
                     continue
                 rate = load * knee
-                w = WORKLOADS[workload](rate, o)
+                w = WORKLOADS[workload](rate, dataclasses.replace(o, gpu_slowdown=1.0 / fleet_here.speedup))
                 oracle = oracle_hit_rate(
                     iter_token_ids(w.requests),
                     spec.workers * spec.capacity_tokens,

@@ -19,7 +19,6 @@ from typing import Any
 from benchmarks.fleet.shapes import Fleet
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, run_virtual
-from benchmarks.workloads.base import iter_token_ids
 from benchmarks.workloads.cells import WORKLOADS, CellSize
 
 __all__ = ["TARGETS", "cell_markdown", "gap_closed", "meets_targets", "run_cell", "virtual_knee"]
@@ -76,7 +75,7 @@ def run_cell(
     for seed in seeds:
         workload_run = WORKLOADS[workload](load * knee, CellSize(requests=requests, seed=seed))
         oracle = oracle_hit_rate(
-            iter_token_ids(workload_run.requests),
+            workload_run.token_ids(),
             fleet.workers * fleet.capacity_tokens,
             16,
             max_prompt_tokens=fleet.capacity_tokens,

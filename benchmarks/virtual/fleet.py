@@ -32,17 +32,17 @@ from benchmarks.fleet.shapes import Fleet
 from benchmarks.metrics import max_over_mean
 from benchmarks.stats import distribution
 from benchmarks.virtual.clock import VirtualClockLoop, simulator_clock
-from benchmarks.virtual.floor import ObservedScheduler, PerfectInformationFloor, cached_prefix
-from benchmarks.workloads.base import Workload, iter_token_ids
+from benchmarks.virtual.floor import ObservedRadixCache, ObservedScheduler, PerfectInformationFloor, cached_prefix
+from benchmarks.workloads.base import Workload
 from extproc.config import EventsConfig, RouterConfig
 from extproc.decision.local import LocalDecider
 from extproc.decision.request import ParsedRequest
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.load import parse_loads
+from prefix_common.tokenization import load_tokenizer
 from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.kv_events import KVEvent, encode_payload
-from sglang_workers.sim.radix_cache import RadixCache
 from sglang_workers.sim.timing import get_profile
 
 __all__ = ["FLOOR", "FLOORS", "FLOOR_PHASE_BLIND", "VirtualResult", "run_virtual", "virtual_fleet_of"]
@@ -141,7 +141,7 @@ async def _run(
         )
         view = WorkerCacheView(worker.id, router.index, model=lambda: "", clock=loop.time)
         states.views[worker.id] = view  # what the event hub would hold: the decision reads the view's state
-        cache = RadixCache(cfg.page_size, enable_events=True)
+        cache = ObservedRadixCache(cfg.page_size, enable_events=True)
         publisher: Any = _DirectPublisher(view, event_delay_s)  # duck-types KVEventPublisher.publish
         scheduler = ObservedScheduler(cfg, profile, cache, publisher, list(range(1000, 5000)))
         scheduler.start()
@@ -151,7 +151,13 @@ async def _run(
     floor_view = PerfectInformationFloor(schedulers) if record else None  # what the floor would estimate, per decision
     stop = asyncio.Event()
     # What each worker computes from the request (whether or not the policy tokenizes).
-    prompts = dict(zip((r.index for r in workload.requests), iter_token_ids(workload.requests)))
+    prompts = dict(zip((r.index for r in workload.requests), workload.token_ids()))
+    # A policy that reads tokens is handed those ids rather than tokenizing the chat again: it would
+    # compute the same ids with the same tokenizer and template (decisions take no virtual time), and
+    # tokenizing a trace's long prompts once more per run was a third of its wall time. A policy that
+    # reads no tokens gets the chat as the router does (it sizes a prompt by its characters then).
+    tokenizer = load_tokenizer()
+    policy_reads = router.pipeline.policy
 
     async def poll() -> None:
         while not stop.is_set():
@@ -172,6 +178,10 @@ async def _run(
             messages=request.messages,
             headers={"x-session-id": request.session or ""},
             max_new_tokens=request.max_tokens,
+            input_ids=prompts[request.index] if policy_reads.needs_tokens else None,
+            prompt_text=tokenizer.render_chat(request.messages)
+            if policy_reads.needs_tokens and policy_reads.needs_text
+            else None,
         )
         sent = loop.time()
         tokens = prompts[request.index]

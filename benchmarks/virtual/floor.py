@@ -28,13 +28,31 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
-from sglang_workers.sim.radix_cache import RadixCache
-from sglang_workers.sim.request import Request
+from sglang_workers.sim.radix_cache import RadixCache, TreeNode
 from sglang_workers.sim.scheduler import Scheduler
 from sglang_workers.sim.timing import TimingProfile
 
-__all__ = ["ObservedScheduler", "PerfectInformationFloor", "cached_prefix"]
+__all__ = ["ObservedRadixCache", "ObservedScheduler", "PerfectInformationFloor", "cached_prefix"]
+
+
+class ObservedRadixCache(RadixCache):
+    """The simulator's radix cache, also counting the changes to what it holds (the floor's memo key)."""
+
+    mutations: int = 0
+
+    def reset(self) -> None:
+        self.mutations += 1
+        super().reset()
+
+    def insert(self, key: Sequence[int], salt: str | None = None, inserted_len: int = 0) -> int:
+        self.mutations += 1
+        return super().insert(key, salt, inserted_len)
+
+    def _delete_leaf(self, leaf: TreeNode) -> None:
+        self.mutations += 1
+        super()._delete_leaf(leaf)
 
 
 class ObservedScheduler(Scheduler):
@@ -69,13 +87,28 @@ def cached_prefix(cache: RadixCache, tokens: Sequence[int], salt: str | None = N
     return matched
 
 
-def _shared(a: Sequence[int], b: Sequence[int], page: int) -> int:
-    """Whole pages two prompts share from the start."""
-    n = min(len(a), len(b)) // page * page
-    i = 0
-    while i < n and a[i : i + page] == b[i : i + page]:
-        i += page
-    return i
+def _page_chain(tokens: Sequence[int], page: int) -> list[int]:
+    """One hash per whole page of ``tokens``, each over the page and every page before it.
+
+    Two prompts share their first ``k`` pages exactly when their ``k``-th chain hashes are equal (up to
+    a 64-bit collision), so the longest prefix a prompt shares with any of a set of prompts is a walk
+    down its own chain through the set of theirs, not a comparison with each.
+    """
+    chain, h = [], 0
+    for start in range(0, len(tokens) // page * page, page):
+        h = hash((h, tuple(tokens[start : start + page])))
+        chain.append(h)
+    return chain
+
+
+def _shared_with(chain: Sequence[int], seen: set[int], page: int) -> int:
+    """Tokens of the prompt whose page chain is ``chain`` that some prompt of ``seen`` shares from the start."""
+    depth = 0
+    for h in chain:
+        if h not in seen:
+            break
+        depth += 1
+    return depth * page
 
 
 class PerfectInformationFloor:
@@ -87,6 +120,10 @@ class PerfectInformationFloor:
         self.schedulers = schedulers
         self.sees_step_phase = sees_step_phase
         self.name = "floor" if sees_step_phase else "floor-phase-blind"
+        # Per scheduler: the queue's state when last priced, its prefill seconds and the page chains of the
+        # prompts in it. A worker's queue changes less often than requests arrive: pricing it again for
+        # every decision made a deep queue quadratic (minutes a run past the knee).
+        self._queues: dict[int, tuple[Any, float, set[int]]] = {}
 
     def choose(self, tokens: Sequence[int]) -> str:
         """The worker where ``tokens`` would see its first token soonest."""
@@ -106,40 +143,61 @@ class PerfectInformationFloor:
         profile, speedup = scheduler.profile, scheduler.config.speedup
         page = scheduler.cache.page_size
         budget = scheduler.config.chunked_prefill_size
-        ahead: list[Request] = [*scheduler.prefilling, *scheduler.running, *scheduler.waiting]
-        if scheduler.chunked is not None and scheduler.chunked not in ahead:
-            ahead.append(scheduler.chunked)
         wait = 0.0
         if scheduler.prefilling or (scheduler.running and self.sees_step_phase):
             wait = max(0.0, scheduler.busy_until - now) * speedup
         elif scheduler.running:  # a decode step under way, its phase unseen: half a step on average
             context = sum(r.kv_len for r in scheduler.running) + len(scheduler.running)
             wait = profile.decode_time(len(scheduler.running), context) / 2
-        # Prefill queued before it: the chunked request's rest, then every waiting request (first come,
-        # first served), each with its true uncached tokens, packed into batches of the chunk budget.
-        chunks: list[tuple[int, int]] = []
-        if scheduler.chunked is not None:
-            rest = len(scheduler.chunked.fill_ids) - scheduler.chunked.kv_len
-            if rest > 0:
-                chunks.append((rest, scheduler.chunked.kv_len))
-        seen: list[Sequence[int]] = [r.input_ids for r in (*scheduler.prefilling, *scheduler.running)]
-        for req in scheduler.waiting:
-            prompt = req.fill_ids
-            cached = max(
-                cached_prefix(scheduler.cache, prompt[:-1], req.cache_salt),
-                *(_shared(prompt[:-1], other, page) for other in seen),
-                0,
-            )
-            chunks.append((len(prompt) - cached, cached))
-            seen.append(prompt)
-        wait += _batched_prefill(profile, chunks, budget)
+        queued, seen = self._queue(scheduler)
         prompt = list(tokens)
         cached = max(
-            cached_prefix(scheduler.cache, prompt[:-1]), *(_shared(prompt[:-1], other, page) for other in seen), 0
+            cached_prefix(scheduler.cache, prompt[:-1]), _shared_with(_page_chain(prompt[:-1], page), seen, page)
         )
         new = len(prompt) - cached
         own = _batched_prefill(profile, [(new, cached)], budget)
-        return (wait + own) / speedup
+        return (wait + queued + own) / speedup
+
+    def _queue(self, scheduler: ObservedScheduler) -> tuple[float, set[int]]:
+        """GPU seconds of the prefill queued on ``scheduler``, and the page chains of every prompt in it.
+
+        Prefill queued before a new request: the chunked request's rest, then every waiting request (first
+        come, first served), each with its true uncached tokens (what the tree holds, or what a prompt
+        ahead of it will have put there), packed into batches of the chunk budget.
+        """
+        cache = scheduler.cache
+        chunked = scheduler.chunked
+        state = (
+            cache.mutations if isinstance(cache, ObservedRadixCache) else None,
+            chunked.rid if chunked is not None else None,
+            chunked.kv_len if chunked is not None else 0,
+            tuple(r.rid for r in scheduler.prefilling),
+            tuple(r.rid for r in scheduler.running),
+            tuple(r.rid for r in scheduler.waiting),
+        )
+        memo = self._queues.get(id(scheduler))
+        if memo is not None and state[0] is not None and memo[0] == state:
+            return memo[1], memo[2]
+        page = cache.page_size
+        chunks: list[tuple[int, int]] = []
+        if chunked is not None:
+            rest = len(chunked.fill_ids) - chunked.kv_len
+            if rest > 0:
+                chunks.append((rest, chunked.kv_len))
+        seen: set[int] = set()
+        for r in (*scheduler.prefilling, *scheduler.running):
+            seen.update(_page_chain(r.input_ids, page))
+        for req in scheduler.waiting:
+            prompt = req.fill_ids
+            cached = max(
+                cached_prefix(cache, prompt[:-1], req.cache_salt),
+                _shared_with(_page_chain(prompt[:-1], page), seen, page),
+            )
+            chunks.append((len(prompt) - cached, cached))
+            seen.update(_page_chain(prompt, page))
+        queued = _batched_prefill(scheduler.profile, chunks, scheduler.config.chunked_prefill_size)
+        self._queues[id(scheduler)] = (state, queued, seen)
+        return queued, seen
 
 
 def _batched_prefill(profile: TimingProfile, chunks: list[tuple[int, int]], budget: int) -> float:

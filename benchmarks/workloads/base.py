@@ -57,6 +57,21 @@ class Workload:
     name: str
     requests: list[BenchRequest]
     params: dict[str, Any] = field(default_factory=dict)
+    # The token ids of ``requests`` as they were when computed (a replaced or cut list is recomputed).
+    _token_ids: tuple[list[BenchRequest], int, list[list[int]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def token_ids(self) -> list[list[int]]:
+        """Every request's prompt token ids (``iter_token_ids``), computed once per workload.
+
+        A virtual-fleet cell runs each seed's workload through every policy and the oracle; tokenizing
+        a trace's 10k-token prompts again for each took half of a round-robin run's time.
+        """
+        cached = self._token_ids
+        if cached is None or cached[0] is not self.requests or cached[1] != len(self.requests):
+            cached = self._token_ids = (self.requests, len(self.requests), list(iter_token_ids(self.requests)))
+        return cached[2]
 
     @property
     def duration_s(self) -> float:

@@ -7,6 +7,7 @@ cell means the same thing in the real-time matrix and on the virtual clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from benchmarks.workloads.base import Workload
 from benchmarks.workloads.generated import docqa_workload, gsp_workload, hot_burst_workload, multiturn_workload
 from benchmarks.workloads.trace import TraceWindow, read_trace, trace_workload
 
-__all__ = ["DEFAULT_TRACE", "WORKLOADS", "CellSize", "WorkloadBuilder"]
+__all__ = ["DEFAULT_TRACE", "MULTITURN_THINK_S", "MULTITURN_TURNS", "WORKLOADS", "CellSize", "WorkloadBuilder"]
 
 # ../shared next to the repository (never committed; the trace workload says so when it is missing).
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-conversation.jsonl"
@@ -28,6 +29,9 @@ class CellSize:
     requests: int = 160  # per run (the matrix's knee probes too)
     seed: int = 0
     trace: Path = DEFAULT_TRACE
+    # How many times slower than its profile the simulated GPU runs (1 / speedup): multi-turn's think
+    # time stretches with it, so a session's turns follow its answers at any speed.
+    gpu_slowdown: float = 1.0
 
 
 WorkloadBuilder = Callable[[float, CellSize], Workload]
@@ -48,18 +52,29 @@ def _gsp(rate: float, o: CellSize) -> Workload:
     return w
 
 
+# Multi-turn cells: a session's turns arrive this many GPU-seconds apart at every fleet size and load, so a
+# larger fleet (a higher rate) gets more sessions at once, not compressed think time; at light load a
+# turn's answer (TTFT plus 32 decode steps, well under a second) exists before the next turn arrives.
+MULTITURN_TURNS = 5
+MULTITURN_THINK_S = 1.0
+
+
 def _multiturn(rate: float, o: CellSize) -> Workload:
-    turns = 5
+    turns = MULTITURN_TURNS
+    think_s = MULTITURN_THINK_S * o.gpu_slowdown
+    lifetime_s = (turns - 1) * think_s
+    # Sessions start as a Poisson process at rate / turns; enough of them that the first ``requests``
+    # arrivals (cut by time) are a steady stream: sessions begin until after the cut, so the run ends at
+    # full load rather than ramping down (it ramps up over the first session lifetime).
+    sessions = max(4, math.ceil(o.requests / turns + rate * lifetime_s / turns) + 8)
     w = multiturn_workload(
-        sessions=max(4, -(-o.requests // turns)),
+        sessions=sessions,
         turns=turns,
         system_prompt_len=512,
         question_len=256,
         answer_len=256,
         output_len=32,
-        # The whole schedule scales with 1/rate (think time included), so the offered load is
-        # proportional to the rate at any size.
-        turn_interval_s=12.0 / rate,
+        turn_interval_s=think_s,
         rate=rate,
         seed=o.seed,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from pathlib import Path
 
@@ -150,3 +151,26 @@ def test_hot_bursts_and_document_qa_shapes() -> None:
     )
     documents = {r.messages[1]["content"].split("\n\nQuestion:")[0] for r in doc.requests}
     assert 5 < len(documents) <= 24
+
+
+def test_multiturn_cells_keep_their_think_time_and_grow_sessions_with_the_rate() -> None:
+    """A larger fleet (a higher rate) gets more sessions at once, not turns squeezed closer together."""
+    from benchmarks.workloads.cells import MULTITURN_THINK_S, CellSize
+
+    def shape(rate: float, o: CellSize) -> tuple[set[float], float]:
+        w = WORKLOADS["multiturn"](rate, o)
+        assert len(w.requests) == o.requests
+        starts: dict[str, list[float]] = {}
+        for r in w.requests:
+            starts.setdefault(r.session or "", []).append(r.arrival_s)
+        gaps = {round(b - a, 6) for times in starts.values() for a, b in itertools.pairwise(times)}
+        middle = w.duration_s / 2  # sessions under way halfway through the run
+        live = sum(1 for times in starts.values() if times[0] <= middle <= times[0] + 4 * MULTITURN_THINK_S)
+        return gaps, live
+
+    slow_gaps, slow_live = shape(10.0, CellSize(requests=400))
+    fast_gaps, fast_live = shape(80.0, CellSize(requests=400))
+    assert slow_gaps == fast_gaps == {MULTITURN_THINK_S}
+    assert fast_live > 4 * slow_live
+    stretched, _ = shape(10.0, CellSize(requests=400, gpu_slowdown=4.0))  # a GPU four times slower
+    assert stretched == {4 * MULTITURN_THINK_S}

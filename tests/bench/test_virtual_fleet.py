@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from benchmarks.fleet.shapes import FLEETS
+from benchmarks.virtual.fleet import FLOOR as FLOOR_NAME
 from benchmarks.virtual.fleet import run_virtual, virtual_fleet_of
 from benchmarks.workloads.cells import WORKLOADS, CellSize
 
@@ -133,3 +134,53 @@ def test_a_recorded_run_keeps_each_request_and_decides_the_same() -> None:
     assert all(r["floor_estimate_best_s"] <= r["floor_estimate_here_s"] for r in records)
     hits = [r for r in records if r["reason"] == "prefix-hit" and r["cached_tokens"] > 0]
     assert hits and all(r["predicted_new_tokens"] < r["prompt_tokens"] for r in hits)
+
+
+def test_the_floor_prices_each_queue_once_per_state_and_as_if_anew(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The floor memoizes a worker's queued prefill by the queue's and the tree's state: the same choices."""
+    from benchmarks.virtual.floor import PerfectInformationFloor
+
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
+    workload = WORKLOADS["gsp"](90.0, CellSize(requests=120))  # past the knee: queues build
+    memoized = run_virtual(FLOOR_NAME, workload, fleet)
+    original = PerfectInformationFloor._queue
+    priced: list[int] = []
+
+    def anew(self: PerfectInformationFloor, scheduler):  # type: ignore[no-untyped-def]
+        self._queues.clear()
+        priced.append(len(scheduler.waiting))
+        return original(self, scheduler)
+
+    monkeypatch.setattr(PerfectInformationFloor, "_queue", anew)
+    fresh = run_virtual(FLOOR_NAME, workload, fleet)
+    assert max(priced) >= 3  # the queues the memo skips were there
+    assert fresh.ttft_s == memoized.ttft_s and fresh.per_worker == memoized.per_worker
+
+
+def test_page_chains_find_the_longest_shared_prefix_as_a_comparison_does() -> None:
+    import random
+
+    from benchmarks.virtual.floor import _page_chain, _shared_with
+
+    rng = random.Random(3)
+    page = 4
+    stems = [[rng.randrange(50) for _ in range(40)] for _ in range(3)]
+    prompts = [s[: rng.randrange(0, 41)] + [rng.randrange(50) for _ in range(rng.randrange(12))] for s in stems * 6]
+    for i, prompt in enumerate(prompts):
+        others = prompts[:i]
+        seen = {h for other in others for h in _page_chain(other, page)}
+        by_comparison = 0
+        for other in others:
+            n, same = min(len(prompt), len(other)) // page * page, 0
+            while same < n and prompt[same : same + page] == other[same : same + page]:
+                same += page
+            by_comparison = max(by_comparison, same)
+        assert _shared_with(_page_chain(prompt, page), seen, page) == by_comparison
+
+
+def test_a_workloads_token_ids_are_computed_once_and_follow_a_cut() -> None:
+    workload = WORKLOADS["gsp"](20.0, CellSize(requests=16))
+    ids = workload.token_ids()
+    assert workload.token_ids() is ids and len(ids) == 16
+    workload.requests = workload.requests[:5]
+    assert workload.token_ids() == ids[:5]
