@@ -198,21 +198,6 @@ class WorkerCostModel:
         """Prefill work queued on the worker now: its last report plus what was sent since, drained in real time."""
         return max(0.0, self._queue_level - (now - self._queue_clock))
 
-    def pending_new_tokens(self, now: float) -> float:
-        """Uncached tokens of the router's own sends predicted not to have started prefilling yet.
-
-        The sends are served in order, so those still queued are the newest whose predicted seconds fill
-        what is queued now (the one at the edge, partly done, counts in full).
-        """
-        left = self.queued_seconds(now)
-        tokens = 0.0
-        for sent in reversed(self._sent):
-            if left <= 0:
-                break
-            tokens += sent.new
-            left -= sent.seconds
-        return tokens
-
     def joins_forming_batch(self, now: float) -> bool:
         """A request sent now joins the batch waiting behind the running one, so it adds no floor of its own."""
         return self.floor_per_batch and self._forming_until is not None and now < self._forming_until

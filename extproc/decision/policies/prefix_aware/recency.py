@@ -1,0 +1,152 @@
+"""A worker's least-recently-used order as the router's own sends made it: how much was used there after a block.
+
+SGLang frees room in a full KV pool by evicting the least recently used leaves of its radix tree, and
+publishes a step's removals only when the step ends. So the router's index goes on showing, for the
+length of a prefill step, prefixes that the step's admission has already evicted; and the sends queued
+on a worker push out more before a later request is admitted. Neither shows in the index; both follow
+from the order in which the worker's blocks were last used, which the router knows for its own sends:
+a send uses every block of its prompt, the matched ones and the new ones.
+
+``RecencyLedger`` keeps, per worker, each block key's last use by one of the router's sends, numbered
+in order, and answers "how many distinct blocks were used after this one". A block that more blocks
+than the pool's cached share were used after is (predicted) gone. A send's blocks are used deepest
+first, so that each block counts as used no earlier than the blocks below it in the tree, as SGLang
+evicts leaves before their ancestors.
+
+The count is exact over the keys kept (a Fenwick tree over use numbers; a send's new numbers are
+consecutive, so it costs one range update for them and one per run of old numbers they replace); at
+most ``max_blocks`` keys are kept, the least recently used forgotten first (a forgotten key answers
+``None``: too old to say, which the caller treats as not predicted). What it does not see: other
+routers' sends to the worker (fewer evictions predicted, never more), decode tokens stored when a
+request ends, and requests served from the worker's cache without the router.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["RecencyLedger"]
+
+
+class RecencyLedger:
+    """One worker's blocks in the order the router's sends last used them."""
+
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self.max_blocks = max_blocks
+        self._last: OrderedDict[int, int] = OrderedDict()  # key -> use number, least recent first
+        self._seq = 0  # the last use number given
+        self._size = 2 * max_blocks + 2  # use numbers run to here, then are renumbered from 1
+        self._b1 = array("q", bytes(8 * (self._size + 1)))
+        self._b2 = array("q", bytes(8 * (self._size + 1)))
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def touch(self, keys: Sequence[int]) -> None:
+        """A send used ``keys`` (a prompt's block keys, in prompt order), deepest first."""
+        if not keys:
+            return
+        keys = keys[: self.max_blocks]  # the deeper ones would be forgotten at once (used first, so oldest)
+        if self._seq + len(keys) > self._size:
+            self._renumber()
+        last = self._last
+        start = self._seq + 1
+        seq = self._seq
+        run_start = run_end = -1  # a run of consecutive old numbers, released as one range
+        for key in reversed(keys):
+            old = last.get(key)
+            seq += 1
+            last[key] = seq
+            if old is None:
+                continue
+            last.move_to_end(key)
+            if old == run_end + 1:
+                run_end = old
+            else:
+                if run_start > 0:
+                    self._add(run_start, run_end, -1)
+                run_start = run_end = old
+        if run_start > 0:
+            self._add(run_start, run_end, -1)
+        self._add(start, seq, 1)
+        self._seq = seq
+        excess = len(last) - self.max_blocks
+        if excess > 0:  # forget the least recent, releasing their numbers run by run (they are in order)
+            run_start = run_end = -1
+            for _ in range(excess):
+                _, oldest = last.popitem(last=False)
+                if oldest == run_end + 1:
+                    run_end = oldest
+                    continue
+                if run_start > 0:
+                    self._add(run_start, run_end, -1)
+                run_start = run_end = oldest
+            self._add(run_start, run_end, -1)
+
+    def newer_than(self, key: int) -> int | None:
+        """Distinct blocks used after ``key`` was last used; None for a key not kept (never seen, or forgotten)."""
+        seq = self._last.get(key)
+        if seq is None:
+            return None
+        return len(self._last) - self._prefix(seq)
+
+    def kept_depth(self, keys: Sequence[int], depth: int, limit: float) -> int:
+        """The deepest ``d <= depth`` whose block ``keys[d - 1]`` had at most ``limit`` blocks used after it.
+
+        Along one path a shallower block was used no earlier than a deeper one, so the count only falls
+        toward the root and the answer is a binary search. A deepest block not kept says nothing: ``depth``.
+        """
+        depth = min(depth, len(keys))
+        if depth <= 0:
+            return 0
+        newer = self.newer_than(keys[depth - 1])
+        if newer is None or newer <= limit:
+            return depth
+        low, high = 0, depth - 1  # keys[high] is beyond the limit; find the deepest kept one below it
+        while low < high:
+            mid = (low + high + 1) // 2
+            count = self.newer_than(keys[mid - 1])
+            if count is None or count <= limit:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    # -- the Fenwick tree: point counts of live use numbers, range updates, prefix sums -------------
+    def _add(self, lo: int, hi: int, value: int) -> None:
+        """Add ``value`` to the count of every use number in ``lo..hi``."""
+        self._update(lo, value, value * (lo - 1))
+        self._update(hi + 1, -value, -value * hi)
+
+    def _update(self, i: int, v1: int, v2: int) -> None:
+        b1, b2, size = self._b1, self._b2, self._size
+        while i <= size:
+            b1[i] += v1
+            b2[i] += v2
+            i += i & -i
+
+    def _prefix(self, i: int) -> int:
+        """Live use numbers in ``1..i``."""
+        b1, b2 = self._b1, self._b2
+        s1 = s2 = 0
+        j = i
+        while j > 0:
+            s1 += b1[j]
+            s2 += b2[j]
+            j -= j & -j
+        return s1 * i - s2
+
+    def _renumber(self) -> None:
+        """Number the kept keys 1..n again, in their order (every ``max_blocks`` or more uses)."""
+        self._b1 = array("q", bytes(8 * (self._size + 1)))
+        self._b2 = array("q", bytes(8 * (self._size + 1)))
+        last = self._last
+        for seq, key in enumerate(last, 1):
+            last[key] = seq
+        self._seq = len(last)
+        if last:
+            self._add(1, len(last), 1)

@@ -1,0 +1,55 @@
+"""The prefix-aware policy's shadow of each worker's LRU order (``RecencyLedger``), against a plain list."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from extproc.decision.policies.prefix_aware.recency import RecencyLedger
+
+
+def _newer(order: list[int], key: int) -> int | None:
+    return len(order) - 1 - order.index(key) if key in order else None
+
+
+@pytest.mark.parametrize("max_blocks", [5, 17, 64])
+def test_blocks_used_after_a_key_are_counted_exactly_and_the_least_recent_forgotten(max_blocks: int) -> None:
+    rng = random.Random(max_blocks)
+    ledger = RecencyLedger(max_blocks)
+    order: list[int] = []  # the same order kept by hand, least recent first
+    for _ in range(400):  # enough uses to renumber many times
+        keys = [rng.randrange(6) * 1000 + i for i in range(rng.randrange(1, 25))]
+        ledger.touch(keys)
+        for key in reversed(keys[:max_blocks]):  # deepest first: a shallower block is the more recent
+            if key in order:
+                order.remove(key)
+            order.append(key)
+        order = order[-max_blocks:]
+        assert len(ledger) == len(order)
+        for key in {*keys, *rng.sample(range(6000), 10)}:
+            assert ledger.newer_than(key) == _newer(order, key)
+
+
+def test_the_kept_depth_is_the_deepest_block_within_the_limit() -> None:
+    ledger = RecencyLedger(1000)
+    history = list(range(100, 140))  # a session's 40 blocks, used once
+    ledger.touch(history)
+    ledger.touch(list(range(500, 530)))  # 30 blocks of other prompts since
+    assert ledger.newer_than(history[-1]) == 39 + 30 and ledger.newer_than(history[0]) == 30
+    assert ledger.kept_depth(history, 40, limit=69) == 40  # nothing beyond the limit: all of it kept
+    assert ledger.kept_depth(history, 40, limit=50) == 21  # blocks 21..39 had more than 50 used after them
+    assert ledger.kept_depth(history, 40, limit=10) == 0
+    assert ledger.kept_depth(history, 25, limit=50) == 21  # only the matched depth is asked about
+    assert ledger.kept_depth([7, 8, 9], 3, limit=0) == 3  # never seen: nothing to say, the index stands
+    assert ledger.kept_depth(history, 0, limit=0) == 0
+
+
+def test_a_send_longer_than_the_ledger_keeps_its_shallowest_blocks() -> None:
+    ledger = RecencyLedger(8)
+    prompt = list(range(20))
+    ledger.touch(prompt)
+    assert len(ledger) == 8 and ledger.newer_than(0) == 0 and ledger.newer_than(7) == 7
+    assert ledger.newer_than(8) is None
+    with pytest.raises(ValueError, match="max_blocks must be positive"):
+        RecencyLedger(0)
