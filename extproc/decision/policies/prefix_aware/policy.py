@@ -74,7 +74,9 @@ from extproc.fleet.workers import Worker
 
 __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
 
-_RECENT_BLOCKS_PER_WORKER = 8192  # block keys whose last use is kept per worker (the least recent forgotten first)
+# Block keys whose last use is kept per worker (1.9 MB when full): a worker whose pool's cached share is larger
+# than this gets no ledger (the eviction it would predict lies beyond what is kept).
+_RECENT_BLOCKS_PER_WORKER = 8192
 
 # SGLang (0.5.23) estimates a request's output as at most this many tokens when it reserves KV room for it
 # (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION).
@@ -189,6 +191,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._recency: dict[str, RecencyLedger] = {}  # worker id -> its blocks in the order our sends used them
+        self._capacity: dict[str, int] = {}  # worker id -> its KV pool in tokens, as last reported
         self.book = InFlightBook()  # what the router sent each worker and has not seen finish
         # Each measured worker's mean requests delayed per second of prefill (its price before the bounds),
         # and their sum: the fleet's mean price, kept as a running sum so a report costs O(1).
@@ -219,6 +222,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         """
         model = self.cost_model(worker)
         model.observe(load)
+        if load.max_total_num_tokens:
+            self._capacity[worker.id] = load.max_total_num_tokens
         if model.windows:
             queued = self._queued_of(model)
             self._queued_sum += queued - self._queued.get(worker.id, 0.0)
@@ -248,6 +253,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             self._reuse_sum -= model.reuse
         self._traffic.pop(worker_id, None)
         self._recency.pop(worker_id, None)
+        self._capacity.pop(worker_id, None)
         self._queued_sum -= self._queued.pop(worker_id, 0.0)
         self.book.forget(worker_id)
 
@@ -491,11 +497,17 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         output = _output_of(request)
         self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size, output)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
-        # The worker's order of use: this send uses every block of its prompt there.
-        ledger = self._recency.get(worker.id)
-        if ledger is None:
-            ledger = self._recency[worker.id] = RecencyLedger(_RECENT_BLOCKS_PER_WORKER)
-        ledger.touch(request.block_keys)
+        # The worker's order of use: this send uses every block of its prompt there. The ledger keeps twice the
+        # pool's cached share, so that a block is judged gone long before it is forgotten (a key it does not
+        # keep predicts nothing).
+        capacity = self._capacity.get(worker.id)
+        if capacity and request.block_size > 0:
+            reach = math.ceil(self.opts.cache_full_fraction * capacity / request.block_size) + 1
+            if reach <= _RECENT_BLOCKS_PER_WORKER:
+                ledger = self._recency.get(worker.id)
+                if ledger is None or ledger.max_blocks < reach:
+                    ledger = self._recency[worker.id] = RecencyLedger(min(2 * reach, _RECENT_BLOCKS_PER_WORKER))
+                ledger.touch(request.block_keys)
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
         count, stamp = self._traffic.get(worker_id, (0.0, now))
