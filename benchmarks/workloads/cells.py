@@ -111,13 +111,20 @@ def _docqa(rate: float, o: CellSize) -> Workload:
 
 
 def _trace(rate: float, o: CellSize) -> Workload:
-    # The conversation trace's own arrival pattern, sampled to whole conversations, scaled to ``rate``.
-    window = TraceWindow(sample=0.25, max_requests=o.requests, max_output=64, max_input=16384)
-    records = read_trace(o.trace, 0, o.requests, window.sample)
+    # The conversation trace's own arrival pattern, sampled to whole conversations, scaled to ``rate``. The
+    # seed picks which quarter of the conversations is kept (its arrivals and sharing are the trace's own, so
+    # without that every seed would replay the same requests).
+    sample, salt = 0.25, o.seed
+    records = read_trace(o.trace, 0, o.requests, sample, salt)
     span_s = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000.0
     native = (len(records) - 1) / span_s if span_s > 0 and len(records) > 1 else rate
     window = TraceWindow(
-        sample=window.sample, max_requests=o.requests, time_scale=rate / native, max_output=64, max_input=16384
+        sample=sample,
+        sample_salt=salt,
+        max_requests=o.requests,
+        time_scale=rate / native,
+        max_output=64,
+        max_input=16384,
     )
     return trace_workload(o.trace, block_size=512, window=window, seed=o.seed)
 

@@ -50,6 +50,7 @@ class TraceWindow:
     """
 
     sample: float = 1.0
+    sample_salt: int = 0  # which fraction ``sample`` keeps: another salt keeps other conversations
     start: int = 0
     max_requests: int | None = None
     time_scale: float = 1.0
@@ -58,14 +59,16 @@ class TraceWindow:
     max_input: int | None = None  # truncate longer prompts (their leading blocks, hence their reuse, stay)
 
 
-def _family_kept(hash_ids: Sequence[int], sample: float) -> bool:
+def _family_kept(hash_ids: Sequence[int], sample: float, salt: int = 0) -> bool:
     if sample >= 1.0:
         return True
     family = hash_ids[1] if len(hash_ids) > 1 else hash_ids[0]
-    return xxhash.xxh64_intdigest(str(family).encode()) % 1_000_000 < sample * 1_000_000
+    return xxhash.xxh64_intdigest(str(family).encode(), seed=salt) % 1_000_000 < sample * 1_000_000
 
 
-def read_trace(path: str | Path, start: int = 0, limit: int | None = None, sample: float = 1.0) -> list[TraceRecord]:
+def read_trace(
+    path: str | Path, start: int = 0, limit: int | None = None, sample: float = 1.0, salt: int = 0
+) -> list[TraceRecord]:
     """Records ``start .. start+limit`` of a Mooncake JSONL trace (after family sampling, see
     ``TraceWindow``); clear errors for bad lines."""
     path = Path(path)
@@ -96,7 +99,7 @@ def read_trace(path: str | Path, start: int = 0, limit: int | None = None, sampl
                 ) from exc
             if record.input_length <= 0 or not record.hash_ids:
                 raise TraceError(f"{path}:{lineno}: input_length and hash_ids must be non-empty")
-            if not _family_kept(record.hash_ids, sample):
+            if not _family_kept(record.hash_ids, sample, salt):
                 continue
             if skipped < start:
                 skipped += 1
@@ -142,7 +145,7 @@ def trace_workload(
         raise ValueError("time scale must be positive")
     if not 0.0 < window.sample <= 1.0:
         raise ValueError("trace sample must be in (0, 1]")
-    records = read_trace(path, window.start, window.max_requests, window.sample)
+    records = read_trace(path, window.start, window.max_requests, window.sample, window.sample_salt)
     if window.rate is not None:
         arrivals = poisson_arrivals(len(records), window.rate, random.Random(seed))
     else:
@@ -172,6 +175,7 @@ def trace_workload(
             "trace": str(path),
             "block_size": block_size,
             "sample": window.sample,
+            "sample_salt": window.sample_salt,
             "start": window.start,
             "max_requests": window.max_requests,
             "time_scale": window.time_scale,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -174,3 +175,16 @@ def test_multiturn_cells_keep_their_think_time_and_grow_sessions_with_the_rate()
     assert fast_live > 4 * slow_live
     stretched, _ = shape(10.0, CellSize(requests=400, gpu_slowdown=4.0))  # a GPU four times slower
     assert stretched == {4 * MULTITURN_THINK_S}
+
+
+def test_a_trace_cells_seed_picks_other_conversations_and_seed_0_the_unsalted_sample() -> None:
+    from benchmarks.workloads.trace import read_trace
+
+    o = MatrixOptions(requests=60)
+    if not o.trace.is_file():
+        pytest.skip(f"the trace is not here ({o.trace}: ../shared is next to a CI checkout, not always a user's)")
+    zero, one = WORKLOADS["trace"](8.0, o), WORKLOADS["trace"](8.0, dataclasses.replace(o, seed=1))
+    assert [r.arrival_s for r in zero.requests] != [r.arrival_s for r in one.requests]
+    unsalted = read_trace(o.trace, 0, 60, 0.25)
+    assert len(zero.requests) == len(unsalted) == 60
+    assert read_trace(o.trace, 0, 60, 0.25, salt=1) != unsalted
