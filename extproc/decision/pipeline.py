@@ -204,6 +204,8 @@ class DecisionPipeline:
     ) -> DecisionPipeline:
         """The pipeline as configured: policies by name, prompt preparation within its share of ``memory``."""
         policy = policy_from_config(config.policy, clock)
+        if config.shared_state.backend != "none":
+            policy.share_decisions()
         sections, decode_name = config.policy.sections(), config.pd.decode_policy
         decode_policy = create_policy(decode_name, sections.get(decode_name), sections, clock)
         prompts = PromptPreparer(

@@ -15,6 +15,7 @@ from extproc.config import IndexConfig, ObservabilityConfig, RouterConfig
 from extproc.decision.policies import Candidate, Decision, Policy, PolicyError, RoutingRequest, create_policy
 from extproc.decision.policies.prefix_aware import PrefixAwareOptions, PrefixAwarePolicy
 from extproc.decision.policies.prefix_aware.cost_model import PrefillModel, WorkerCostModel
+from extproc.decision.policies.session import SessionPolicy
 from extproc.decision.policies.sgl_cache_aware import SglCacheAwarePolicy
 from extproc.decision.request import ParsedRequest
 from extproc.fleet.blocks import block_keys
@@ -759,6 +760,108 @@ def test_a_cold_prompt_is_placed_by_balance_across_like_workers_measured_apart()
     _learned(policy, {quick: prior, slow: PrefillModel(prior.c0 * 3, prior.a * 3, prior.b * 3)})
     _traffic(policy, quick, 20)
     assert policy.select(_request(4096, keys=[7]), _candidates([quick, slow], [0, 0])).ranked[0] is quick
+
+
+def _replica(truth: dict[Worker, PrefillModel], busiest: Worker, shared: bool) -> PrefixAwarePolicy:
+    """One router replica: its own learned constants and its own recent traffic (``shared``: decisions shared)."""
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    if shared:
+        policy.share_decisions()
+    _learned(policy, truth)
+    _traffic(policy, busiest, 20)
+    return policy
+
+
+def test_replicas_sharing_decisions_place_a_new_prefix_alike() -> None:
+    """Two replicas that learned two like workers 40% apart, each the other way, place a cold prompt alike.
+
+    The compose stack's race: a burst's first two requests, taken by different replicas 5 ms apart, before
+    either has heard of the other's decision. Alone, each replica places the prefix on the worker it
+    measured faster (or sent less to lately); sharing decisions, both hash its first block, and new prefixes
+    still spread over both workers. A worker with a queue, or one scoring more than twice the best, stays out.
+    """
+    a, b = loopback_workers(2)
+    prior = PrefillModel(0.02, 4e-5, 1e-9)
+    slower = PrefillModel(prior.c0 * 1.4, prior.a * 1.4, prior.b * 1.4)
+    views = ({a: prior, b: slower}, {a: slower, b: prior})  # each replica measured the other worker slower
+    prompts = [_request(1024, keys=[1000 + i, 7]) for i in range(60)]
+    for shared in (False, True):
+        first, second = _replica(views[0], b, shared), _replica(views[1], a, shared)
+        placed = []
+        for prompt in prompts:
+            one = first.select(prompt, _candidates([a, b], [0, 0]))
+            two = second.select(prompt, _candidates([a, b], [0, 0]))
+            assert one.reason == two.reason == "cold"
+            placed.append((one.ranked[0].id, two.ranked[0].id))
+        agreed = sum(x == y for x, y in placed)
+        if not shared:
+            assert agreed == 0, placed  # each keeps to the worker it believes faster
+            continue
+        assert agreed == len(prompts), placed
+        on_a = sum(x == a.id for x, _ in placed)
+        assert 15 <= on_a <= 45, on_a  # hashing alone spreads new prefixes (binomial 60 x 0.5: 30 +- 4)
+    # a prompt some worker holds is not a placement: the holder keeps it on both replicas
+    hit = first.select(_request(1024, keys=[1000] + [7] * 63), _candidates([a, b], [0, 64]))
+    assert hit.ranked[0] is b and hit.reason == "prefix-hit"
+    # a queue stays out of the band: the replica that knows of one avoids it whatever the hash says
+    for prompt in prompts[:10]:
+        first.cost_model(a).sent(2048, 0, first.clock())
+        queued = first.select(prompt, _candidates([a, b], [0, 0]))
+        assert queued.scores[a.id]["queue_s"] > 0.003 and queued.ranked[0] is b
+    # a worker 3x slower stays out too
+    third = _replica({a: prior, b: PrefillModel(prior.c0 * 3, prior.a * 3, prior.b * 3)}, a, shared=True)
+    assert all(third.select(p, _candidates([a, b], [0, 0])).ranked[0] is a for p in prompts[:20])
+    # 0 turns it off: the lone router's placement
+    lone = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", {"replica_cold_tie_rel": 0}))
+    lone.share_decisions()
+    _learned(lone, views[0])
+    assert all(lone.select(p, _candidates([a, b], [0, 0])).ranked[0] is a for p in prompts[:20])
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "session"])
+def test_router_replicas_with_shared_state_place_new_prefixes_alike(policy: str) -> None:
+    """Two routers over one fleet, one of which sent a worker more lately: shared state makes them agree.
+
+    Through the router itself (config -> pipeline -> policy): with ``shared_state`` on, the replicas hash
+    a new prefix alike whatever each one's own traffic; off, the busier view sends every new prefix to
+    the other worker. ``session`` places new sessions with its fallback, so it places them alike too.
+    """
+    prompts = [
+        ParsedRequest(
+            path="/v1/chat/completions",
+            kind="chat",
+            model="m",
+            messages=[{"role": "system", "content": f"You are agent {i}. " * 40}, {"role": "user", "content": "go"}],
+            headers={"x-session-id": f"session-{i}"},
+        )
+        for i in range(30)
+    ]
+    for backend in ("none", "redis"):
+        config = RouterConfig.model_validate(
+            {"policy": {"name": policy}, "shared_state": {"backend": backend, "url": "redis://unused:6379/0"}}
+        )
+        workers = loopback_workers(2)  # each replica its own Worker objects: their in-flight counts are their own
+        first, second = (
+            RouterApp(config, WorkerRegistry(workers)),
+            RouterApp(config, WorkerRegistry(loopback_workers(2))),
+        )
+        assert (first.shared is not None) == (backend == "redis")  # built, never started: nothing is published
+        chosen = first.pipeline.policy
+        _traffic(chosen.fallback if isinstance(chosen, SessionPolicy) else chosen, workers[0], 20)  # w0 busier lately
+        placed = []
+        for parsed in prompts:
+            one, two = first.router.route(parsed), second.router.route(parsed)
+            first.router.finish(one)  # answered before the next: no queue of the router's own
+            second.router.finish(two)
+            # each prompt is new to both (the session policy: a new session, placed by prefix-aware as cold)
+            assert one.decision.reason == two.decision.reason == ("cold" if policy == "prefix-aware" else "session-new")
+            placed.append((one.worker.id, two.worker.id))
+        agreed = sum(x == y for x, y in placed)
+        if backend == "none":
+            assert agreed < len(prompts), placed
+        else:
+            assert agreed == len(prompts), placed
+            assert 0 < sum(x == workers[0].id for x, _ in placed) < len(prompts), placed
 
 
 def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:

@@ -159,6 +159,15 @@ class Policy(ABC, Generic[OptionsT]):
     def compose(self, create: Callable[[str], Policy]) -> None:
         """Called once after construction with the registry's factory: a policy made of others creates them here."""
 
+    def share_decisions(self) -> None:
+        """Called once when this router's replicas share their decisions (``shared_state``).
+
+        Two replicas can take requests of one new prefix at the same moment, before either has heard of
+        the other's decision. A policy whose choice there rests on what only one replica knows (its own
+        traffic, its own learned constants) then makes them disagree; one that can choose from what every
+        replica sees alike does so from now on. Nothing changes by default.
+        """
+
     @abstractmethod
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         """Rank ``candidates`` (never empty) for ``request``."""

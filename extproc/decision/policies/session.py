@@ -54,6 +54,10 @@ class SessionPolicy(Policy[SessionOptions]):
         self.needs_tokens = self.fallback.needs_tokens
         self.needs_text = self.fallback.needs_text
 
+    def share_decisions(self) -> None:
+        """New sessions are placed by the fallback: it is the one that must place them alike on every replica."""
+        self.fallback.share_decisions()
+
     def session_of(self, request: RoutingRequest) -> str | None:
         """The request's session: the value of the first affinity header it carries."""
         for header in self.headers:

@@ -47,7 +47,9 @@ Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received t
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
 it will least unbalance the fleet, since it attracts its followers there, instead of every tie
 herding onto one argmax. Exact ties fall to rendezvous hashing of the first block not every tied
-worker holds, so placement is deterministic per prefix.
+worker holds, so placement is deterministic per prefix. Router replicas that share decisions place a
+new prefix by that hash alone (``replica_cold_tie_rel``): recent traffic is each replica's own, and two
+replicas taking one burst's first requests at once must choose alike.
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ def _output_of(request: RoutingRequest) -> int:
     """The output a request may write, as SGLang estimates it when it reserves KV room (0: none named)."""
     limit = request.max_new_tokens
     return min(limit, _OUTPUT_CLIP) if limit is not None else 0
+
+
+def _rendezvous(key: int, candidates: list[Candidate]) -> Candidate:
+    """The candidate whose id hashes highest with ``key`` (a block key): the same on every router that asks."""
+    data = key.to_bytes(8, "little")
+    return max(candidates, key=lambda c: xxhash.xxh3_64_intdigest(data + c.worker.id.encode()))
 
 
 class PrefixAwareOptions(PolicyOptions):
@@ -170,6 +178,14 @@ class PrefixAwareOptions(PolicyOptions):
     balance_window_s: float = Field(
         10.0, gt=0, description="Near-ties go to the worker with the least traffic over about this window."
     )
+    replica_cold_tie_rel: float = Field(
+        1.0,
+        ge=0,
+        description="With router replicas sharing decisions (shared_state): a request no candidate holds any block "
+        "of goes by rendezvous hash of its first block among the candidates within this fraction of the best score "
+        "that wait no longer than the best (plus tie_abs_s), so replicas placing one new prefix at once choose "
+        "alike (0: each replica places it as a lone router would).",
+    )
 
 
 class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
@@ -199,6 +215,10 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         self._queued_sum = 0.0
         self._reuse_sum = 0.0  # the sum of the cost models' reuse (the fleet's mean prices an eviction)
         self._turn = 0
+        self._replicated = False  # set by share_decisions: new prefixes are placed alike on every replica
+
+    def share_decisions(self) -> None:
+        self._replicated = True
 
     def _new_model(self) -> WorkerCostModel:
         return WorkerCostModel(self._prior, self._decode_prior, self._learning, self.fleet)
@@ -357,9 +377,12 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         top = max(c.matched_blocks for c in candidates)
         tied = [c for c in candidates if score[c.worker.id] <= band]
         held = any(c.matched_blocks or c.host_matched_blocks or c.shared_matched_blocks for c in candidates)
-        if not held and self.opts.cold_tie_rel > self.opts.tie_rel:
-            tied = self._cold_ties(candidates, figures, tied)
-        winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
+        if not held and self._replicated and self.opts.replica_cold_tie_rel > 0 and request.block_keys:
+            winner = self._place_alike(request, candidates, figures)
+        else:
+            if not held and self.opts.cold_tie_rel > self.opts.tie_rel:
+                tied = self._cold_ties(candidates, figures, tied)
+            winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
         rest = sorted((c for c in candidates if c is not winner), key=lambda c: score[c.worker.id])
         ranked = [winner, *rest]
         if winner.matched_blocks and winner.matched_blocks == top:
@@ -430,6 +453,40 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         ]
         return tied + wider
 
+    def _place_alike(
+        self, request: RoutingRequest, candidates: list[Candidate], figures: dict[str, dict[str, float]]
+    ) -> Candidate:
+        """A new prefix, placed as every replica sharing decisions places it: by rendezvous hash of its first
+        block among the candidates within ``replica_cold_tie_rel`` of the best score that wait no longer.
+
+        Replicas share decisions, but a decision reaches the others a few milliseconds late, and requests of a
+        burst on one new prefix arrive closer together than that, spread over the replicas. Each replica learns
+        a worker's speed from its own share of the traffic: in the compose stack (two replicas, two like
+        simulated workers) their predicted prefill of one 1,076-token prompt on one worker differed by up to
+        70%, each preferred the worker it had measured faster, and a burst's first two requests, taken by
+        different replicas 5 ms apart, computed the prefix on both workers (first-holder share 0.42 to 0.75 on
+        6 of 28 runs). The hash of the prompt's first block is the same on every replica, and so, while no
+        replica's sends have queued anything, is the set of candidates it chooses among; a worker with a
+        queue, or one scoring more than ``replica_cold_tie_rel`` worse (a much slower GPU, a full cache), stays
+        out, as the ``cold_tie_rel`` band keeps it out for a lone router. Recent traffic, the lone router's
+        tie-break, is each replica's own, so it is not used: hashing spreads new prefixes over the workers
+        evenly by itself.
+        """
+        o = self.opts
+        best = min(candidates, key=lambda c: figures[c.worker.id]["score"])
+        top = figures[best.worker.id]
+
+        def wait(f: dict[str, float]) -> float:
+            return f["queue_s"] + f["memory_wait_s"]
+
+        limit, band = wait(top) + o.tie_abs_s, top["score"] * (1.0 + o.replica_cold_tie_rel)
+        alike = [
+            c
+            for c in candidates
+            if c is best or (figures[c.worker.id]["score"] <= band and wait(figures[c.worker.id]) <= limit)
+        ]
+        return _rendezvous(request.block_keys[0], alike)
+
     def light_fleet(self, candidates: list[Candidate], now: float) -> bool:
         """Whether idle workers' least price may fall (``idle_fleet_price``): few candidates have a queue.
 
@@ -452,15 +509,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             idle = [c for c in tied if c.in_flight == fewest]
             return idle[self._turn % len(idle)]
         depth = min(*(c.matched_blocks for c in tied), len(keys) - 1)
-        key = keys[depth].to_bytes(8, "little")
         now = self.clock()
-        return min(
-            tied,
-            key=lambda c: (
-                round(self._recent_traffic(c.worker.id, now), 3),
-                -xxhash.xxh3_64_intdigest(key + c.worker.id.encode()),
-            ),
-        )
+        least = min(round(self._recent_traffic(c.worker.id, now), 3) for c in tied)
+        return _rendezvous(keys[depth], [c for c in tied if round(self._recent_traffic(c.worker.id, now), 3) == least])
 
     def _lost_before_admission(self, request: RoutingRequest, c: Candidate, gpu: int) -> int:
         """Matched tokens gone from the worker's cache by the time ``request`` is admitted, though the index has them.
