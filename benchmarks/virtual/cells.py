@@ -20,6 +20,8 @@ from benchmarks.fleet.shapes import Fleet
 from benchmarks.oracle import oracle_hit_rate
 from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, run_virtual
 from benchmarks.workloads.cells import WORKLOADS, CellSize
+from extproc.decision.policies import POLICIES
+from extproc.decision.policies.base import RandomTieBreakPolicy
 
 __all__ = ["TARGETS", "cell_markdown", "gap_closed", "meets_targets", "run_cell", "virtual_knee"]
 
@@ -83,6 +85,8 @@ def run_cell(
         for policy in policies:
             started = time.monotonic()
             opts = overrides if policy == "prefix-aware" else None
+            if policy in POLICIES and issubclass(POLICIES[policy], RandomTieBreakPolicy):
+                opts = {"seed": seed}  # a peer's random tie-break, seeded so that the run repeats
             result = run_virtual(policy, workload_run, fleet, opts, record=records is not None)
             if records is not None:
                 records.mkdir(parents=True, exist_ok=True)

@@ -423,6 +423,26 @@ def test_dynamo_cost_weighs_overlap_against_active_blocks() -> None:
     assert _select(policy, req, _candidates(workers, [80, 0])).ranked[0] is workers[1]
 
 
+@pytest.mark.parametrize("name", ["gie-prefix", "dynamo-cost"])
+def test_a_seeded_random_tie_break_repeats(name: str) -> None:
+    """Peers break exact ties at random; with ``seed`` set, a benchmark run of their policy repeats."""
+    workers = loopback_workers(4)
+
+    def placements(seed: int | None) -> list[str]:
+        policy = create_policy(name, {"seed": seed})
+        out = []
+        for i in range(40):  # every prompt new, every worker idle: each decision is an exact tie
+            req = RoutingRequest(
+                model="m", path="/generate", prompt_text=f"{i:04d}" * 100, token_ids=[i] * 64, block_keys=[i] * 4
+            )
+            out.append(policy.select(req, _candidates(workers, [0, 0, 0, 0])).ranked[0].id)
+        return out
+
+    assert placements(7) == placements(7)
+    assert placements(7) != placements(8)
+    assert len(set(placements(7))) > 1  # the tie-break is random, not the first worker
+
+
 def test_session_sticks_and_moves_when_its_worker_leaves() -> None:
     policy = create_policy("session", {"fallback": "least-load"})
     workers = loopback_workers(3)

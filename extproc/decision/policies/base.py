@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar, cast, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.config import Section
@@ -31,6 +31,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "PolicyOptions",
+    "RandomTieBreakOptions",
     "RandomTieBreakPolicy",
     "RoutingRequest",
     "WorkerLoad",
@@ -198,14 +199,30 @@ class Policy(ABC, Generic[OptionsT]):
         """Called when a worker left the fleet (or moved to another address): forget what was kept on it."""
 
 
-class RandomTieBreakPolicy(Policy[OptionsT]):
-    """A policy that breaks ties with its own random generator (``_rng``, made in ``setup``).
+class RandomTieBreakOptions(PolicyOptions):
+    """Options every policy with a random tie-break has."""
+
+    seed: int | None = Field(
+        None,
+        description="Seed of the tie-break's random generator (none: a new one each start, as the peer does; "
+        "benchmarks set it so that a run repeats).",
+    )
+
+
+RandomOptionsT = TypeVar("RandomOptionsT", bound=RandomTieBreakOptions)
+
+
+class RandomTieBreakPolicy(Policy[RandomOptionsT]):
+    """A policy that breaks ties with its own random generator (``_rng``, seeded by its ``seed`` option).
 
     ``explain`` runs ``select`` and puts the generator back, so an explained prompt draws nothing the next
     real decision would have drawn.
     """
 
     _rng: random.Random
+
+    def setup(self) -> None:
+        self._rng = random.Random(self.opts.seed)
 
     def explain(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         state = self._rng.getstate()

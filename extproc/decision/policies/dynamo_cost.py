@@ -13,14 +13,13 @@ SGLang's L3 lives). The lowest cost wins; with ``temperature > 0`` a softmax ove
 from __future__ import annotations
 
 import math
-import random
 
 from pydantic import Field
 
 from extproc.decision.policies.base import (
     Candidate,
     Decision,
-    PolicyOptions,
+    RandomTieBreakOptions,
     RandomTieBreakPolicy,
     RoutingRequest,
 )
@@ -29,7 +28,7 @@ from extproc.fleet.workers import Worker
 __all__ = ["DynamoCostOptions", "DynamoCostPolicy"]
 
 
-class DynamoCostOptions(PolicyOptions):
+class DynamoCostOptions(RandomTieBreakOptions):
     """NVIDIA Dynamo KV-router cost defaults."""
 
     overlap_weight: float = Field(1.0, description="Weight of prefill blocks against decode (active) blocks.")
@@ -51,7 +50,7 @@ class DynamoCostPolicy(RandomTieBreakPolicy[DynamoCostOptions]):
         # request -> (worker, blocks, uncached blocks) until it completes. The router never sees the
         # first token, so unlike Dynamo the prefill share is owed until completion.
         self._owed: dict[int, tuple[str, int, float]] = {}
-        self._rng = random.Random()
+        super().setup()  # the seeded tie-break generator
 
     @staticmethod
     def _blocks(request: RoutingRequest, c: Candidate) -> int:

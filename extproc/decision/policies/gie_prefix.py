@@ -10,7 +10,6 @@ maximum, ties broken at random. No worker feedback beyond load: that is the peer
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 
 import xxhash
@@ -19,7 +18,7 @@ from pydantic import Field
 from extproc.decision.policies.base import (
     Candidate,
     Decision,
-    PolicyOptions,
+    RandomTieBreakOptions,
     RandomTieBreakPolicy,
     RoutingRequest,
 )
@@ -27,7 +26,7 @@ from extproc.decision.policies.base import (
 __all__ = ["GiePrefixOptions", "GiePrefixPolicy"]
 
 
-class GiePrefixOptions(PolicyOptions):
+class GiePrefixOptions(RandomTieBreakOptions):
     """GIE / llm-d approximate prefix scorer defaults."""
 
     block_chars: int = Field(64, gt=0, description="Characters per hashed block (16 tokens x 4 chars).")
@@ -44,7 +43,7 @@ class GiePrefixPolicy(RandomTieBreakPolicy[GiePrefixOptions]):
 
     def setup(self) -> None:
         self._servers: dict[str, OrderedDict[int, None]] = {}
-        self._rng = random.Random()
+        super().setup()  # the seeded tie-break generator
 
     def hashes(self, model: str, text: str) -> list[int]:
         size = self.opts.block_chars
