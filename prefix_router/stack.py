@@ -598,12 +598,24 @@ class GatewayStack:
         return changed
 
     async def _envoy_ready(self) -> bool:
+        """Envoy says it is live (admin ``/ready``) and its listener accepts a connection.
+
+        ``/ready`` alone was not enough: in one CI run on a loaded 2-core VM, the first request through the
+        listener was refused right after ``up`` printed its banner (Envoy's workers take up the listener
+        after the server goes live). The banner means a request would be served, so that is checked.
+        """
         try:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
                 session.get(self.admin_url + "/ready") as response,
             ):
-                return response.status == 200
+                if response.status != 200:
+                    return False
+            host = LOOPBACK if self.host in ("0.0.0.0", "::", "") else self.host
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, self.port), 1.0)
+            writer.close()
+            await writer.wait_closed()
+            return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
