@@ -381,7 +381,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             winner = self._place_alike(request, candidates, figures)
         else:
             if not held and self.opts.cold_tie_rel > self.opts.tie_rel:
-                tied = self._cold_ties(candidates, figures, tied)
+                tied = self._cold_ties(candidates, figures, tied, self.opts.cold_tie_rel)
             winner = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
         rest = sorted((c for c in candidates if c is not winner), key=lambda c: score[c.worker.id])
         ranked = [winner, *rest]
@@ -424,9 +424,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         }
 
     def _cold_ties(
-        self, candidates: list[Candidate], figures: dict[str, dict[str, float]], tied: list[Candidate]
+        self, candidates: list[Candidate], figures: dict[str, dict[str, float]], tied: list[Candidate], rel: float
     ) -> list[Candidate]:
-        """A request nobody holds any of: ``tied`` and those within ``cold_tie_rel`` that wait no longer.
+        """A request nobody holds any of: ``tied`` and those within ``rel`` of the best score that wait no longer.
 
         Such a request places a new prefix, and its followers go where it goes. What sets its candidates
         apart is then their learned prefill speed, and like workers' learned constants differ by their
@@ -442,7 +442,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         def wait(f: dict[str, float]) -> float:
             return f["queue_s"] + f["memory_wait_s"]
 
-        limit, band = wait(top) + o.tie_abs_s, top["score"] * (1.0 + o.cold_tie_rel)
+        limit, band = wait(top) + o.tie_abs_s, top["score"] * (1.0 + rel)
         inside = {c.worker.id for c in tied}
         wider = [
             c
@@ -472,19 +472,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         tie-break, is each replica's own, so it is not used: hashing spreads new prefixes over the workers
         evenly by itself.
         """
-        o = self.opts
-        best = min(candidates, key=lambda c: figures[c.worker.id]["score"])
-        top = figures[best.worker.id]
-
-        def wait(f: dict[str, float]) -> float:
-            return f["queue_s"] + f["memory_wait_s"]
-
-        limit, band = wait(top) + o.tie_abs_s, top["score"] * (1.0 + o.replica_cold_tie_rel)
-        alike = [
-            c
-            for c in candidates
-            if c is best or (figures[c.worker.id]["score"] <= band and wait(figures[c.worker.id]) <= limit)
-        ]
+        alike = self._cold_ties(candidates, figures, [], self.opts.replica_cold_tie_rel)  # the best among them
         return _rendezvous(request.block_keys[0], alike)
 
     def light_fleet(self, candidates: list[Candidate], now: float) -> bool:
