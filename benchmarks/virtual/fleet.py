@@ -164,8 +164,10 @@ async def _run(
             for worker in workers:
                 load = parse_loads({"loads": [schedulers[worker.id].load()]})
                 if load is not None:
-                    # What the router reads from the worker's /metrics beside /v1/loads (parse_prefill_passes).
+                    # What the router reads from the worker's /metrics beside /v1/loads (parse_prefill_passes,
+                    # parse_new_token_ratio).
                     load.total_prefill_batches = schedulers[worker.id].stats.prefill_batches
+                    load.new_token_ratio = schedulers[worker.id].reported_new_token_ratio
                     router.loads.set(worker, load)
             await asyncio.sleep(poll_interval_s)
 

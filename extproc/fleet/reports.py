@@ -36,6 +36,9 @@ class WorkerLoad:
     total_prefill_busy_us: int | None = None
     # Cumulative prefill batches (forward passes) from /metrics (``parse_prefill_passes``), read beside /v1/loads.
     total_prefill_batches: int | None = None
+    # SGLang's ``new_token_ratio`` at its last prefill batch (``sglang:new_token_ratio`` on /metrics, the largest
+    # over ranks): the share of running requests' remaining outputs it reserves when admitting a request.
+    new_token_ratio: float | None = None
     # Cumulative decode-step moments: (steps, sum batch, sum step_us, sum batch^2, sum batch*step_us).
     decode_moments: tuple[float, ...] | None = None
     # The rest of what 0.5.23 reports (None: not reported), so that nothing it says is lost on the way.

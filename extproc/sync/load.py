@@ -26,7 +26,7 @@ from extproc.fleet.reports import LoadBook, WorkerLoad
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import Poller, WorkerHttp
 
-__all__ = ["LoadTracker", "parse_loads", "parse_metrics", "parse_prefill_passes"]
+__all__ = ["LoadTracker", "parse_loads", "parse_metrics", "parse_new_token_ratio", "parse_prefill_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ def parse_metrics(text: str) -> WorkerLoad | None:
         num_used_tokens=int(usage * max_tokens) if max_tokens else 0,
         max_total_num_tokens=int(max_tokens) if max_tokens else None,
         token_usage=usage,
+        new_token_ratio=parse_new_token_ratio(text),
     )
 
 
@@ -190,6 +191,35 @@ def parse_prefill_passes(text: str) -> dict[str, int]:
     return {rank: int(value) for rank, value in per_rank.items()}
 
 
+_RATIO_SAMPLE = "sglang:new_token_ratio"
+
+
+def parse_new_token_ratio(text: str) -> float | None:
+    """SGLang's ``new_token_ratio`` from its ``/metrics`` page: the largest over its series (None: not there).
+
+    SGLang 0.5.23 sets the gauge at each prefill batch to the ratio its admission used
+    (``metrics_reporter.report_prefill_stats``): the share of each running request's remaining output it
+    reserves. It is 0.7 after the worker was idle or retracted requests and falls to 0.098 over 600 decode
+    steps. With several schedulers the most reserving one is taken (its requests wait first).
+    """
+    ratio: float | None = None
+    start = 0
+    while (at := text.find(_RATIO_SAMPLE, start)) >= 0:
+        end = text.find("\n", at)
+        end = len(text) if end < 0 else end
+        start = end
+        head = text[at + len(_RATIO_SAMPLE) : end]
+        if head[:1] not in ("{", " "):  # another family whose name starts alike
+            continue
+        try:
+            value = float(head.rpartition("}")[2].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if 0.0 <= value <= 1.0:
+            ratio = value if ratio is None else max(ratio, value)
+    return ratio
+
+
 def _refused(exc: BaseException) -> bool:
     """A refused connection: the worker's port is closed (it died), not merely slow or busy."""
     return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
@@ -224,7 +254,10 @@ class LoadTracker(LoadBook):
         # A worker that reports its prefill counters (/v1/loads) is also asked, at the same moment, how many
         # prefill batches it has run, so the two snapshots bound the same window.
         if known == _LOAD_PATHS[0] and self.config.read_prefill_batches and self._asks_passes(worker):
-            load, passes = await asyncio.gather(self._fetch_load(worker, known), self._fetch_prefill_passes(worker))
+            load, page = await asyncio.gather(self._fetch_load(worker, known), self._fetch_metrics_page(worker))
+            passes = parse_prefill_passes(page)
+            if load is not None:
+                load.new_token_ratio = parse_new_token_ratio(page)
             # Every DP rank the load sums must have its count (else batches and busy time would not match).
             if load is not None and passes and len(passes) == max(load.ranks, 1):
                 load.total_prefill_batches = sum(passes.values())
@@ -249,15 +282,15 @@ class LoadTracker(LoadBook):
         self._passes_misses[worker.id] = 0
         return True
 
-    async def _fetch_prefill_passes(self, worker: Worker) -> dict[str, int]:
-        passes: dict[str, int] = {}
+    async def _fetch_metrics_page(self, worker: Worker) -> str:
+        """The worker's ``/metrics`` page ("" where it does not answer one)."""
         try:
             async with self.http.get(worker.url + "/metrics", self.config.timeout_s) as resp:
                 if resp.status == 200:
-                    passes = parse_prefill_passes(await resp.text())
+                    return await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             pass  # down or slow: the load poll says which; this window goes without the count
-        return passes
+        return ""
 
     async def _fetch_load(self, worker: Worker, known: str | None) -> WorkerLoad | None:
         for path in (known,) if known else _LOAD_PATHS:

@@ -298,7 +298,7 @@ def _scheduler_gauges(page: _Page, scheduler: Scheduler, load: dict[str, Any], h
     for name, help_text in zeros:
         page.gauge(name, help_text, 0.0)
     page.gauge("fwd_occupancy", "Forward pass GPU occupancy percentage.", float("nan"))
-    page.gauge("new_token_ratio", "The new token ratio.", scheduler.new_token_ratio)
+    page.gauge("new_token_ratio", "The new token ratio.", scheduler.reported_new_token_ratio)
     page.gauge("is_cuda_graph", "Whether the batch is using CUDA graph.", 0.0)
     page.gauge("num_unique_running_routing_keys", "Number of unique routing keys in running batch.", 0.0)
     for name in ("routing_key_running_req_count", "routing_key_all_req_count"):

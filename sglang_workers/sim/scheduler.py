@@ -11,6 +11,9 @@ prefill and chunk budgets; a request cut by the chunk budget continues first in 
 A request's prompt enters the radix cache right after its prefill (so others can match it), and prompt +
 output when it finishes. Its counters and histograms are kept in ``metrics``.
 When decode runs out of KV, the requests with the fewest output tokens are retracted to the queue.
+Admission reserves each running request's remaining output times ``new_token_ratio``: 0.7 at start,
+after a retraction (re-estimated) and whenever the scheduler is idle with nothing queued (SGLang's
+``on_idle``), then lowered by one 600th of the way to 0.098 per decode step.
 
 The memory pool is counted in tokens and handed out in whole pages: tree pages (evictable or locked)
 plus each request's private pages (computed but not yet in the tree: its partial last page and, until
@@ -123,6 +126,8 @@ class Scheduler:
         self.chunked: Request | None = None
         self.prefilling: list[Request] = []  # the prefill batch in flight
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        # What ``sglang:new_token_ratio`` shows: the ratio the last prefill batch was admitted with (0 before one).
+        self.reported_new_token_ratio = 0.0
         self.stats = SchedulerStats()
         self.counters = LoadCounters(speedup=config.speedup)
         self.last_output_at = 0.0  # monotonic time of the last output (a token or a health signal), as SGLang's
@@ -335,10 +340,12 @@ class Scheduler:
         self._hicache_events()
         if self.idle:
             self._publish()  # acknowledged host copies go out even when idle (SGLang's idle check)
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # SGLang's on_idle resets it once nothing is queued or running
             await self._idle_wait(self._next_timer())
             return
         batch = next_prefill_batch(self)
         if batch:
+            self.reported_new_token_ratio = self.new_token_ratio
             # A decode worker's prebuilt requests got their KV from the prefill worker: no compute.
             compute = self.profile.prefill_time((r.chunk_len, r.chunk_prefix) for r in batch if not r.prebuilt)
             loaded = sum(r.load_tokens for r in batch)
@@ -515,9 +522,9 @@ class Scheduler:
             self.waiting.insert(0, req)
             self.stats.num_retractions += 1
             self.counters.on_retract(1)
-        total_max_new = sum(r.max_new_tokens for r in self.running) or 1
+        total_max_new = sum(r.max_new_tokens for r in self.running)
         decoded = sum(len(r.output_ids) for r in self.running)
-        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / total_max_new)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (total_max_new + 1))
 
     # -- radix cache hand-off ----------------------------------------------------------------------
     def _cache_unfinished(self, req: Request) -> None:

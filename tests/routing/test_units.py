@@ -1153,12 +1153,47 @@ def test_an_open_requests_output_is_held_as_written_plus_sglangs_reserve_and_a_n
     book.released("w0", 1, now=2.0)  # residence 2 s
     book.booked("w0", 2, 32, 0, now=10.0, keys=[3, 4], block_size=16, output_tokens=1000)
     assert book.held_tokens("w0") == 32 + 1000  # without a clock: the whole output
-    assert book.held_tokens("w0", now=10.0) == pytest.approx(32 + 100)  # nothing written, 10 % reserved
-    assert book.held_tokens("w0", now=11.0) == pytest.approx(32 + 500 + 50)  # half written
+    assert book.held_tokens("w0", now=10.0) == pytest.approx(32 + 98)  # nothing written, 9.8 % reserved
+    assert book.held_tokens("w0", now=11.0) == pytest.approx(32 + 500 + 49)  # half written
     assert book.held_tokens("w0", now=13.0) == pytest.approx(32 + 1000)  # past a residence: all of it
     # 132 held at t=10 and a 32-token prompt fit a 1,000-token pool; with its 900-token output they do not.
     assert book.memory_wait_s("w0", 32, 0, 1000, now=10.0) == 0.0
     assert book.memory_wait_s("w0", 32, 0, 1000, output_tokens=900, now=10.0) > 0.0
+
+
+def test_the_reserve_for_running_outputs_is_the_ratio_the_worker_reports() -> None:
+    """SGLang reserves running requests' remaining outputs times its ``new_token_ratio`` (0.7 after idle, 0.098
+    at its floor): at 0.61 a pool the floor ratio calls roomy is full, and the policy reads the worker's ratio."""
+    from extproc.decision.policies.prefix_aware.in_flight import FLOOR_RESERVE_RATIO, InFlightBook
+
+    book = InFlightBook()
+    book.booked("w0", 0, 117, 2048, now=0.0, output_tokens=32)
+    book.released("w0", 0, now=0.4)  # residence 0.4 s
+    for i in range(1, 150):  # 150 short requests on one 2,048-token prefix, each with up to 1,000 tokens to write
+        book.booked("w0", i, 117, 2048, now=10.0, output_tokens=1000)
+    held_floor = book.held_tokens("w0", now=10.0)
+    assert held_floor == pytest.approx(2048 + 149 * (117 + 1000 * FLOOR_RESERVE_RATIO))
+    assert book.held_tokens("w0", now=10.0, reserve_ratio=0.61) == pytest.approx(2048 + 149 * (117 + 610))
+    capacity = 100_000  # 34k held at the floor ratio, 110k at 0.61
+    assert book.memory_wait_s("w0", 117, 2048, capacity, 1000, now=10.0) == 0.0
+    assert book.memory_wait_s("w0", 117, 2048, capacity, 1000, now=10.0, reserve_ratio=0.61) > 0.0
+
+    # The policy takes the ratio from each worker's report: two workers its book holds alike, one reporting 0.61.
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    workers = loopback_workers(2)
+    now = time.monotonic()
+    for w in workers:
+        policy.book.booked(w.id, 0, 117, 2048, now=now - 1.0, output_tokens=32)
+        policy.book.released(w.id, 0, now=now - 0.6)
+        for i in range(1, 150):
+            policy.book.booked(w.id, i, 117, 2048, now=now, output_tokens=1000)
+    loads = [
+        WorkerLoad(num_running_reqs=149, max_total_num_tokens=capacity, polled_at=now, new_token_ratio=ratio)
+        for ratio in (None, 0.61)
+    ]
+    decision = _select(policy, _request(2165, max_new_tokens=1000), _candidates(workers, [128, 128], loads))
+    assert decision.scores["w0"]["memory_wait_s"] == 0.0 < decision.scores["w1"]["memory_wait_s"]
+    assert decision.ranked[0] is workers[0]
 
 
 def test_the_fleet_mean_is_kept_as_running_sums() -> None:

@@ -213,3 +213,28 @@ async def test_lpm_falls_back_to_fcfs_above_128_waiting(make: Factory) -> None:
     await finish(blocker, long, *fillers)
     order = [st.rids[0] for st in s.steps if st.kind == "prefill" and st.rids[0] not in (blocker.rid,)]
     assert order[1] == "f0"  # queue order, not the long cached prefix
+
+
+async def test_the_new_token_ratio_falls_per_decode_step_and_is_reset_when_idle(make: Factory) -> None:
+    """SGLang 0.5.23: 0.7 at start, one 600th of the way to 0.098 per decode step, 0.7 again once idle
+    (``on_idle``); ``sglang:new_token_ratio`` shows the ratio the last prefill batch was admitted with."""
+    from sglang_workers.sim.scheduler import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
+
+    assert round(MIN_NEW_TOKEN_RATIO, 6) == 0.098
+    s = make()
+    assert s.new_token_ratio == INIT_NEW_TOKEN_RATIO and s.reported_new_token_ratio == 0.0
+    req = s.submit(list(range(100)), 41)
+    while len(req.output_ids) < 21:  # the prefill's token, then 20 decode steps
+        await asyncio.sleep(0)
+    assert s.new_token_ratio == pytest.approx(INIT_NEW_TOKEN_RATIO - 20 * NEW_TOKEN_RATIO_DECAY)
+    assert s.reported_new_token_ratio == INIT_NEW_TOKEN_RATIO  # admitted before any decode step
+    late = s.submit(list(range(500, 600)), 2)
+    while not late.output_ids:
+        await asyncio.sleep(0)
+    assert s.reported_new_token_ratio < INIT_NEW_TOKEN_RATIO  # this prefill was admitted at the lower ratio
+    await finish(req, late)
+    for _ in range(100):  # the loop's next pass finds it idle
+        if s.new_token_ratio == INIT_NEW_TOKEN_RATIO:
+            break
+        await asyncio.sleep(0)
+    assert s.idle and s.new_token_ratio == INIT_NEW_TOKEN_RATIO

@@ -1,6 +1,8 @@
-"""A worker's count of prefill batches, read from its ``/metrics`` beside every ``/v1/loads`` poll.
+"""A worker's count of prefill batches and its ``new_token_ratio``, read from its ``/metrics`` beside every
+``/v1/loads`` poll.
 
-The prefix-aware cost model fits its prefill floor per batch with it (docs/routing.md). Real HTTP
+The prefix-aware cost model fits its prefill floor per batch with the count, and prices the wait for KV room
+with the ratio (docs/routing.md). Real HTTP
 servers throughout: a simulated worker (two DP ranks), and a bare server that has ``/v1/loads`` but no
 such count on ``/metrics``, which is asked three times and then left alone for five minutes.
 """
@@ -18,7 +20,7 @@ from aiohttp import web
 from extproc.config import LoadConfig
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import WorkerHttp
-from extproc.sync.load import LoadTracker, parse_prefill_passes
+from extproc.sync.load import LoadTracker, parse_metrics, parse_new_token_ratio, parse_prefill_passes
 from prefix_router.fleet import start_fleet
 from tests.support.gateway_http import post
 from tests.support.http_server import serving_app
@@ -33,6 +35,11 @@ sglang:cuda_graph_passes_total{model_name="m",dp_rank="0",tp_rank="1",mode="pref
 sglang:cuda_graph_passes_total{model_name="m",dp_rank="0",tp_rank="0",mode="decode_cuda_graph"} 500.0
 sglang:cuda_graph_passes_total{model_name="m",dp_rank="1",tp_rank="0",mode="prefill_none"} 5.0
 sglang:num_running_reqs{model_name="m"} 1.0
+# HELP sglang:new_token_ratio The new token ratio.
+# TYPE sglang:new_token_ratio gauge
+sglang:new_token_ratio{model_name="m",dp_rank="0",tp_rank="0"} 0.3125
+sglang:new_token_ratio{model_name="m",dp_rank="1",tp_rank="0"} 0.7
+sglang:new_token_ratio_other{model_name="m"} 0.9
 """
 
 
@@ -44,6 +51,15 @@ def test_prefill_passes_are_counted_per_dp_rank_over_modes_not_over_tp_ranks() -
     assert parse_prefill_passes("") == {}
     assert parse_prefill_passes('sglang:cuda_graph_passes_total{mode="prefill_none"} oops\n') == {}
     assert parse_prefill_passes('sglang:cuda_graph_passes_total{tp_rank="0",mode="prefill_none"} 4') == {"": 4}
+
+
+def test_the_new_token_ratio_is_the_most_reserving_schedulers() -> None:
+    assert parse_new_token_ratio(PAGE) == 0.7  # rank 1's; a family whose name merely starts alike is not read
+    assert parse_new_token_ratio("sglang:new_token_ratio 0.25\n") == 0.25
+    assert parse_new_token_ratio("") is None
+    assert parse_new_token_ratio('sglang:new_token_ratio{dp_rank="0"} NaN-ish\nsglang:new_token_ratio 7\n') is None
+    fallback = parse_metrics(PAGE)  # a worker read through /metrics alone
+    assert fallback is not None and fallback.new_token_ratio == 0.7
 
 
 async def _poll(tracker: LoadTracker, worker: Worker, times: int) -> None:
@@ -74,6 +90,8 @@ async def test_a_workers_prefill_batches_are_read_with_its_loads() -> None:
             after = tracker.get(worker)
             assert after is not None and after.total_prefill_batches is not None
             assert after.total_prefill_batches - before.total_prefill_batches == 3  # one at a time: a batch each
+            # Each was admitted by an idle scheduler, whose ratio SGLang resets to 0.7.
+            assert after.new_token_ratio == pytest.approx(0.7)
             page = await asyncio.to_thread(lambda: urllib.request.urlopen(sim.url + "/metrics", timeout=5).read())
             assert sum(parse_prefill_passes(page.decode()).values()) == after.total_prefill_batches
         finally:

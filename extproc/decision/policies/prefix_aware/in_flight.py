@@ -6,11 +6,16 @@ itself knows every request it sent and when its stream ended, so per worker it k
 - the KV tokens its open requests hold: their prompts' pages, each page once however many open requests
   share it (a worker's radix cache stores a shared prefix once), plus their output: what each has
   written (the share of a residence it has been open, times its ``max_tokens`` clipped as SGLang clips
-  its estimate) and what SGLang reserves for the rest (``_RESERVE_RATIO`` of it). A request is admitted
-  when its new tokens and its whole clipped output fit beside that. Outputs count because a worker
-  running many short prompts on a few hot prefixes fills its pool with decodes (virtual fleet, 4
+  its estimate) and what SGLang reserves for the rest, that times the worker's ``new_token_ratio`` (it
+  reports it on ``/metrics``; ``FLOOR_RESERVE_RATIO``, the ratio's floor, where it does not). A request
+  is admitted when its new tokens and its whole clipped output fit beside that. Outputs count because a
+  worker running many short prompts on a few hot prefixes fills its pool with decodes (virtual fleet, 4
   workers, hot-burst, 0.5 x knee, seed 1: 150 requests running on the hot prefixes' holder, the next
-  ones waited 0.8 s for room while the prompts alone were predicted to fit), and
+  ones waited 0.8 s for room while the prompts alone were predicted to fit). The ratio counts too:
+  SGLang sets it to 0.7 whenever the worker goes idle and after a retraction, and lowers it to its
+  floor (0.098) only over 600 decode steps; at 0.61 a worker running ~180 short requests reserved
+  2,600 tokens where the floor counts 300, and its queue waited for room the router thought it had
+  (the same cell, seed 8), and
 - how long a request stays there (route to end of stream, exponentially averaged): its residence.
 
 A worker's KV pool bounds how many requests it runs at once. A request whose tokens do not fit waits
@@ -25,13 +30,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["InFlightBook"]
+__all__ = ["FLOOR_RESERVE_RATIO", "InFlightBook"]
 
 _RESIDENCE_SMOOTHING = 0.1  # weight of each finished request in the residence average
 _FORGET_AFTER_S = 900.0  # a booking never released this long (its stream's end was lost) no longer counts
 # SGLang (0.5.23) reserves a running request's remaining output times ``new_token_ratio``, which decays while
-# nothing is retracted to its floor, 0.7 x 0.14 (about 0.1) at the default schedule conservativeness.
-_RESERVE_RATIO = 0.1
+# nothing is retracted to its floor, 0.7 x 0.14 (about 0.1) at the default schedule conservativeness: the
+# ratio assumed of a worker that does not report its own.
+FLOOR_RESERVE_RATIO = 0.098
 
 
 @dataclass
@@ -79,11 +85,11 @@ class _WorkerBook:
                 pages.pop(key, None)
         self.unpaged -= entry.tail
 
-    def held_tokens(self, now: float | None = None) -> float:
+    def held_tokens(self, now: float | None = None, reserve_ratio: float = FLOOR_RESERVE_RATIO) -> float:
         """Prompt pages, plus each open request's output: what it has written and SGLang's reserve for the rest.
 
         Written is taken as the share of a residence it has been open (``now``; all of it without a
-        clock or a residence); the rest is reserved at SGLang's floor ratio, where its estimate settles.
+        clock or a residence); the rest is reserved at ``reserve_ratio`` (the worker's ``new_token_ratio``).
         """
         if not self.open:
             return 0.0
@@ -96,7 +102,7 @@ class _WorkerBook:
         for o in self.open.values():
             if o.output:
                 written = min(1.0, max(0.0, now - o.at) / residence)
-                outputs += o.output * (written + (1.0 - written) * _RESERVE_RATIO)
+                outputs += o.output * (written + (1.0 - written) * reserve_ratio)
         return prompts + outputs
 
 
@@ -151,10 +157,12 @@ class InFlightBook:
         book = self._workers.get(worker_id)
         return book.residence_s if book is not None else None
 
-    def held_tokens(self, worker_id: str, now: float | None = None) -> float:
+    def held_tokens(
+        self, worker_id: str, now: float | None = None, reserve_ratio: float = FLOOR_RESERVE_RATIO
+    ) -> float:
         """KV tokens the router's open requests hold on the worker (outputs in full without ``now``)."""
         book = self._workers.get(worker_id)
-        return book.held_tokens(now) if book is not None else 0.0
+        return book.held_tokens(now, reserve_ratio) if book is not None else 0.0
 
     def memory_wait_s(
         self,
@@ -164,10 +172,12 @@ class InFlightBook:
         capacity: int | None,
         output_tokens: float = 0.0,
         now: float | None = None,
+        reserve_ratio: float = FLOOR_RESERVE_RATIO,
     ) -> float:
         """Seconds a request of these tokens would wait for KV room on the worker (0: it fits now).
 
-        SGLang admits a request when its new tokens and its whole (clipped) output fit.
+        SGLang admits a request when its new tokens and its whole (clipped) output fit beside what the
+        running ones hold and the share ``reserve_ratio`` of their remaining outputs it reserves.
         """
         book = self._workers.get(worker_id)
         if book is None or not book.open or not capacity:
@@ -177,7 +187,7 @@ class InFlightBook:
             residence = self._fleet_residence()
             if residence is None:
                 return 0.0
-        held = book.held_tokens(now)
+        held = book.held_tokens(now, reserve_ratio)
         shared = max(o.cached for o in book.open.values())
         # A prefix open requests hold is locked already.
         need = new_tokens + output_tokens + max(0.0, cached_tokens - shared)

@@ -68,7 +68,7 @@ from extproc.decision.policies.prefix_aware.cost_model import (
     PrefillModel,
     WorkerCostModel,
 )
-from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
+from extproc.decision.policies.prefix_aware.in_flight import FLOOR_RESERVE_RATIO, InFlightBook
 from extproc.decision.policies.prefix_aware.recency import RecencyLedger
 from extproc.decision.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
 from extproc.fleet.reports import WorkerLoad
@@ -334,7 +334,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         reuse = min(self.fleet_reuse(), 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
         output = _output_of(request)
-        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now)
+        # The share of running requests' remaining outputs the worker reserves (its last report; the floor without one).
+        ratio = load.new_token_ratio if load and load.new_token_ratio is not None else FLOOR_RESERVE_RATIO
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now, ratio)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         return {
             "matched_blocks": c.matched_blocks,
