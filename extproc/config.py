@@ -263,11 +263,13 @@ class LoadConfig(Section):
     read_prefill_batches: bool = Field(
         True,
         description=(
-            "With each /v1/loads poll, also read the worker's count of prefill batches from /metrics "
-            "(SGLang's sglang:cuda_graph_passes_total, prefill modes; needs --enable-metrics). The prefix-aware "
-            "policy then learns its prefill floor per batch, as the GPU pays it, instead of per request (a worker "
-            "that batched a burst would otherwise look faster per token than it is). A worker whose /metrics has "
-            "no usable count three polls in a row is not asked again for five minutes."
+            "With each /v1/loads poll, also read the worker's count of prefill batches and its new_token_ratio "
+            "from /metrics (SGLang's sglang:cuda_graph_passes_total, prefill modes, and sglang:new_token_ratio; "
+            "needs --enable-metrics). The prefix-aware policy then learns its prefill floor per batch, as the GPU "
+            "pays it, instead of per request (a worker that batched a burst would otherwise look faster per token "
+            "than it is), and counts the KV room the worker reserves for running requests' outputs at the ratio "
+            "it uses (the floor ratio, 0.098, without it). A worker whose /metrics has no usable count three "
+            "polls in a row is not asked again for five minutes."
         ),
     )
     tier_poll_interval_s: float = Field(

@@ -208,6 +208,8 @@ class DecisionPipeline:
             policy.share_decisions()
         sections, decode_name = config.policy.sections(), config.pd.decode_policy
         decode_policy = create_policy(decode_name, sections.get(decode_name), sections, clock)
+        policy.use_memory(memory.policy_bytes)  # the decode policy keeps no per-worker state of its own
+        decode_policy.use_memory(0)
         prompts = PromptPreparer(
             config.models,
             KeyCache(memory.key_cache_bytes),

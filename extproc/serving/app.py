@@ -117,6 +117,7 @@ class RouterApp:
         usage["key_cache"] = self.pipeline.prompts.key_cache_bytes
         usage["piece_cache"] = self.pipeline.prompts.piece_cache_bytes
         usage["shared_state"] = self.shared.queued_keys * SHARED_KEY_BYTES if self.shared is not None else 0
+        usage["policy"] = self.pipeline.policy.memory_bytes() + self.pipeline.decode_policy.memory_bytes()
         return usage
 
     def servicer(self) -> ExtProcServicer:

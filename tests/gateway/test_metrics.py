@@ -63,7 +63,7 @@ def test_one_memory_budget_bounds_every_cache_and_metrics_show_each_part(stack: 
     text = request(f"http://127.0.0.1:{stack.metrics_port}/metrics").body.decode()
     held = _series(text, "prefix_router_memory_bytes")
     limits = _series(text, "prefix_router_memory_limit_bytes")
-    parts = {"index", "engine_hashes", "speculative", "key_cache", "piece_cache", "shared_state"}
+    parts = {"index", "engine_hashes", "speculative", "key_cache", "piece_cache", "shared_state", "policy"}
     assert {k.split('"')[1] for k in held} == parts == {k.split('"')[1] for k in limits}
     for key, value in held.items():
         assert 0 <= value <= limits[key], (key, value, limits[key])

@@ -1283,3 +1283,37 @@ def test_a_prefix_the_queued_sends_will_evict_is_not_predicted_as_a_hit() -> Non
     # Past the knee (every worker has a queue) the prediction is not made: spilling there evicts elsewhere.
     busy = _doc_holder_with_cold_sends(stale=True, busy_fleet=True)
     assert busy.scores["w0"]["lost_tokens"] == 0
+
+
+def test_the_orders_of_use_share_the_policys_part_of_the_memory_budget() -> None:
+    """Each worker's ``RecencyLedger`` keeps twice its pool's cached share while the ``policy`` share allows
+    it; the share is split evenly over the workers whose pool is known; one too small for the cached share
+    keeps none, so the ledgers never hold more than the share (``/metrics`` shows what they hold)."""
+    from extproc.memory import LEDGER_BYTES
+
+    def fleet_of(count: int, budget: int) -> tuple[PrefixAwarePolicy, list[Worker]]:
+        policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+        policy.use_memory(budget)
+        workers = loopback_workers(count)
+        now = time.monotonic()
+        for w in workers:
+            policy.on_load(w, WorkerLoad(max_total_num_tokens=24576, polled_at=now))
+        for i, w in enumerate(workers):
+            req = _request(4096, keys=list(range(i * 1000, i * 1000 + 256)))
+            scores = {"new_tokens": 4096.0, "cached_tokens": 0.0}
+            policy.on_routed(req, Decision(ranked=[w], reason="test", scores={w.id: scores}))
+        return policy, workers
+
+    reach = math.ceil(0.8 * 24576 / 16) + 1  # cache_full_fraction's share of a 24,576-token pool, in blocks
+    budget = 16 * 2 * reach * LEDGER_BYTES  # room for 16 full ledgers
+    policy, workers = fleet_of(4, budget)
+    assert [policy._recency[w.id].max_blocks for w in workers] == [2 * reach] * 4
+    assert 0 < policy.memory_bytes() <= budget
+    policy, workers = fleet_of(24, budget)  # each gets 16/24 of a full ledger: more than the cached share
+    sizes = {policy._recency[w.id].max_blocks for w in workers}
+    assert sizes == {budget // LEDGER_BYTES // 24} and reach < min(sizes)
+    assert policy.memory_bytes() <= budget
+    policy, workers = fleet_of(40, budget)  # 16/40 of a full ledger is less than the cached share: none
+    assert not policy._recency and policy.memory_bytes() == 0
+    policy, workers = fleet_of(4, 0)  # the decode policy's part: nothing
+    assert not policy._recency

@@ -169,6 +169,17 @@ class Policy(ABC, Generic[OptionsT]):
         replica sees alike does so from now on. Nothing changes by default.
         """
 
+    def use_memory(self, budget_bytes: int) -> None:
+        """Called once with the bytes of ``memory.budget_bytes`` the policy's own per-worker state may hold.
+
+        That is the ``policy`` share of the budget (``extproc/memory.py``) for the routing policy, none for
+        the decode policy of prefill/decode pairs. Nothing is kept by default.
+        """
+
+    def memory_bytes(self) -> int:
+        """Estimated bytes the policy's own per-worker state holds now (``/metrics``, part ``policy``)."""
+        return 0
+
     @abstractmethod
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         """Rank ``candidates`` (never empty) for ``request``."""

@@ -58,6 +58,13 @@ class SessionPolicy(Policy[SessionOptions]):
         """New sessions are placed by the fallback: it is the one that must place them alike on every replica."""
         self.fallback.share_decisions()
 
+    def use_memory(self, budget_bytes: int) -> None:
+        """The fallback keeps the per-worker state, so it gets the memory."""
+        self.fallback.use_memory(budget_bytes)
+
+    def memory_bytes(self) -> int:
+        return self.fallback.memory_bytes()
+
     def session_of(self, request: RoutingRequest) -> str | None:
         """The request's session: the value of the first affinity header it carries."""
         for header in self.headers:

@@ -60,6 +60,7 @@ from typing import Literal
 import xxhash
 from pydantic import Field
 
+from extproc.config import MemoryConfig
 from extproc.decision.policies.base import Candidate, Decision, Policy, PolicyOptions, RoutingRequest
 from extproc.decision.policies.prefix_aware.cost_model import (
     DecodeModel,
@@ -73,12 +74,12 @@ from extproc.decision.policies.prefix_aware.recency import RecencyLedger
 from extproc.decision.policies.prefix_aware.tier_cost import costs_from_report, kv_bytes_per_token, tier_extra
 from extproc.fleet.reports import WorkerLoad
 from extproc.fleet.workers import Worker
+from extproc.memory import LEDGER_BYTES, MemoryPlan
 
 __all__ = ["PrefixAwareOptions", "PrefixAwarePolicy"]
 
-# Block keys whose last use is kept per worker (1.9 MB when full): a worker whose pool's cached share is larger
-# than this gets no ledger (the eviction it would predict lies beyond what is kept).
-_RECENT_BLOCKS_PER_WORKER = 8192
+# What the workers' orders of use may hold before ``use_memory`` says (the default budget's ``policy`` share).
+_DEFAULT_LEDGER_BYTES = MemoryPlan.from_budget(MemoryConfig().budget_bytes).policy_bytes
 
 # SGLang (0.5.23) estimates a request's output as at most this many tokens when it reserves KV room for it
 # (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION).
@@ -207,6 +208,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         self._unseen = self._new_model()  # how a worker nothing is known of yet is judged (never fed)
         self._traffic: dict[str, tuple[float, float]] = {}  # worker id -> (decayed request count, as of)
         self._recency: dict[str, RecencyLedger] = {}  # worker id -> its blocks in the order our sends used them
+        self._ledger_bytes = _DEFAULT_LEDGER_BYTES  # what the ledgers may hold together (``use_memory``)
         self._capacity: dict[str, int] = {}  # worker id -> its KV pool in tokens, as last reported
         self.book = InFlightBook()  # what the router sent each worker and has not seen finish
         # Each measured worker's mean requests delayed per second of prefill (its price before the bounds),
@@ -538,17 +540,38 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         output = _output_of(request)
         self.book.booked(worker.id, id(request), new, cached, now, request.block_keys, request.block_size, output)
         self._traffic[worker.id] = (self._recent_traffic(worker.id, now) + 1.0, now)
-        # The worker's order of use: this send uses every block of its prompt there. The ledger keeps twice the
-        # pool's cached share, so that a block is judged gone long before it is forgotten (a key it does not
-        # keep predicts nothing).
-        capacity = self._capacity.get(worker.id)
-        if capacity and request.block_size > 0:
-            reach = math.ceil(self.opts.cache_full_fraction * capacity / request.block_size) + 1
-            if reach <= _RECENT_BLOCKS_PER_WORKER:
-                ledger = self._recency.get(worker.id)
-                if ledger is None or ledger.max_blocks < reach:
-                    ledger = self._recency[worker.id] = RecencyLedger(min(2 * reach, _RECENT_BLOCKS_PER_WORKER))
-                ledger.touch(request.block_keys)
+        # The worker's order of use: this send uses every block of its prompt there.
+        ledger = self._ledger_of(worker.id, request.block_size)
+        if ledger is not None:
+            ledger.touch(request.block_keys)
+
+    def use_memory(self, budget_bytes: int) -> None:
+        self._ledger_bytes = max(0, budget_bytes)
+        self._recency.clear()
+
+    def memory_bytes(self) -> int:
+        return sum(ledger.memory_bytes() for ledger in self._recency.values())
+
+    def _ledger_of(self, worker_id: str, block_size: int) -> RecencyLedger | None:
+        """The worker's order of use, made or resized to its share of the memory (None: the share is too small).
+
+        A ledger keeps twice the pool's cached share, so that a block is judged gone long before it is forgotten
+        (a key it does not keep predicts nothing); every worker whose pool is known gets an equal share of the
+        ledgers' memory, and one smaller than the cached share would judge nothing gone, so it gets none.
+        """
+        capacity = self._capacity.get(worker_id)
+        if not capacity or block_size <= 0:
+            return None
+        reach = math.ceil(self.opts.cache_full_fraction * capacity / block_size) + 1
+        share = self._ledger_bytes // LEDGER_BYTES // max(len(self._capacity), 1)
+        size = min(2 * reach, share)
+        ledger = self._recency.get(worker_id)
+        if size <= reach:
+            self._recency.pop(worker_id, None)
+            return None
+        if ledger is None or ledger.max_blocks != size:  # a new worker, or the fleet or the pool changed size
+            ledger = self._recency[worker_id] = RecencyLedger(size)
+        return ledger
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:
         count, stamp = self._traffic.get(worker_id, (0.0, now))

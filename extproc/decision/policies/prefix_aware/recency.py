@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 __all__ = ["RecencyLedger"]
 
+_KEY_BYTES = 208  # one kept key: its OrderedDict entry and its int objects (CPython 3.11, tracemalloc)
+
 
 class RecencyLedger:
     """One worker's blocks in the order the router's sends last used them."""
@@ -45,6 +47,10 @@ class RecencyLedger:
 
     def __len__(self) -> int:
         return len(self._last)
+
+    def memory_bytes(self) -> int:
+        """Estimated bytes held: the Fenwick arrays (allocated whole) and an entry per key kept (measured ~208 B)."""
+        return 16 * len(self._b1) + _KEY_BYTES * len(self._last)
 
     def touch(self, keys: Sequence[int]) -> None:
         """A send used ``keys`` (a prompt's block keys, in prompt order), deepest first."""
