@@ -1128,15 +1128,15 @@ def test_open_requests_hold_shared_pages_once_and_room_for_their_output() -> Non
     book = InFlightBook()
     prefix = list(range(100))  # 100 pages of 16 tokens: a 1,600-token system prompt
     book.booked("w0", 1, 1672, 0, now=0.0, keys=[*prefix, 101, 102], block_size=16, output_tokens=32)
-    # 1,672 prompt tokens: 102 full pages and 40 tokens past them, plus 32 of output.
-    assert book.held_tokens("w0") == 102 * 16 + 40 + 32
+    # 1,672 prompt tokens: 102 full pages and 40 tokens past them, plus 32 of output: 72 tokens in 5 own pages.
+    assert book.held_tokens("w0") == 102 * 16 + 80
     book.booked("w0", 2, 72, 1600, now=0.0, keys=[*prefix, 201, 202], block_size=16, output_tokens=32)
-    assert book.held_tokens("w0") == 104 * 16 + 2 * (40 + 32)  # the 100 shared pages once
+    assert book.held_tokens("w0") == 104 * 16 + 2 * 80  # the 100 shared pages once
     book.booked("w0", 3, 1672, 0, now=0.0, keys=[*range(500, 602)], block_size=16, output_tokens=0)
-    assert book.held_tokens("w0") == 206 * 16 + 2 * (40 + 32) + 40  # another prefix: its pages too
+    assert book.held_tokens("w0") == 206 * 16 + 2 * 80 + 48  # another prefix: its pages too
     book.released("w0", 3, now=1.0)
     book.released("w0", 1, now=1.0)
-    assert book.held_tokens("w0") == 102 * 16 + 40 + 32  # request 2 alone: the shared pages are still its
+    assert book.held_tokens("w0") == 102 * 16 + 80  # request 2 alone: the shared pages are still its
     # With outputs counted, the same prompts that fit a pool can leave a new one waiting for room.
     assert book.memory_wait_s("w0", 72, 1600, 1700) > 0.0
     book.released("w0", 2, now=1.0)
@@ -1152,10 +1152,10 @@ def test_an_open_requests_output_is_held_as_written_plus_sglangs_reserve_and_a_n
     book.booked("w0", 1, 32, 0, now=0.0, keys=[1, 2], block_size=16, output_tokens=1000)
     book.released("w0", 1, now=2.0)  # residence 2 s
     book.booked("w0", 2, 32, 0, now=10.0, keys=[3, 4], block_size=16, output_tokens=1000)
-    assert book.held_tokens("w0") == 32 + 1000  # without a clock: the whole output
+    assert book.held_tokens("w0") == 32 + 1008  # without a clock: the whole output, in whole pages
     assert book.held_tokens("w0", now=10.0) == pytest.approx(32 + 98)  # nothing written, 9.8 % reserved
-    assert book.held_tokens("w0", now=11.0) == pytest.approx(32 + 500 + 49)  # half written
-    assert book.held_tokens("w0", now=13.0) == pytest.approx(32 + 1000)  # past a residence: all of it
+    assert book.held_tokens("w0", now=11.0) == pytest.approx(32 + 512 + 49)  # half written (32 pages)
+    assert book.held_tokens("w0", now=13.0) == pytest.approx(32 + 1008)  # past a residence: all of it
     # 132 held at t=10 and a 32-token prompt fit a 1,000-token pool; with its 900-token output they do not.
     assert book.memory_wait_s("w0", 32, 0, 1000, now=10.0) == 0.0
     assert book.memory_wait_s("w0", 32, 0, 1000, output_tokens=900, now=10.0) > 0.0

@@ -4,18 +4,20 @@ Load reports arrive every half second; a burst routed in between is invisible to
 itself knows every request it sent and when its stream ended, so per worker it keeps:
 
 - the KV tokens its open requests hold: their prompts' pages, each page once however many open requests
-  share it (a worker's radix cache stores a shared prefix once), plus their output: what each has
-  written (the share of a residence it has been open, times its ``max_tokens`` clipped as SGLang clips
-  its estimate) and what SGLang reserves for the rest, that times the worker's ``new_token_ratio`` (it
-  reports it on ``/metrics``; ``FLOOR_RESERVE_RATIO``, the ratio's floor, where it does not). A request
-  is admitted when its new tokens and its whole clipped output fit beside that. Outputs count because a
-  worker running many short prompts on a few hot prefixes fills its pool with decodes (virtual fleet, 4
-  workers, hot-burst, 0.5 x knee, seed 1: 150 requests running on the hot prefixes' holder, the next
-  ones waited 0.8 s for room while the prompts alone were predicted to fit). The ratio counts too:
-  SGLang sets it to 0.7 whenever the worker goes idle and after a retraction, and lowers it to its
-  floor (0.098) only over 600 decode steps; at 0.61 a worker running ~180 short requests reserved
-  2,600 tokens where the floor counts 300, and its queue waited for room the router thought it had
-  (the same cell, seed 8), and
+  share it (a worker's radix cache stores a shared prefix once), plus each one's own pages (its prompt's
+  tail past the last full block and the output it has written, in whole pages as the pool hands them
+  out; written is the share of a residence it has been open, times its ``max_tokens`` clipped as SGLang
+  clips its estimate) and what SGLang reserves for the rest of its output: that times the worker's
+  ``new_token_ratio`` (it reports it on ``/metrics``; ``FLOOR_RESERVE_RATIO``, the ratio's floor, where
+  it does not). A request is admitted when its new tokens and its whole clipped output fit beside that.
+  Outputs count because a worker running many short prompts on a few hot prefixes fills its pool with
+  decodes (virtual fleet, 4 workers, hot-burst, 0.5 x knee, seed 1: 150 requests running on the hot
+  prefixes' holder, the next ones waited 0.8 s for room while the prompts alone were predicted to fit).
+  The ratio counts too: SGLang sets it to 0.7 whenever the worker goes idle and after a retraction, and
+  lowers it to its floor (0.098) only over 600 decode steps; at 0.61 a worker running ~180 short
+  requests reserved 2,600 tokens where the floor counts 300, and its queue waited for room the router
+  thought it had (the same cell, seed 8). So do whole pages: those ~180 requests' 85-token tails took
+  6 pages each, 2,000 tokens more than their tokens. And
 - how long a request stays there (route to end of stream, exponentially averaged): its residence.
 
 A worker's KV pool bounds how many requests it runs at once. A request whose tokens do not fit waits
@@ -27,6 +29,7 @@ prefill-queue figure shows it: on a memory-bound worker the queue waits for memo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,25 +59,21 @@ class _WorkerBook:
     residence_s: float | None = None  # mean route-to-finish time (None: nothing finished yet)
     pages: dict[int, int] = field(default_factory=dict)  # block key -> open requests holding it
     block_size: int = 16
-    # Tokens outside ``pages``: prompt tails and the new tokens of requests booked without keys (whose
-    # cached prefixes are taken as one shared prefix, the longest).
-    unpaged: float = 0.0
-    outputs: float = 0.0  # the open requests' outputs, in full
+    # The new tokens and tails of requests booked without keys (their cached prefixes are taken as one
+    # shared prefix, the longest).
+    keyless: float = 0.0
 
     def hold(self, entry: _Open) -> None:
-        self.outputs += entry.output
         if not entry.keys:
-            self.unpaged += entry.new + entry.tail
+            self.keyless += entry.new + entry.tail
             return
         pages = self.pages
         for key in entry.keys:
             pages[key] = pages.get(key, 0) + 1
-        self.unpaged += entry.tail
 
     def let_go(self, entry: _Open) -> None:
-        self.outputs -= entry.output
         if not entry.keys:
-            self.unpaged -= entry.new + entry.tail
+            self.keyless -= entry.new + entry.tail
             return
         pages = self.pages
         for key in entry.keys:
@@ -83,27 +82,28 @@ class _WorkerBook:
                 pages[key] = count
             else:
                 pages.pop(key, None)
-        self.unpaged -= entry.tail
 
     def held_tokens(self, now: float | None = None, reserve_ratio: float = FLOOR_RESERVE_RATIO) -> float:
-        """Prompt pages, plus each open request's output: what it has written and SGLang's reserve for the rest.
+        """Prompt pages, plus each open request's own pages and SGLang's reserve for the output still to come.
 
-        Written is taken as the share of a residence it has been open (``now``; all of it without a
-        clock or a residence); the rest is reserved at ``reserve_ratio`` (the worker's ``new_token_ratio``).
+        A request's own pages hold its prompt's tail past the last full block and the output it has
+        written, in whole pages (the pool is handed out so: ~180 requests of 85-token tails on one prefix
+        held 2,000 tokens more than their tokens). Written is taken as the share of a residence it has been
+        open (``now``; all of it without a clock or a residence); the rest is reserved at ``reserve_ratio``
+        (the worker's ``new_token_ratio``).
         """
         if not self.open:
             return 0.0
+        size = self.block_size
         unkeyed = max((o.cached for o in self.open.values() if not o.keys), default=0.0)
-        prompts = len(self.pages) * self.block_size + max(self.unpaged, 0.0) + unkeyed
+        held = len(self.pages) * size + max(self.keyless, 0.0) + unkeyed
         residence = self.residence_s
-        if now is None or not residence or self.outputs <= 0:
-            return prompts + max(self.outputs, 0.0)
-        outputs = 0.0
         for o in self.open.values():
-            if o.output:
-                written = min(1.0, max(0.0, now - o.at) / residence)
-                outputs += o.output * (written + (1.0 - written) * reserve_ratio)
-        return prompts + outputs
+            written = min(1.0, max(0.0, now - o.at) / residence) if now is not None and residence else 1.0
+            out = o.output * written
+            held += math.ceil((o.tail + out) / size) * size if o.keys else out
+            held += o.output * (1.0 - written) * reserve_ratio
+        return held
 
 
 class InFlightBook:
