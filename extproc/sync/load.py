@@ -252,7 +252,7 @@ class LoadTracker(LoadBook):
     async def _poll(self, worker: Worker) -> None:
         known = self._path.get(worker.id)
         # A worker that reports its prefill counters (/v1/loads) is also asked, at the same moment, how many
-        # prefill batches it has run, so the two snapshots bound the same window.
+        # prefill batches it has run, so the two snapshots bound the same window, and its new_token_ratio.
         if known == _LOAD_PATHS[0] and self.config.read_prefill_batches and self._asks_passes(worker):
             load, page = await asyncio.gather(self._fetch_load(worker, known), self._fetch_metrics_page(worker))
             passes = parse_prefill_passes(page)
