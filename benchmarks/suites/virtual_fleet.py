@@ -75,6 +75,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="An option of the prefix-aware policy (repeatable), e.g. max_work_price=10.",
     )
+    g.add_argument(
+        "--memory-budget",
+        type=positive(int),
+        default=None,
+        metavar="MIB",
+        help="The router's memory.budget_bytes in MiB (default: the router's own default, 256). Its 'policy' share "
+        "bounds prefix-aware's order-of-use ledgers: at 256 MiB, 64 workers of these pools keep none.",
+    )
     g.add_argument("--out", type=Path, default=None, help="Write cells as JSON lines here (appended per cell).")
     g.add_argument(
         "--records",
@@ -101,7 +109,16 @@ def main(args: argparse.Namespace) -> int:
             for workload in args.workloads:
                 for load in args.loads:
                     cell = run_cell(
-                        workload, fleet, load, policies, args.requests, args.seeds, overrides, _stderr, args.records
+                        workload,
+                        fleet,
+                        load,
+                        policies,
+                        args.requests,
+                        args.seeds,
+                        overrides,
+                        _stderr,
+                        args.records,
+                        memory_budget_bytes=args.memory_budget * 2**20 if args.memory_budget else None,
                     )
                     print("\n".join(cell_markdown(cell)), flush=True)
                     total += 1

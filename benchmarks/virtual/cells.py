@@ -67,10 +67,12 @@ def run_cell(
     overrides: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
     records: Path | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One virtual cell: every policy (and the floor) over every seed; figures per seed and their spread.
 
-    ``records``: a folder that gets each run's per-request records as JSON lines (``run_virtual(record=True)``).
+    ``records``: a folder that gets each run's per-request records as JSON lines (``run_virtual(record=True)``);
+    ``memory_budget_bytes``: the router's ``memory.budget_bytes`` (None: its default).
     """
     knee = virtual_knee(workload, fleet, CellSize(requests=requests, seed=seeds[0]))
     runs: dict[str, list[dict[str, float]]] = {}
@@ -87,7 +89,9 @@ def run_cell(
             opts = overrides if policy == "prefix-aware" else None
             if policy in POLICIES and issubclass(POLICIES[policy], RandomTieBreakPolicy):
                 opts = {"seed": seed}  # a peer's random tie-break, seeded so that the run repeats
-            result = run_virtual(policy, workload_run, fleet, opts, record=records is not None)
+            result = run_virtual(
+                policy, workload_run, fleet, opts, record=records is not None, memory_budget_bytes=memory_budget_bytes
+            )
             if records is not None:
                 records.mkdir(parents=True, exist_ok=True)
                 name = f"{fleet.workers}w-{workload}-{load:g}x-seed{seed}-{policy}.jsonl"
@@ -122,6 +126,8 @@ def run_cell(
         "seeds": list(seeds),
         "runs": runs,
     }
+    if memory_budget_bytes is not None:
+        cell["memory_budget_bytes"] = memory_budget_bytes
     for prefix, reference in (("", FLOOR), ("blind_", FLOOR_PHASE_BLIND)):
         if {"round-robin", reference, "prefix-aware"} <= set(runs):
             for metric in ("mean", "p99"):

@@ -34,7 +34,7 @@ from benchmarks.stats import distribution
 from benchmarks.virtual.clock import VirtualClockLoop, simulator_clock
 from benchmarks.virtual.floor import ObservedRadixCache, ObservedScheduler, PerfectInformationFloor, cached_prefix
 from benchmarks.workloads.base import Workload
-from extproc.config import EventsConfig, RouterConfig
+from extproc.config import EventsConfig, MemoryConfig, RouterConfig
 from extproc.decision.local import LocalDecider
 from extproc.decision.request import ParsedRequest
 from extproc.fleet.workers import Worker, WorkerRegistry
@@ -80,6 +80,7 @@ class VirtualResult:
     prefill_busy_s: float = 0.0
     duration_s: float = 0.0
     errors: int = 0
+    policy_memory_bytes: int = 0  # what the router's policy held at the end (its share of memory.budget_bytes)
     # One dict per request when the run is recorded (``run_virtual(record=True)``), in arrival order.
     records: list[dict[str, Any]] = field(default_factory=list)
 
@@ -119,6 +120,7 @@ async def _run(
     poll_interval_s: float,
     event_delay_s: float,
     record: bool = False,
+    memory_budget_bytes: int | None = None,
 ) -> VirtualResult:
     loop = asyncio.get_running_loop()
     names = fleet.profile.split(",")
@@ -130,6 +132,7 @@ async def _run(
     config = RouterConfig(
         events=EventsConfig(enabled=False),
         policy={"name": name, name.replace("-", "_"): options} if options else {"name": name},
+        memory=MemoryConfig(budget_bytes=memory_budget_bytes) if memory_budget_bytes else MemoryConfig(),
     )
     states = _ViewStates()
     router = LocalDecider(config, WorkerRegistry(workers), clock=loop.time, states=states)
@@ -232,6 +235,7 @@ async def _run(
     poller = asyncio.create_task(poll())
     await asyncio.gather(*(one(r) for r in workload.requests))
     result.duration_s = loop.time() - start
+    result.policy_memory_bytes = router.pipeline.policy.memory_bytes()
     stop.set()
     await poller
     for scheduler in schedulers.values():
@@ -248,6 +252,7 @@ def run_virtual(
     poll_interval_s: float = 0.5,
     event_delay_s: float = 0.005,
     record: bool = False,
+    memory_budget_bytes: int | None = None,
 ) -> VirtualResult:
     """Run ``workload`` through ``policy`` (or a floor) on a virtual ``fleet`` (GPU time, no wall time).
 
@@ -259,7 +264,9 @@ def run_virtual(
     try:
         with simulator_clock(loop):
             return loop.run_until_complete(
-                _run(policy, workload, fleet, options or {}, poll_interval_s, event_delay_s, record)
+                _run(
+                    policy, workload, fleet, options or {}, poll_interval_s, event_delay_s, record, memory_budget_bytes
+                )
             )
     finally:
         loop.close()

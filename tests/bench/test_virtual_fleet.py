@@ -184,3 +184,14 @@ def test_a_workloads_token_ids_are_computed_once_and_follow_a_cut() -> None:
     assert workload.token_ids() is ids and len(ids) == 16
     workload.requests = workload.requests[:5]
     assert workload.token_ids() == ids[:5]
+
+
+def test_the_routers_memory_budget_bounds_what_its_policy_keeps() -> None:
+    """``memory_budget_bytes`` is the router's ``memory.budget_bytes``: at the default the order-of-use ledgers of
+    4 workers fit its ``policy`` share; at 1 MiB (52 KB for the policy) none does, and the policy keeps nothing."""
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
+    workload = WORKLOADS["multiturn"](20.0, CellSize(requests=64))
+    default = run_virtual("prefix-aware", workload, fleet)
+    small = run_virtual("prefix-aware", workload, fleet, memory_budget_bytes=2**20)
+    assert 0 < default.policy_memory_bytes <= 0.05 * 256 * 2**20
+    assert small.policy_memory_bytes == 0 and small.errors == 0 and len(small.ttft_s) == 64
