@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -151,10 +152,36 @@ def parse_metrics(text: str) -> WorkerLoad | None:
     )
 
 
-_PASSES_SAMPLE = "sglang:cuda_graph_passes_total{"
+_PASSES_FAMILY = "sglang:cuda_graph_passes_total"
+_RATIO_FAMILY = "sglang:new_token_ratio"
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _PASSES_GIVE_UP = 3  # polls in a row without a usable count: the worker does not export it ...
 _PASSES_RETRY_S = 300.0  # ... so it is not asked again for this long
+
+
+def _samples(text: str, family: str) -> Iterator[tuple[str, float]]:
+    """The sample lines of one ``family`` on a Prometheus text page: each one's label text and value.
+
+    Only that family's lines are read (found with ``str.find``, not by splitting the whole page); comment
+    lines, other families whose names start alike and values that are not numbers are skipped.
+    """
+    start = 0
+    while (at := text.find(family, start)) >= 0:
+        end = text.find("\n", at)
+        end = len(text) if end < 0 else end
+        start = end
+        rest = text[at + len(family) : end]
+        if rest[:1] == "{":
+            labels, _, tail = rest[1:].rpartition("}")
+        elif rest[:1] == " ":
+            labels, tail = "", rest
+        else:
+            continue
+        try:
+            value = float(tail.split()[0])
+        except (ValueError, IndexError):
+            continue
+        yield labels, value
 
 
 def parse_prefill_passes(text: str) -> dict[str, int]:
@@ -166,21 +193,11 @@ def parse_prefill_passes(text: str) -> dict[str, int]:
     ``dp_rank`` where there are DP ranks. Under ``--enable-metrics-for-all-schedulers`` every TP rank
     of a DP rank reports the same batches, so a rank's count is its largest series. Keyed by the
     ``dp_rank`` label ("" where there is none); empty: no such series (an older release, metrics off).
-    Only the sample lines of that one family are read.
     """
     series: dict[tuple[tuple[str, str], ...], float] = {}
-    start = 0
-    while (at := text.find(_PASSES_SAMPLE, start)) >= 0:
-        end = text.find("\n", at)
-        end = len(text) if end < 0 else end
-        start = end
-        labels_text, _, tail = text[at + len(_PASSES_SAMPLE) : end].rpartition("}")
+    for labels_text, value in _samples(text, _PASSES_FAMILY):
         labels = dict(_LABEL.findall(labels_text))
         if not labels.get("mode", "").startswith("prefill"):
-            continue
-        try:
-            value = float(tail.split()[0])
-        except (ValueError, IndexError):
             continue
         key = tuple(sorted((k, v) for k, v in labels.items() if k != "mode"))
         series[key] = series.get(key, 0.0) + value
@@ -191,9 +208,6 @@ def parse_prefill_passes(text: str) -> dict[str, int]:
     return {rank: int(value) for rank, value in per_rank.items()}
 
 
-_RATIO_SAMPLE = "sglang:new_token_ratio"
-
-
 def parse_new_token_ratio(text: str) -> float | None:
     """SGLang's ``new_token_ratio`` from its ``/metrics`` page: the largest over its series (None: not there).
 
@@ -202,22 +216,8 @@ def parse_new_token_ratio(text: str) -> float | None:
     reserves. It is 0.7 after the worker was idle or retracted requests and falls to 0.098 over 600 decode
     steps. With several schedulers the most reserving one is taken (its requests wait first).
     """
-    ratio: float | None = None
-    start = 0
-    while (at := text.find(_RATIO_SAMPLE, start)) >= 0:
-        end = text.find("\n", at)
-        end = len(text) if end < 0 else end
-        start = end
-        head = text[at + len(_RATIO_SAMPLE) : end]
-        if head[:1] not in ("{", " "):  # another family whose name starts alike
-            continue
-        try:
-            value = float(head.rpartition("}")[2].split()[0])
-        except (ValueError, IndexError):
-            continue
-        if 0.0 <= value <= 1.0:
-            ratio = value if ratio is None else max(ratio, value)
-    return ratio
+    ratios = [value for _, value in _samples(text, _RATIO_FAMILY) if 0.0 <= value <= 1.0]
+    return max(ratios) if ratios else None
 
 
 def _refused(exc: BaseException) -> bool:
