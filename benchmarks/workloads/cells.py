@@ -13,10 +13,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.workloads.base import Workload
-from benchmarks.workloads.generated import docqa_workload, gsp_workload, hot_burst_workload, multiturn_workload
+from benchmarks.workloads.generated import (
+    agent_requests_per_session,
+    agent_workload,
+    docqa_workload,
+    gsp_workload,
+    hot_burst_workload,
+    multiturn_workload,
+)
 from benchmarks.workloads.trace import TraceWindow, read_trace, trace_workload
 
-__all__ = ["DEFAULT_TRACE", "MULTITURN_THINK_S", "MULTITURN_TURNS", "WORKLOADS", "CellSize", "WorkloadBuilder"]
+__all__ = [
+    "AGENT_STEP_S",
+    "DEFAULT_TRACE",
+    "MULTITURN_THINK_S",
+    "MULTITURN_TURNS",
+    "WORKLOADS",
+    "CellSize",
+    "WorkloadBuilder",
+]
 
 # ../shared next to the repository (never committed; the trace workload says so when it is missing).
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-conversation.jsonl"
@@ -110,6 +125,37 @@ def _docqa(rate: float, o: CellSize) -> Workload:
     )
 
 
+# Agent cells: a step's tool runs this many GPU-seconds (0.5-1.5x) before the next step arrives, at every
+# fleet size and load, so (like multi-turn) a larger fleet gets more sessions at once.
+AGENT_STEP_S = 1.0
+_AGENT_STEPS, _AGENT_FAN_OUT, _AGENT_FAN_OUT_SHARE = (2, 8), 3, 0.15
+
+
+def _agent(rate: float, o: CellSize) -> Workload:
+    step_s = AGENT_STEP_S * o.gpu_slowdown
+    per_session = agent_requests_per_session(_AGENT_STEPS, _AGENT_FAN_OUT, _AGENT_FAN_OUT_SHARE)
+    lifetime_s = (_AGENT_STEPS[1] - 1) * 1.5 * step_s
+    # As multi-turn's: sessions begin until after the cut, so the run ends at full load.
+    sessions = max(4, math.ceil(o.requests / per_session + rate * lifetime_s / per_session) + 8)
+    w = agent_workload(
+        sessions=sessions,
+        tenants=16,
+        tenant_zipf=1.0,
+        docs_per_tenant=6,
+        doc_zipf=1.0,
+        doc_share=0.6,
+        steps=_AGENT_STEPS,
+        step_s=step_s,
+        fan_out=_AGENT_FAN_OUT,
+        fan_out_share=_AGENT_FAN_OUT_SHARE,
+        output_len=32,
+        rate=rate,
+        seed=o.seed,
+    )
+    w.requests = w.requests[: o.requests]
+    return w
+
+
 def _trace(rate: float, o: CellSize) -> Workload:
     # The conversation trace's own arrival pattern, sampled to whole conversations, scaled to ``rate``. The
     # seed picks which quarter of the conversations is kept (its arrivals and sharing are the trace's own, so
@@ -135,4 +181,5 @@ WORKLOADS: dict[str, WorkloadBuilder] = {
     "trace": _trace,
     "hot-burst": _hot_burst,
     "docqa": _docqa,
+    "agent": _agent,
 }

@@ -10,6 +10,9 @@
   interleaved with multi-turn chat sessions, sized so that the fleet's GPU pool holds only part of
   the working set.
 - ``burst``: fan-out bursts of requests sharing a prefix within a few ms (``--suite replicas``).
+- ``agent``: agent sessions: Zipf-popular tenants' long tool-definition prompts, shared tenant
+  documents, histories that grow by an action and a tool result per step, and steps that fan out
+  into parallel calls; every length a whole number of 64-token blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import random
 from benchmarks.workloads.base import BenchRequest, Workload, block_text, poisson_arrivals
 
 __all__ = [
+    "agent_workload",
     "burst_workload",
     "docqa_workload",
     "gsp_workload",
@@ -384,3 +388,108 @@ def burst_workload(
             "seed": seed,
         },
     )
+
+
+# -- agent sessions -------------------------------------------------------------------------
+
+AGENT_BLOCK = 64  # every length of the agent workload is a whole number of these tokens
+
+
+def _blocks(rng: random.Random, low: int, high: int) -> int:
+    """A length in tokens: a whole number of ``AGENT_BLOCK`` blocks between ``low`` and ``high`` blocks."""
+    return AGENT_BLOCK * rng.randint(low, high)
+
+
+def agent_requests_per_session(steps: tuple[int, int], fan_out: int, fan_out_share: float) -> float:
+    """How many requests an agent session sends on average (its steps, each fanned-out step ``fan_out``)."""
+    return (steps[0] + steps[1]) / 2 * (1 + fan_out_share * (fan_out - 1))
+
+
+def agent_workload(
+    *,
+    sessions: int,
+    tenants: int,
+    tenant_zipf: float,
+    docs_per_tenant: int,
+    doc_zipf: float,
+    doc_share: float,
+    steps: tuple[int, int],
+    step_s: float,
+    fan_out: int,
+    fan_out_share: float,
+    output_len: int,
+    rate: float,
+    seed: int,
+) -> Workload:
+    """Agent sessions: what a fleet serving coding or support agents sees.
+
+    A session belongs to a tenant (Zipf-popular, exponent ``tenant_zipf``) whose system prompt is its
+    long tool definitions (8-32 blocks of 64 tokens); with probability ``doc_share`` it starts from one
+    of the tenant's ``docs_per_tenant`` documents (Zipf ``doc_zipf``, 4-32 blocks: a repository file, a
+    knowledge-base article), then a task (2-4 blocks). Each of its ``steps`` (uniform in the closed
+    range) resends the whole history plus the last tool result (1-6 blocks); the next step follows
+    0.5-1.5 x ``step_s`` later (the tool's run time, open loop) with the model's action (1-3 blocks,
+    fixed text so every contender sends the same bytes) and that result appended. With probability
+    ``fan_out_share`` a step is ``fan_out`` parallel calls 5 ms apart, each with its own tool result on
+    the same history, and the session goes on from the first. Sessions start as a Poisson process at
+    ``rate`` over the mean requests per session, so ``rate`` is the overall request rate.
+    """
+    if min(sessions, tenants, docs_per_tenant, fan_out, output_len) <= 0 or not 1 <= steps[0] <= steps[1]:
+        raise ValueError("agent sizes must all be positive, steps a range low <= high")
+    if not 0.0 <= doc_share <= 1.0 or not 0.0 <= fan_out_share <= 1.0 or step_s < 0:
+        raise ValueError("agent shares must be in [0, 1] and the step time >= 0")
+    ns = f"agent/{seed}"
+    rng = random.Random(seed)
+    per_session = agent_requests_per_session(steps, fan_out, fan_out_share)
+    starts = poisson_arrivals(sessions, rate / per_session, rng)
+    tenant_weights = _zipf_weights(tenants, tenant_zipf)
+    doc_weights = _zipf_weights(docs_per_tenant, doc_zipf)
+    # Each tenant's and each document's length is fixed by the seed, like its text.
+    shape = random.Random(f"{seed}/shape")
+    system_len = [_blocks(shape, 8, 32) for _ in range(tenants)]
+    doc_len = [[_blocks(shape, 4, 32) for _ in range(docs_per_tenant)] for _ in range(tenants)]
+    timed: list[tuple[float, int, str, list[dict[str, str]]]] = []
+    for s, start in enumerate(starts):
+        tenant = rng.choices(range(tenants), tenant_weights)[0]
+        opening = block_text(f"{ns}/s{s}/task", 0, _blocks(rng, 2, 4))
+        if rng.random() < doc_share:
+            doc = rng.choices(range(docs_per_tenant), doc_weights)[0]
+            opening = block_text(f"{ns}/t{tenant}/doc", doc, doc_len[tenant][doc]) + "\n\nTask:" + opening
+        history: list[dict[str, str]] = [
+            {"role": "system", "content": block_text(f"{ns}/tools", tenant, system_len[tenant])},
+            {"role": "user", "content": opening},
+        ]
+        now, sid = start, f"s{s}"
+        for k in range(rng.randint(*steps)):
+            if k:
+                now += step_s * (0.5 + rng.random())
+                action = block_text(f"{ns}/{sid}/action", k, _blocks(rng, 1, 3))
+                history = history + [{"role": "assistant", "content": action}]
+            calls = fan_out if k and rng.random() < fan_out_share else 1
+            results = [block_text(f"{ns}/{sid}/result{k}", j, _blocks(rng, 1, 6)) if k else "" for j in range(calls)]
+            for j, result in enumerate(results):
+                messages = history + [{"role": "user", "content": result}] if k else list(history)
+                timed.append((now + j * 0.005, len(timed), sid, messages))
+            if k:
+                history = history + [{"role": "user", "content": results[0]}]
+    timed.sort(key=lambda item: (item[0], item[1]))
+    requests = [
+        BenchRequest(index=i, arrival_s=t, messages=msgs, max_tokens=output_len, session=sid)
+        for i, (t, _, sid, msgs) in enumerate(timed)
+    ]
+    params = {
+        "sessions": sessions,
+        "tenants": tenants,
+        "tenant_zipf": tenant_zipf,
+        "docs_per_tenant": docs_per_tenant,
+        "doc_zipf": doc_zipf,
+        "doc_share": doc_share,
+        "steps": list(steps),
+        "step_s": step_s,
+        "fan_out": fan_out,
+        "fan_out_share": fan_out_share,
+        "output_len": output_len,
+        "rate": rate,
+        "seed": seed,
+    }
+    return Workload("agent", requests, params)

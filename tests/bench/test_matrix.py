@@ -177,6 +177,28 @@ def test_multiturn_cells_keep_their_think_time_and_grow_sessions_with_the_rate()
     assert stretched == {4 * MULTITURN_THINK_S}
 
 
+def test_agent_cells_keep_their_step_time_and_grow_sessions_with_the_rate() -> None:
+    """As multi-turn's: a larger fleet gets more agent sessions at once; a slower GPU stretches the tool time."""
+    from benchmarks.workloads.cells import AGENT_STEP_S, CellSize
+
+    def shape(rate: float, o: CellSize) -> tuple[float, int]:
+        w = WORKLOADS["agent"](rate, o)
+        assert len(w.requests) == o.requests
+        steps: dict[str, list[float]] = {}
+        for r in w.requests:
+            steps.setdefault(r.session or "", []).append(r.arrival_s)
+        gaps = [b - a for times in steps.values() for a, b in itertools.pairwise(times) if b - a > 0.1]
+        middle = w.duration_s / 2  # sessions under way halfway through the run
+        return max(gaps), sum(1 for times in steps.values() if times[0] <= middle <= times[-1])
+
+    slow_gap, slow_live = shape(10.0, CellSize(requests=400))
+    fast_gap, fast_live = shape(80.0, CellSize(requests=400))
+    assert AGENT_STEP_S <= slow_gap <= 1.5 * AGENT_STEP_S and AGENT_STEP_S <= fast_gap <= 1.5 * AGENT_STEP_S
+    assert fast_live > 4 * slow_live
+    stretched, _ = shape(10.0, CellSize(requests=400, gpu_slowdown=4.0))
+    assert 4 * AGENT_STEP_S <= stretched <= 6 * AGENT_STEP_S
+
+
 def test_a_trace_cells_seed_picks_other_conversations_and_seed_0_the_unsalted_sample() -> None:
     from benchmarks.workloads.trace import read_trace
 

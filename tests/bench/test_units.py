@@ -23,7 +23,7 @@ from benchmarks.report import (
 )
 from benchmarks.stats import bootstrap_intervals, distribution, percentile
 from benchmarks.workloads.base import block_text, iter_token_ids, prefix_hash, word_vocabulary
-from benchmarks.workloads.generated import gsp_workload, multiturn_workload
+from benchmarks.workloads.generated import AGENT_BLOCK, agent_workload, gsp_workload, multiturn_workload
 from benchmarks.workloads.trace import TraceError, TraceWindow, read_trace, trace_workload
 from prefix_common.tokenization import load_tokenizer
 
@@ -85,6 +85,67 @@ def test_multiturn_history_grows_and_repeats_earlier_turns() -> None:
         for prev, nxt in itertools.pairwise(turns):
             assert nxt.messages[: len(prev.messages)] == prev.messages
             assert nxt.arrival_s == pytest.approx(prev.arrival_s + 1.0)
+
+
+def _agent(**changes: object) -> list:
+    shape: dict = {
+        "sessions": 40,
+        "tenants": 4,
+        "tenant_zipf": 1.0,
+        "docs_per_tenant": 3,
+        "doc_zipf": 1.0,
+        "doc_share": 0.5,
+        "steps": (2, 6),
+        "step_s": 1.0,
+        "fan_out": 3,
+        "fan_out_share": 0.3,
+        "output_len": 16,
+        "rate": 20.0,
+        "seed": 3,
+    }
+    shape.update(changes)
+    return agent_workload(**shape).requests
+
+
+def test_agent_sessions_grow_share_tenants_and_documents_and_fan_out() -> None:
+    requests = _agent()
+    assert requests == _agent()  # deterministic
+    tok = load_tokenizer()
+    by_session: dict[str, list] = {}
+    for r in requests:
+        by_session.setdefault(r.session or "", []).append(r)
+    assert len(by_session) == 40
+    fanned = 0
+    for steps in by_session.values():
+        assert 2 <= len({len(r.messages) for r in steps}) <= 6  # one history length per step
+        for prev, nxt in itertools.pairwise(steps):
+            assert nxt.arrival_s >= prev.arrival_s
+            if len(nxt.messages) == len(prev.messages):  # parallel calls of one step: same history, own result
+                fanned += 1
+                assert nxt.messages[:-1] == prev.messages[:-1] and nxt.messages[-1] != prev.messages[-1]
+                assert nxt.arrival_s - prev.arrival_s == pytest.approx(0.005)
+            else:  # the next step: everything before plus an action and a result
+                assert len(nxt.messages) == len(prev.messages) + 2
+                # (the step before may be a parallel call whose result the session did not go on from)
+                assert nxt.messages[: len(prev.messages) - 1] == prev.messages[:-1]
+                assert nxt.messages[-2]["role"] == "assistant"
+                assert 0.5 <= nxt.arrival_s - prev.arrival_s <= 1.5 + 0.01
+    assert fanned > 0
+    # Tenants: their tool prompts are shared by sessions and Zipf-popular; every length is whole blocks.
+    systems = [r.messages[0]["content"] for s in by_session.values() for r in s[:1]]
+    counts = sorted((systems.count(t) for t in set(systems)), reverse=True)
+    assert len(counts) <= 4 and counts[0] > counts[-1]
+    for text in set(systems):
+        assert len(tok.encode_text(text, add_special_tokens=False)) % AGENT_BLOCK == 0
+    openings = [s[0].messages[1]["content"] for s in by_session.values()]
+    with_doc = [o.split("\n\nTask:")[0] for o in openings if "\n\nTask:" in o]
+    assert 0 < len(with_doc) < 40 and len(set(with_doc)) < len(with_doc)  # some sessions share a document
+    # No documents, no fan-out: each session a plain chain of steps.
+    plain = _agent(doc_share=0.0, fan_out_share=0.0)
+    assert not any("\n\nTask:" in r.messages[1]["content"] for r in plain)
+    assert len(plain) == len({(r.session, len(r.messages)) for r in plain})
+    with pytest.raises(ValueError, match="steps a range"):
+        _agent(steps=(3, 2))
 
 
 def test_trace_prompts_follow_hash_ids_and_lengths(tmp_path: Path) -> None:
