@@ -1196,6 +1196,50 @@ def test_the_reserve_for_running_outputs_is_the_ratio_the_worker_reports() -> No
     assert decision.ranked[0] is workers[0]
 
 
+def _full_pools(waiting: int, matched: tuple[int, int] = (128, 0)) -> Decision:
+    """Two workers whose pools the router's open requests fill (w0 a little more); w0 holds the prompt's
+    2,048-token prefix. ``waiting``: the requests each worker reports queued."""
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    workers = loopback_workers(2)
+    now = time.monotonic()
+    capacity = 20_000
+    for w, open_requests in zip(workers, (11, 9)):
+        policy.book.booked(w.id, 0, 2000, 0, now=now - 3.0)
+        policy.book.released(w.id, 0, now=now - 1.0)  # residence 2 s
+        for i in range(1, open_requests + 1):
+            policy.book.booked(w.id, i, 2000, 0, now=now)
+    loads = [
+        WorkerLoad(num_running_reqs=10, num_waiting_reqs=waiting, max_total_num_tokens=capacity, polled_at=now)
+        for _ in workers
+    ]
+    return _select(policy, _request(2165, max_new_tokens=32), _candidates(workers, list(matched), loads))
+
+
+def test_on_full_pools_a_spill_pays_for_the_room_its_copy_of_the_prefix_takes_from_the_queue() -> None:
+    """Past the knee with long prompts the KV pool bounds a worker: a request's new tokens hold room every
+    request queued there waits for. The holder's queue for room is a little longer; with nobody reported
+    waiting the prefix is copied to the other worker, with 20 waiting on each it stays with its holder.
+    A request no candidate holds any of brings as many new tokens anywhere: nothing to choose, nothing charged."""
+    calm = _full_pools(waiting=0)
+    assert calm.ranked[0].id == "w1"  # the spill: a shorter wait for room than the holder's
+    crowded = _full_pools(waiting=20)
+    figures = crowded.scores
+    assert figures["w0"]["memory_wait_s"] > figures["w1"]["memory_wait_s"] > 0  # both pools full
+    # Only the room beyond what the fewest new tokens (the holder's 117) would hold anywhere is the choice's.
+    assert figures["w1"]["memory_work_s"] > 0 == figures["w0"]["memory_work_s"]
+    assert crowded.ranked[0].id == "w0" and crowded.reason == "prefix-hit"
+    cold = _full_pools(waiting=20, matched=(0, 0))
+    assert cold.scores["w0"]["memory_work_s"] == cold.scores["w1"]["memory_work_s"] == 0.0
+    assert cold.ranked[0].id == "w1"  # the shorter wait for room
+    # Where the pool has room, what the new tokens hold costs nothing (memory_work_s 0): the price is the prefill's.
+    roomy = _select(
+        as_policy(PrefixAwarePolicy, create_policy("prefix-aware")),
+        _request(2165, max_new_tokens=32),
+        _candidates(loopback_workers(2), [128, 0], [WorkerLoad(num_waiting_reqs=20, max_total_num_tokens=20_000)] * 2),
+    )
+    assert roomy.scores["w0"]["memory_work_s"] == roomy.scores["w1"]["memory_work_s"] == 0.0
+
+
 def test_the_fleet_mean_is_kept_as_running_sums() -> None:
     """Each refit replaces its worker's share; a worker that leaves drops out; nobody measured: no mean."""
     from extproc.decision.policies.prefix_aware.cost_model import FleetMean

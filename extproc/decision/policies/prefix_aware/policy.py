@@ -15,7 +15,9 @@ waiting). The wait for KV room comes from the router's own open requests on the 
 reported pool (``in_flight``): below saturation a full pool, not the prefill queue, is what makes a
 request wait.
 
-The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``.
+The ranking adds the price of the GPU time the decision spends: ``score = TTFT + price * prefill``
+(plus, on a worker whose KV pool is full, the pool room its new tokens hold, priced by the requests
+queued there: below).
 Recomputing a prefix that another worker holds delays every request that later queues behind it on
 the worker that recomputes; in a queue at utilisation ``rho`` that is about ``rho / (1 - rho)``
 requests (the mean number waiting in an M/G/1 queue). So the price of a second of prefill on a
@@ -42,6 +44,15 @@ Where a new prefix is placed (no worker holds any of the prompt), evictions are 
 token, beyond the least any candidate would push out. Without that a new prefix lands wherever its first
 prefill is shortest, and on a fleet of fast and slow GPUs every new system prompt went to the fast workers
 until their caches thrashed.
+
+Where the request would wait for KV room (the pool, not prefill time, bounds the worker: long prompts past
+the knee), the score adds ``memory_price * new * hold / capacity``: the new tokens hold that share of the
+pool for ``hold`` (its prefill and its decode at the worker's step time), and every request waiting there
+waits for it, so ``memory_price`` is the number the worker reports waiting (at least ``price``, at most
+``max_work_price``); only the new tokens beyond the least any candidate brings count (those are held
+wherever it goes). Requests sharing a prefix hold it once; a spill that copies a held prefix into
+another full pool takes room from that pool's queue, and on agent sessions past the knee spills had put
+every tenant's prompt on two workers where the peers' strict affinity kept one.
 
 Near-ties (within ``tie_abs_s`` or ``tie_rel``) go to the worker that received the least traffic
 recently (requests, exponentially decayed over ``balance_window_s``): a new prefix is placed where
@@ -340,6 +351,17 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         ratio = load.new_token_ratio if load and load.new_token_ratio is not None else FLOOR_RESERVE_RATIO
         memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now, ratio)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
+        # On a worker whose pool is full (this request would wait for room) the queue is admitted only as
+        # running requests free room: the new tokens this one brings hold pool room through its prefill and
+        # decode, a share new / capacity of the pool for that long, and every request queued there waits for
+        # it. Requests that share a prefix hold it once, so this is what a spill that copies a held prefix
+        # costs a memory-bound fleet (docs/routing.md, "The price of KV room").
+        memory_work = 0.0
+        if memory_wait > 0 and capacity:
+            hold = prefill + output * cost.decode.step_seconds(max(running, 1))
+            memory_work = new * hold / capacity
+        waiting = float(load.num_waiting_reqs) if load else 0.0
+        memory_price = min(max(waiting, price), opts.max_work_price)
         return {
             "matched_blocks": c.matched_blocks,
             "cached_tokens": total - new,
@@ -356,7 +378,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             "work_price": price,
             "ttft_s": ttft,
             "eviction_s": eviction,
-            "score": ttft + price * (prefill + eviction),
+            "memory_work_s": memory_work,
+            "memory_price": memory_price,
+            "score": ttft + price * (prefill + eviction) + memory_price * memory_work,
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
@@ -375,6 +399,14 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             for f in figures.values():
                 f["eviction_s"] -= unavoidable
                 f["score"] -= f["work_price"] * unavoidable
+        # Likewise the room new tokens hold: what the candidate that needs the fewest would hold is held wherever
+        # the request goes; only the copy of a prefix another candidate already holds is the choice's cost.
+        least_new = min(f["new_tokens"] for f in figures.values())
+        for f in figures.values():
+            if f["memory_work_s"] > 0:
+                held_anyway = f["memory_work_s"] * least_new / f["new_tokens"]
+                f["memory_work_s"] -= held_anyway
+                f["score"] -= f["memory_price"] * held_anyway
         score = {wid: f["score"] for wid, f in figures.items()}
         best = min(score.values())
         band = best + max(self.opts.tie_abs_s, self.opts.tie_rel * best)
