@@ -459,19 +459,17 @@ def agent_workload(
             {"role": "system", "content": block_text(f"{ns}/tools", tenant, system_len[tenant])},
             {"role": "user", "content": opening},
         ]
-        now, sid = start, f"s{s}"
-        for k in range(rng.randint(*steps)):
-            if k:
-                now += step_s * (0.5 + rng.random())
-                action = block_text(f"{ns}/{sid}/action", k, _blocks(rng, 1, 3))
-                history = history + [{"role": "assistant", "content": action}]
-            calls = fan_out if k and rng.random() < fan_out_share else 1
-            results = [block_text(f"{ns}/{sid}/result{k}", j, _blocks(rng, 1, 6)) if k else "" for j in range(calls)]
+        now, sid, count = start, f"s{s}", rng.randint(*steps)
+        timed.append((now, len(timed), sid, history))
+        for k in range(1, count):
+            now += step_s * (0.5 + rng.random())
+            action = block_text(f"{ns}/{sid}/action", k, _blocks(rng, 1, 3))
+            history = history + [{"role": "assistant", "content": action}]
+            calls = fan_out if rng.random() < fan_out_share else 1
+            results = [block_text(f"{ns}/{sid}/result{k}", j, _blocks(rng, 1, 6)) for j in range(calls)]
             for j, result in enumerate(results):
-                messages = history + [{"role": "user", "content": result}] if k else list(history)
-                timed.append((now + j * 0.005, len(timed), sid, messages))
-            if k:
-                history = history + [{"role": "user", "content": results[0]}]
+                timed.append((now + j * 0.005, len(timed), sid, history + [{"role": "user", "content": result}]))
+            history = history + [{"role": "user", "content": results[0]}]
     timed.sort(key=lambda item: (item[0], item[1]))
     requests = [
         BenchRequest(index=i, arrival_s=t, messages=msgs, max_tokens=output_len, session=sid)
