@@ -90,7 +90,7 @@ class DynamoProxy:
             return web.json_response({"error": {"message": exc.message, "type": exc.type}}, status=exc.status)
         prompt = self.prompts.prepare(parsed, set())
         tokens = (prompt.tokens if prompt is not None else None) or []
-        blocks = [_signed(int(h)) for h in self._hash(tokens, self.block_size)] if tokens else []
+        blocks = [_signed(int(h)) for h in self._hash(list(tokens), self.block_size)] if tokens else []
         selection_id = f"bench-{next(self._ids)}"
         assert self._http is not None
         choice = await self._post(
