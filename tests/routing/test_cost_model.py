@@ -321,3 +321,25 @@ def test_a_request_sent_while_a_batch_forms_joins_it_without_a_floor_of_its_own(
     assert joined == pytest.approx(truth.seconds(84, 2048) - truth.c0)
     assert model.queued_seconds(4.002) == pytest.approx(2 * truth.seconds(2048, 0) + joined - 0.002, rel=0.01)
     assert not model.joins_forming_batch(4.0 + truth.seconds(2048, 0) + 0.001)  # that batch has started
+
+
+def test_a_first_report_that_counts_batches_makes_the_priors_floor_a_batchs() -> None:
+    """Before any window is fitted: a burst behind a running prefill is queued as one batch, not one floor each.
+
+    Per request, a fleet's first half second put every sibling of a hot prefix 20 ms (the prior's floor) behind
+    the last, and bursts piled onto workers still computing the prefix (virtual fleet, 64 workers, hot-burst).
+    """
+    prior = PrefillModel(0.02, 40e-6, 1e-9)
+    counting = WorkerCostModel(prior, DECODE_PRIOR)
+    counting.observe(BatchingWorker(prior).report(0.0))
+    silent = WorkerCostModel(prior, DECODE_PRIOR)
+    silent.observe(BatchingWorker(prior, counts=False).report(0.0))
+    assert counting.floor_per_batch and counting.windows == 0
+    assert not silent.floor_per_batch
+    hit = (84, 2048)
+    for model in (counting, silent):
+        model.sent(2048, 0, 0.001)  # a cold prefill runs
+        model.sent(*hit, 0.002)  # a sibling waits behind it: it opens the next batch and pays its floor
+    assert counting.sent(*hit, 0.003) == pytest.approx(prior.seconds(*hit) - prior.c0)  # joins that batch
+    assert silent.sent(*hit, 0.003) == pytest.approx(prior.seconds(*hit))  # a batch of its own
+    assert silent.queued_seconds(0.003) - counting.queued_seconds(0.003) == pytest.approx(prior.c0)

@@ -902,17 +902,20 @@ def test_saturated_fleet_keeps_prefixes_on_their_holders() -> None:
         assert decision.reason == expected, (utilization, decision.scores)
 
 
-def _light_fleet_with_a_busy_holder(options: dict[str, Any], cached_blocks: int = 0, busy: int = 1) -> Decision:
-    """Three measured, lightly used workers: w0 holds 3,000 of a 3,200-token prompt behind ~0.19 s of the
-    router's own cold sends; w1 and w2 hold nothing and have ``cached_blocks`` of a 24k-token pool filled;
-    w2 also has a queue when ``busy`` is 2."""
+def _light_fleet_with_a_busy_holder(
+    options: dict[str, Any], cached_blocks: int = 0, busy: int = 1, measured: bool = True
+) -> Decision:
+    """Three measured (or, ``measured`` False, not yet measured), lightly used workers: w0 holds 3,000 of a
+    3,200-token prompt behind ~0.19 s of the router's own cold sends; w1 and w2 hold nothing and have
+    ``cached_blocks`` of a 24k-token pool filled; w2 also has a queue when ``busy`` is 2."""
     workers = loopback_workers(3)
     policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", options))
     now = time.monotonic()
     loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
     for w, ld in zip(workers, loads):
         model = policy.cost_model(w)
-        model.windows, model.utilization = 1, 0.1  # measured itself: busy a tenth of the time
+        if measured:
+            model.windows, model.utilization = 1, 0.1  # measured itself: busy a tenth of the time
         policy.on_load(w, ld)
     holder = policy.cost_model(workers[0])
     holder.sent(1800, 0, now)
@@ -937,6 +940,20 @@ def test_an_idle_worker_with_room_on_a_light_fleet_takes_a_hit_whose_holder_is_b
     assert fixed.scores["w1"]["ttft_s"] < fixed.scores["w0"]["ttft_s"]  # although the idle worker is sooner
 
 
+def test_before_any_worker_has_measured_itself_an_idle_worker_is_priced_by_the_fleets_queues() -> None:
+    """A fleet's first half second: one of three candidates has a queue, so a second costs 1/3 / (1 - 1/3).
+
+    Priced at the least price instead (as before), a hot prefix's siblings queued behind the worker still
+    computing it while idle workers would have answered sooner (virtual fleet, 64 workers, hot-burst).
+    """
+    decision = _light_fleet_with_a_busy_holder({}, measured=False)
+    assert decision.reason == "prefix-spill" and decision.ranked[0].id != "w0", decision.scores
+    assert decision.scores["w1"]["work_price"] == pytest.approx(0.5)
+    # Two of three candidates with a queue are no light fleet: the least price stands, the hit waits for its holder.
+    crowded = _light_fleet_with_a_busy_holder({}, busy=2, measured=False)
+    assert crowded.reason == "prefix-hit", crowded.scores
+
+
 def test_an_idle_worker_whose_cache_is_full_keeps_the_least_price() -> None:
     """Recomputing into a full cache pushes another prefix out: that second is not cheap."""
     decision = _light_fleet_with_a_busy_holder({}, cached_blocks=24576 // 16)
@@ -954,7 +971,8 @@ def test_an_idle_worker_of_a_mostly_busy_fleet_keeps_the_least_price() -> None:
 def test_the_fleet_price_is_the_measured_workers_mean_and_forgets_a_removed_worker() -> None:
     workers = loopback_workers(3)
     policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": "utilization"}))
-    assert policy.fleet_price() == math.inf  # nobody measured: idle workers keep the least price
+    # Nobody measured: what the share of candidates with a queue says (none: a second delays nobody).
+    assert policy.fleet_price() == 0.0 and policy.fleet_price(0.25) == pytest.approx(0.25 / 0.75)
     for w, utilization in zip(workers, (0.5, 0.2, 0.0)):
         model = policy.cost_model(w)
         model.utilization = utilization

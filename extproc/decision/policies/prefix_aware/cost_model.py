@@ -23,7 +23,11 @@ The floor ``c0`` is paid once per prefill batch (one forward pass, however many 
 eight 64-token requests in one batch take 18 ms on an H200, one alone 7 ms; docs/sim-worker.md). A
 worker whose ``/metrics`` counts its prefill batches (``sglang:cuda_graph_passes_total``, read beside
 ``/v1/loads``) is fitted on that count; then a request sent while a batch is forming behind the
-running one joins it and is priced without a floor of its own. Without the count, each request is
+running one joins it and is priced without a floor of its own, from the first report that carries
+the count (the priors' ``c0`` is already a batch's floor), not only once a window has been fitted:
+in a fleet's first half second every sent request paid the prior's 20 ms floor, a hot prefix's holder
+looked hundreds of ms behind while it had 20 ms of work, and bursts piled onto workers still
+computing the prefix (virtual fleet, 64 workers, hot-burst). Without the count, each request is
 counted as a batch of its own: a burst prefilled in fewer batches than requests then fits a floor
 that leaves too little per token (a 2k-token cold prefill predicted at a third of its time).
 
@@ -170,7 +174,8 @@ class WorkerCostModel:
         # Until this worker has measured a window it is judged by its fleet's measured mean, for its
         # prefill and its queue alike; once it has, its own constants join that mean.
         self.fleet = fleet
-        # Set once the worker reports its prefill batches: ``c0`` is then a batch's floor (else a request's).
+        # Set at the worker's first report that counts its prefill batches: ``c0`` is then a batch's floor
+        # (else a request's).
         self.floor_per_batch = False
         # When the batch now forming (requests waiting behind the running prefill) starts: a request sent
         # before then joins it. None: nothing is forming; the next request that finds a queue opens one.
@@ -275,6 +280,8 @@ class WorkerCostModel:
         if load is None or load is self._last or load.polled_at <= (self._last.polled_at if self._last else -1.0):
             return
         previous, self._last = self._last, load
+        if load.total_prefill_batches is not None:
+            self.floor_per_batch = True  # it counts its batches: it batches what waits (module docstring)
         self._observe_concurrency(previous, load)
         self._observe_decode(load)
         self._observe_prefill(previous, load)

@@ -275,9 +275,22 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         """The mean over the workers' cost models of the share of prompt tokens sent there cached (a prior of 0.5)."""
         return self._reuse_sum / len(self.costs) if self.costs else 0.5
 
-    def fleet_price(self) -> float:
-        """The measured workers' mean of ``_queued_of`` (infinite while none has measured itself)."""
-        return self._queued_sum / len(self._queued) if self._queued else math.inf
+    def fleet_price(self, busy_share: float = 0.0) -> float:
+        """The measured workers' mean of ``_queued_of``; before any has measured itself, ``rho / (1 - rho)`` with
+        ``rho`` the share of candidates that have something of the router's queued (``busy_share``).
+
+        It bounds the price only where a second delays nothing anyway: an idle worker with cache room in a
+        fleet whose workers mostly have nothing queued. Before the first measured window the router's own
+        account of who is busy is the only utilisation there is; the least price instead (what this
+        returned before) had a fleet's first half second price a spill to an idle worker at twice its
+        prefill on the priors, and a hot prefix's bursts queued behind the worker still computing it
+        (virtual fleet, 64 workers, hot-burst: TTFT p99 90 against the floor's 68 ms; docs/benchmarks-log.md,
+        2026-12-05, "Start-up: the first half second").
+        """
+        if self._queued:
+            return self._queued_sum / len(self._queued)
+        rho = min(max(busy_share, 0.0), 0.999)
+        return rho / (1.0 - rho)
 
     def remove_worker(self, worker_id: str) -> None:
         model = self.costs.pop(worker_id, None)
@@ -291,12 +304,19 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         self.book.forget(worker_id)
 
     def predict(
-        self, request: RoutingRequest, c: Candidate, now: float, light: bool = False, new_prefix: bool = True
+        self,
+        request: RoutingRequest,
+        c: Candidate,
+        now: float,
+        light: bool = False,
+        new_prefix: bool = True,
+        busy_share: float = 0.0,
     ) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
-        ``light``: the fleet counts as lightly loaded (``light_fleet``); ``new_prefix``: no candidate holds any
-        of the prompt (only then are evictions priced). Reads the learned state and changes nothing.
+        ``light``: the fleet counts as lightly loaded, ``busy_share`` of its candidates having something
+        queued (``busy_share``); ``new_prefix``: no candidate holds any of the prompt (only
+        then are evictions priced). Reads the learned state and changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
@@ -342,7 +362,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         # no prefix, so they cost what the fleet's average delays (below saturation, less than the least price).
         least = opts.min_work_price
         if light and queue <= 0 and evicted <= 0:
-            least = min(least, self.fleet_price())
+            least = min(least, self.fleet_price(busy_share))
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
         reuse = min(self.fleet_reuse(), 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
@@ -385,13 +405,14 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = self.clock()
-        light = self.light_fleet(candidates, now)
+        share = self.busy_share(candidates, now)
+        light = self.opts.idle_fleet_price and share < self.opts.idle_fleet_busy_share
         # Evictions are priced only where a new prefix is placed (no candidate holds any of it): that choice
         # decides where its followers go. For a prompt some worker holds, the choice is its holder or a spill,
         # which the price of GPU time already governs; charging the spill's evictions too kept hits waiting
         # behind cold prefills on their holders (virtual fleet: 4 workers docqa, 16 workers multi-turn).
         new_prefix = not any(c.matched_blocks for c in candidates)
-        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix) for c in candidates}
+        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix, share) for c in candidates}
         # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
         # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
         unavoidable = min(f["eviction_s"] for f in figures.values())
@@ -511,18 +532,20 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         alike = self._cold_ties(candidates, figures, [], self.opts.replica_cold_tie_rel)  # the best among them
         return _rendezvous(request.block_keys[0], alike)
 
-    def light_fleet(self, candidates: list[Candidate], now: float) -> bool:
-        """Whether idle workers' least price may fall (``idle_fleet_price``): few candidates have a queue.
+    def busy_share(self, candidates: list[Candidate], now: float) -> float:
+        """The share of the candidates that have something of the router's own queued (0 without candidates).
 
-        The router's own account of each worker's queue, not its utilisation: on a fleet past the knee the
-        measured utilisation and the fleet's mean price can be as low as below it (hits are cheap), but most
-        workers have something waiting, and a request spilled onto the one that is momentarily idle costs
-        the holder's followers their cache (16 workers, multi-turn, 1.3 x knee: mean 147 vs 121 ms).
+        Below ``idle_fleet_busy_share`` the fleet counts as lightly loaded, and idle workers' least price may
+        fall (``idle_fleet_price``). The router's own account of each worker's queue, not its utilisation: on
+        a fleet past the knee the measured utilisation and the fleet's mean price can be as low as below it
+        (hits are cheap), but most workers have something waiting, and a request spilled onto the one that
+        is momentarily idle costs the holder's followers their cache (16 workers, multi-turn, 1.3 x knee:
+        mean 147 vs 121 ms).
         """
-        if not self.opts.idle_fleet_price or not candidates:
-            return False
+        if not candidates:
+            return 0.0
         busy = sum(1 for c in candidates if (self.costs.get(c.worker.id) or self._unseen).queued_seconds(now) > 0)
-        return busy < self.opts.idle_fleet_busy_share * len(candidates)
+        return busy / len(candidates)
 
     def _break_tie(self, request: RoutingRequest, tied: list[Candidate]) -> Candidate:
         keys = request.block_keys
