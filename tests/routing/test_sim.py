@@ -112,12 +112,17 @@ async def test_same_prefix_lands_on_the_worker_that_caches_it(app: RouterApp) ->
 
 
 async def test_back_to_back_requests_share_a_worker_before_any_event(app: RouterApp) -> None:
+    """A prompt long enough that recomputing it costs more than waiting behind its first copy.
+
+    (A short one may spill to an idle worker: one worker of three busy prices an idle one's second at
+    0.5 before any has measured itself, and a short prefill is cheap.)
+    """
     rng = random.Random(2)
-    system = _words(rng, 400)
+    system = _words(rng, 2000)
     a = app.router.route(_chat(system, "one"))
     b = app.router.route(_chat(system, "two"))  # no event can have arrived: speculative entries decide
     try:
-        assert b.worker is a.worker and b.matched_blocks > 0
+        assert b.worker is a.worker and b.matched_blocks > 0, b.decision.scores
     finally:
         app.router.finish(a)
         app.router.finish(b)

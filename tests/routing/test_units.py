@@ -971,8 +971,9 @@ def test_an_idle_worker_of_a_mostly_busy_fleet_keeps_the_least_price() -> None:
 def test_the_fleet_price_is_the_measured_workers_mean_and_forgets_a_removed_worker() -> None:
     workers = loopback_workers(3)
     policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware", {"work_price": "utilization"}))
-    # Nobody measured: what the share of candidates with a queue says (none: a second delays nobody).
-    assert policy.fleet_price() == 0.0 and policy.fleet_price(0.25) == pytest.approx(0.25 / 0.75)
+    # Nobody measured: what the share of candidates with a queue says; with none, no spill is sooner than a
+    # holder, and idle workers keep the least price.
+    assert policy.fleet_price() == math.inf and policy.fleet_price(0.25) == pytest.approx(0.25 / 0.75)
     for w, utilization in zip(workers, (0.5, 0.2, 0.0)):
         model = policy.cost_model(w)
         model.utilization = utilization

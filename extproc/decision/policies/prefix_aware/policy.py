@@ -35,7 +35,8 @@ price. ``min_work_price`` (1) keeps back-to-back requests of one prefix together
 On a lightly loaded fleet (fewer than ``idle_fleet_busy_share`` of the candidates have anything of the
 router's queued), on a worker that is idle now and whose cache has room for the new tokens (nothing
 evicted), the least price is instead the fleet's own mean price when that is lower
-(``idle_fleet_price``): such a worker's second delays no queue and pushes out no prefix, so a request
+(``idle_fleet_price``; before any worker has measured itself, what the share of candidates with a queue
+implies): such a worker's second delays no queue and pushes out no prefix, so a request
 whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
 fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
 a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
@@ -277,7 +278,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
 
     def fleet_price(self, busy_share: float = 0.0) -> float:
         """The measured workers' mean of ``_queued_of``; before any has measured itself, ``rho / (1 - rho)`` with
-        ``rho`` the share of candidates that have something of the router's queued (``busy_share``).
+        ``rho`` the share of candidates that have something of the router's queued (``busy_share``; infinite
+        where none has).
 
         It bounds the price only where a second delays nothing anyway: an idle worker with cache room in a
         fleet whose workers mostly have nothing queued. Before the first measured window the router's own
@@ -289,7 +291,11 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         """
         if self._queued:
             return self._queued_sum / len(self._queued)
-        rho = min(max(busy_share, 0.0), 0.999)
+        if busy_share <= 0.0:
+            # Nobody has a queue, so no spill can be sooner than an idle holder: the least price stands and
+            # keeps a short prompt's hit apart from a near-tie with the idle workers that hold nothing.
+            return math.inf
+        rho = min(busy_share, 0.999)
         return rho / (1.0 - rho)
 
     def remove_worker(self, worker_id: str) -> None:
