@@ -287,7 +287,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         returned before) had a fleet's first half second price a spill to an idle worker at twice its
         prefill on the priors, and a hot prefix's bursts queued behind the worker still computing it
         (virtual fleet, 64 workers, hot-burst: TTFT p99 90 against the floor's 68 ms; docs/benchmarks-log.md,
-        2026-12-05, "Start-up: the first half second").
+        2026-12-05, "start-up, the first half second").
         """
         if self._queued:
             return self._queued_sum / len(self._queued)
