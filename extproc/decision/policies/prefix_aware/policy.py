@@ -320,9 +320,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
     ) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
-        ``light``: the fleet counts as lightly loaded, ``busy_share`` of its candidates having something
-        queued (``busy_share``); ``new_prefix``: no candidate holds any of the prompt (only
-        then are evictions priced). Reads the learned state and changes nothing.
+        ``light``: the fleet counts as lightly loaded; ``busy_share``: the share of its candidates with
+        something queued (``busy_share``); ``new_prefix``: no candidate holds any of the prompt (only then
+        are evictions priced). Reads the learned state and changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
