@@ -171,6 +171,23 @@ def test_decode_step_regression_from_decode_moments() -> None:
     assert model.decode.d1 == pytest.approx(0.06e-3, rel=0.02)
 
 
+def test_a_worker_that_prefills_most_of_the_time_writes_its_outputs_that_much_slower() -> None:
+    """SGLang runs a prefill batch whenever one forms: a worker whose last second was three quarters prefill
+    advances its running requests a quarter as often, and ``token_seconds`` says so within a few polls."""
+    model = WorkerCostModel(PRIOR, DECODE_PRIOR)
+    step = DECODE_PRIOR.step_seconds(100)
+    assert model.token_seconds(100) == pytest.approx(step)  # nothing measured: decodes run back to back
+    busy_us = 0
+    for poll in range(10):
+        model.observe(WorkerLoad(total_prefill_busy_us=busy_us, total_prefill_uncached_tokens=0, polled_at=poll * 0.5))
+        busy_us += int(0.75 * 0.5e6)  # three quarters of each half second spent prefilling
+    assert model.decode_share == pytest.approx(0.25, abs=0.02)
+    assert model.token_seconds(100) == pytest.approx(step / 0.25, rel=0.1)
+    for poll in range(10, 20):  # the prefills stop: the decodes get the worker back
+        model.observe(WorkerLoad(total_prefill_busy_us=busy_us, total_prefill_uncached_tokens=0, polled_at=poll * 0.5))
+    assert model.token_seconds(100) == pytest.approx(step, rel=0.05)
+
+
 def _drive_two_routers(
     mine: WorkerCostModel, theirs: WorkerCostModel, worker: FifoWorker, seconds: float, rng: random.Random
 ) -> None:

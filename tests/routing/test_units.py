@@ -1140,6 +1140,33 @@ def test_the_router_prices_the_wait_for_kv_room_from_its_own_open_requests() -> 
     assert book.held_tokens("w0") == 0.0
 
 
+def test_a_full_pool_waits_for_its_oldest_requests_at_the_pace_the_worker_decodes_now() -> None:
+    """Before any request has finished there, a worker's residence is its open requests' outputs at its present
+    pace (``token_s``); and room frees as the oldest finish: a pool filled by a burst of young requests waits
+    for what is left of their residence, not for the share of a residence that uniform arrivals would imply."""
+    from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
+
+    book = InFlightBook()
+    for i in range(100):  # a burst of 100 requests, 32 output tokens each, opened between t=1.0 and t=1.5
+        book.booked("w0", i, 200, 0, now=1.0 + i * 0.005, output_tokens=32)
+    held = book.held_tokens("w0", now=1.5, residence=32 * 0.06)  # their outputs a quarter written
+    capacity = int(held) + 100  # a 200-token prompt with its 32-token output does not fit
+    # Nothing has finished anywhere: with no pace either, nothing says how long the wait is.
+    assert book.memory_wait_s("w0", 200, 0, capacity, 32, now=1.5) == 0.0
+    # 60 ms per output token (its prefills leave its decodes a sixth of the time): a residence of 1.92 s, and the
+    # oldest request, opened 0.5 s ago, finishes in 1.42 s.
+    wait = book.memory_wait_s("w0", 200, 0, capacity, 32, now=1.5, token_s=0.06)
+    assert wait == pytest.approx(32 * 0.06 - 0.5, abs=0.01)
+    # A shorter measured residence does not hide the pace: the same burst on a worker that finished one short
+    # request early (0.3 s) waits as long.
+    book.booked("w1", 999, 200, 0, now=0.0, output_tokens=32)
+    book.released("w1", 999, now=0.3)
+    for i in range(100):
+        book.booked("w1", i, 200, 0, now=1.0 + i * 0.005, output_tokens=32)
+    assert book.memory_wait_s("w1", 200, 0, capacity, 32, now=1.5, token_s=0.06) == pytest.approx(wait, abs=0.01)
+    assert book.memory_wait_s("w1", 200, 0, capacity, 32, now=1.5) < 0.1  # by the measured 0.3 s alone
+
+
 def test_open_requests_hold_shared_pages_once_and_room_for_their_output() -> None:
     """Pages two open requests share count once; each request's output limit counts; release gives both back."""
     from extproc.decision.policies.prefix_aware.in_flight import InFlightBook
@@ -1225,8 +1252,8 @@ def _full_pools(waiting: int, matched: tuple[int, int] = (128, 0)) -> Decision:
     for w, open_requests in zip(workers, (11, 9)):
         policy.book.booked(w.id, 0, 2000, 0, now=now - 3.0)
         policy.book.released(w.id, 0, now=now - 1.0)  # residence 2 s
-        for i in range(1, open_requests + 1):
-            policy.book.booked(w.id, i, 2000, 0, now=now)
+        for i in range(1, open_requests + 1):  # sent over the last residence, the oldest first
+            policy.book.booked(w.id, i, 2000, 0, now=now - 2.0 * (open_requests + 1 - i) / (open_requests + 1))
     loads = [
         WorkerLoad(num_running_reqs=10, num_waiting_reqs=waiting, max_total_num_tokens=capacity, polled_at=now)
         for _ in workers

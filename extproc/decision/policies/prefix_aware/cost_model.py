@@ -33,7 +33,9 @@ that leaves too little per token (a 2k-token cold prefill predicted at a third o
 
 The same reports give the worker's prefill utilisation (busy time per wall second, averaged over
 ``utilization_window_s``), its decode step time against batch size (from ``decode_moments``, the
-cumulative moments of SGLang's own decode-step regression), and its queued prefill work
+cumulative moments of SGLang's own decode-step regression), the share of the last second or so its
+prefills left to decode (SGLang runs a prefill batch whenever one forms: a hot holder's running requests
+write a token only between prefills, ``token_seconds``), and its queued prefill work
 (``num_waiting_uncached_tokens``), which the router's own sends since the report are added to.
 Workers that report none of this (older SGLang, ``/metrics`` fallback) keep the priors and are
 judged by the router's own record of what it sent.
@@ -52,6 +54,8 @@ __all__ = ["DecodeModel", "FleetMean", "Learning", "PrefillModel", "WorkerCostMo
 _MIN_SCALE = 1e-4  # a learned constant never drops below this fraction of its prior (or below zero)
 _MAX_SENT = 4096  # requests remembered per worker for attribution (older ones are dropped)
 _SENT_HORIZON_S = 120.0  # a request not attributed after this long was served from cache or elsewhere
+_DECODE_SHARE_WINDOW_S = 1.0  # time constant of the share of time prefills leave to decode (two polls)
+_MIN_DECODE_SHARE = 0.05  # a worker prefilling back to back still decodes now and then
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,9 @@ class WorkerCostModel:
         self.utilization = 0.0  # how busy the worker is, for pricing its time: the larger of the two below
         self.prefill_utilization = 0.0  # prefill busy time per wall second
         self.waiting_share = 0.0  # share of polls that found requests waiting
+        # Share of the last second or so not spent prefilling: what is left to decode. SGLang runs a
+        # prefill batch whenever one forms, so a hot holder's running requests advance only this often.
+        self.decode_share = 1.0
         # Requests in the worker (running + waiting), time-averaged over ``utilization_window_s``: how
         # many requests a second of prefill there delays (running decodes stall during it, waiting
         # requests start later). In an M/G/1 queue that mean is rho / (1 - rho); measured, it also tells
@@ -198,6 +205,10 @@ class WorkerCostModel:
     @property
     def decode(self) -> DecodeModel:
         return self._decode
+
+    def token_seconds(self, running: int) -> float:
+        """Seconds between two output tokens of a request running beside ``running`` others here now."""
+        return self._decode.step_seconds(max(running, 1)) / max(self.decode_share, _MIN_DECODE_SHARE)
 
     def queued_seconds(self, now: float) -> float:
         """Prefill work queued on the worker now: its last report plus what was sent since, drained in real time."""
@@ -332,6 +343,8 @@ class WorkerCostModel:
         busy = (load.total_prefill_busy_us - start.total_prefill_busy_us) / 1e6 / max(load.ranks, 1)
         alpha = 1.0 - math.exp(-elapsed / self.learning.utilization_window_s)
         self.prefill_utilization += alpha * (min(busy / elapsed, 1.0) - self.prefill_utilization)
+        fast = 1.0 - math.exp(-elapsed / _DECODE_SHARE_WINDOW_S)
+        self.decode_share += fast * (1.0 - min(busy / elapsed, 1.0) - self.decode_share)
         # How often a request arriving here has to wait (in M/G/1 that is the utilisation itself). It
         # also sees a worker whose queue waits for KV memory, not for prefill time.
         waited = 1.0 if (load.num_waiting_reqs or start.num_waiting_reqs) else 0.0

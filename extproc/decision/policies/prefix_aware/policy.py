@@ -48,10 +48,10 @@ until their caches thrashed.
 
 Where the request would wait for KV room (the pool, not prefill time, bounds the worker: long prompts past
 the knee), the score adds ``memory_price * new * hold / capacity``: the new tokens hold that share of the
-pool for ``hold`` (its prefill and its decode at the worker's step time), and every request waiting there
-waits for it, so ``memory_price`` is the number the worker reports waiting (at least ``price``, at most
-``max_work_price``); only the new tokens beyond the least any candidate brings count (those are held
-wherever it goes). Requests sharing a prefix hold it once; a spill that copies a held prefix into
+pool for ``hold`` (its prefill, and its decode at the pace the worker's prefills leave its decode steps),
+and every request waiting there waits for it, so ``memory_price`` is the number the worker reports waiting
+(at least ``price``, at most ``max_work_price``); only the new tokens beyond the least any candidate brings
+count (those are held wherever it goes). Requests sharing a prefix hold it once; a spill that copies a held prefix into
 another full pool takes room from that pool's queue, and on agent sessions past the knee spills had put
 every tenant's prompt on two workers where the peers' strict affinity kept one.
 
@@ -375,7 +375,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         output = _output_of(request)
         # The share of running requests' remaining outputs the worker reserves (its last report; the floor without one).
         ratio = load.new_token_ratio if load and load.new_token_ratio is not None else FLOOR_RESERVE_RATIO
-        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now, ratio)
+        token_s = cost.token_seconds(running)
+        memory_wait = self.book.memory_wait_s(c.worker.id, new, total - new, capacity, output, now, ratio, token_s)
         ttft = queue + memory_wait + prefill + step_wait + tiers.prefetch_s
         # On a worker whose pool is full (this request would wait for room) the queue is admitted only as
         # running requests free room: the new tokens this one brings hold pool room through its prefill and
@@ -384,7 +385,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         # costs a memory-bound fleet (docs/routing.md, "The price of KV room").
         memory_work = 0.0
         if memory_wait > 0 and capacity:
-            hold = prefill + output * cost.decode.step_seconds(max(running, 1))
+            hold = prefill + output * token_s
             memory_work = new * hold / capacity
         waiting = float(load.num_waiting_reqs) if load else 0.0
         memory_price = min(max(waiting, price), opts.max_work_price)
