@@ -225,6 +225,7 @@ def test_workers_view_shows_health_load_learned_costs_and_blocks(stack: GatewayS
         assert set(worker["index"]["blocks"]) == {"gpu", "host", "disk"}
         assert worker["load"]["max_total_num_tokens"] > 0
         assert worker["learned"]["prefill_per_token_s"] > 0
+        assert 0 < worker["learned"]["decode_share"] <= 1  # the share of time its prefills leave to decode
         assert worker["drift"]["samples"] > 0 and worker["drift"]["unread"] == 0
     assert sum(w["index"]["blocks"]["gpu"] for w in view["workers"]) > 0
 

@@ -468,7 +468,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             self._turn = turn
 
     def learned(self, worker_id: str) -> dict[str, float]:
-        """The worker's cost model as ranking reads it now: prefill and decode constants, utilisation, queue."""
+        """The worker's cost model as ranking reads it now: prefill and decode constants, utilisation, the share
+        of time its prefills leave to decode, queue."""
         cost = self.costs.get(worker_id)
         if cost is None:
             return {}
@@ -481,6 +482,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             "decode_step_s": decode.d0,
             "decode_per_request_s": decode.d1,
             "utilization": cost.utilization,
+            "decode_share": cost.decode_share,
             "concurrency": cost.concurrency,
             "reuse": cost.reuse,
             "queued_s": cost.queued_seconds(self.clock()),
