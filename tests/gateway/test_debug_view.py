@@ -226,6 +226,8 @@ def test_workers_view_shows_health_load_learned_costs_and_blocks(stack: GatewayS
         assert worker["load"]["max_total_num_tokens"] > 0
         assert worker["learned"]["prefill_per_token_s"] > 0
         assert 0 < worker["learned"]["decode_share"] <= 1  # the share of time its prefills leave to decode
+        # A small fleet's pools fit whole in the default budget's ledgers: every key of the order of use kept.
+        assert worker["learned"]["ledger_sample_every"] == 1 and worker["learned"]["ledger_keys"] > 0
         assert worker["drift"]["samples"] > 0 and worker["drift"]["unread"] == 0
     assert sum(w["index"]["blocks"]["gpu"] for w in view["workers"]) > 0
 

@@ -53,3 +53,44 @@ def test_a_send_longer_than_the_ledger_keeps_its_shallowest_blocks() -> None:
     assert ledger.newer_than(8) is None
     with pytest.raises(ValueError, match="max_blocks must be positive"):
         RecencyLedger(0)
+
+
+def test_a_sampled_ledger_estimates_the_counts_and_the_kept_depth_of_a_full_one() -> None:
+    """Keeping every 4th key (block keys are hashes, so a key's residue picks it at random) and counting 4 blocks
+    for each sampled one estimates what the full ledger counts exactly, in about a quarter of the memory: each
+    count to within its sampling error (~ 2 * sqrt(4 * count)), the kept depth to within that many blocks."""
+    rng = random.Random(7)
+    full, sampled = RecencyLedger(40_000), RecencyLedger(10_000, sample_every=4)
+    history = [rng.getrandbits(64) for _ in range(2000)]  # a long session's blocks, used once
+    for ledger in (full, sampled):
+        ledger.touch(history)
+    for _ in range(20):  # other prompts since: 20 sends of 10-100 fresh blocks
+        send = [rng.getrandbits(64) for _ in range(rng.randrange(10, 100))]
+        full.touch(send)
+        sampled.touch(send)
+    assert len(sampled) < len(full) / 3
+    assert sampled.memory_bytes() < full.memory_bytes() / 3
+    checked = 0
+    for key in history:
+        exact, estimate = full.newer_than(key), sampled.newer_than(key)
+        if not sampled.sampled(key):
+            assert estimate is None
+            continue
+        assert exact is not None and estimate is not None
+        assert abs(estimate - exact) <= 2 * (4 * exact) ** 0.5 + 4, (estimate, exact)
+        checked += 1
+    assert checked > 400
+    newest = full.newer_than(history[0])
+    assert newest is not None
+    for depth in (500, 1000, 1500):
+        limit = newest + depth  # the exact kept depth is about this many blocks deep
+        exact_depth = full.kept_depth(history, 2000, limit)
+        assert abs(exact_depth - depth) <= 1
+        assert abs(sampled.kept_depth(history, 2000, limit) - exact_depth) <= 2 * (4 * limit) ** 0.5 + 4
+    assert sampled.kept_depth(history, 2000, limit=10**9) == 2000  # within the limit: all of it kept
+    first = next(i for i, key in enumerate(history) if sampled.sampled(key))
+    assert sampled.kept_depth(history, 2000, limit=0) == first  # all beyond it: kept only before the first sample
+    unsampled = [key for key in history[:40] if not sampled.sampled(key)][:3]
+    assert sampled.kept_depth(unsampled, 3, limit=0) == 3  # no sampled block on the path: nothing to say
+    with pytest.raises(ValueError, match="sample_every must be positive"):
+        RecencyLedger(10, sample_every=0)

@@ -1378,7 +1378,8 @@ def test_a_prefix_the_queued_sends_will_evict_is_not_predicted_as_a_hit() -> Non
 def test_the_orders_of_use_share_the_policys_part_of_the_memory_budget() -> None:
     """Each worker's ``RecencyLedger`` keeps twice its pool's cached share while the ``policy`` share allows
     it; the share is split evenly over the workers whose pool is known; one too small for the cached share
-    keeps none, so the ledgers never hold more than the share (``/metrics`` shows what they hold)."""
+    keeps a sample of the keys, and one too small for a sample of 256 none, so the ledgers never hold more
+    than the share (``/metrics`` shows what they hold)."""
     from extproc.memory import LEDGER_BYTES
 
     def fleet_of(count: int, budget: int) -> tuple[PrefixAwarePolicy, list[Worker]]:
@@ -1403,7 +1404,13 @@ def test_the_orders_of_use_share_the_policys_part_of_the_memory_budget() -> None
     sizes = {policy._recency[w.id].max_blocks for w in workers}
     assert sizes == {budget // LEDGER_BYTES // 24} and reach < min(sizes)
     assert policy.memory_bytes() <= budget
-    policy, workers = fleet_of(40, budget)  # 16/40 of a full ledger is less than the cached share: none
+    policy, workers = fleet_of(40, budget)  # 16/40 of a full ledger is less than the cached share: every 3rd key
+    share = budget // LEDGER_BYTES // 40
+    assert {(policy._recency[w.id].max_blocks, policy._recency[w.id].sample_every) for w in workers} == {
+        (math.ceil(2 * reach / 3), 3)
+    }
+    assert math.ceil(2 * reach / 3) <= share and policy.memory_bytes() <= budget
+    policy, workers = fleet_of(40, 40 * 255 * LEDGER_BYTES)  # under 256 keys a worker: too coarse a sample, none
     assert not policy._recency and policy.memory_bytes() == 0
     policy, workers = fleet_of(4, 0)  # the decode policy's part: nothing
     assert not policy._recency

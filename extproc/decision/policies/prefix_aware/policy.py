@@ -96,6 +96,9 @@ _DEFAULT_LEDGER_BYTES = MemoryPlan.from_budget(MemoryConfig().budget_bytes).poli
 # SGLang (0.5.23) estimates a request's output as at most this many tokens when it reserves KV room for it
 # (SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION).
 _OUTPUT_CLIP = 4096
+# The fewest keys a sampled order-of-use ledger keeps: about half of them fall within the cached share, and
+# the count of blocks used after a key is then estimated to ~10 % (one over the root of the count).
+_MIN_SAMPLED_KEYS = 256
 
 
 def _output_of(request: RoutingRequest) -> int:
@@ -469,11 +472,13 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
 
     def learned(self, worker_id: str) -> dict[str, float]:
         """The worker's cost model as ranking reads it now: prefill and decode constants, utilisation, the share
-        of time its prefills leave to decode, queue."""
+        of time its prefills leave to decode, queue; and its order-of-use ledger (keys kept, and every how
+        many blocks one is kept: 0 without a ledger, when evictions before admission are not predicted)."""
         cost = self.costs.get(worker_id)
         if cost is None:
             return {}
         prefill, decode = cost.prefill, cost.decode
+        ledger = self._recency.get(worker_id)
         return {
             "windows": cost.windows,
             "prefill_floor_s": prefill.c0,
@@ -487,6 +492,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             "reuse": cost.reuse,
             "queued_s": cost.queued_seconds(self.clock()),
             "work_price": min(max(self._queued_of(cost), self.opts.min_work_price), self.opts.max_work_price),
+            "ledger_keys": len(ledger) if ledger is not None else 0,
+            "ledger_sample_every": ledger.sample_every if ledger is not None else 0,
         }
 
     def _cold_ties(
@@ -621,20 +628,25 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
 
         A ledger keeps twice the pool's cached share, so that a block is judged gone long before it is forgotten
         (a key it does not keep predicts nothing); every worker whose pool is known gets an equal share of the
-        ledgers' memory, and one smaller than the cached share would judge nothing gone, so it gets none.
+        ledgers' memory. A share no larger than the cached share would judge nothing gone, so such a worker's
+        ledger keeps a sample of the keys instead (every n-th, n the least that fits twice the cached share in
+        the worker's part); a sample under ``_MIN_SAMPLED_KEYS`` keys estimates too coarsely, and gets none.
         """
         capacity = self._capacity.get(worker_id)
         if not capacity or block_size <= 0:
             return None
         reach = math.ceil(self.opts.cache_full_fraction * capacity / block_size) + 1
         share = self._ledger_bytes // LEDGER_BYTES // max(len(self._capacity), 1)
-        size = min(2 * reach, share)
+        every, size = 1, min(2 * reach, share)
+        if size <= reach and share > 0:
+            every = math.ceil(2 * reach / share)
+            size = min(share, math.ceil(2 * reach / every))
         ledger = self._recency.get(worker_id)
-        if size <= reach:
+        if size <= reach // every or (every > 1 and size < _MIN_SAMPLED_KEYS):
             self._recency.pop(worker_id, None)
             return None
-        if ledger is None or ledger.max_blocks != size:  # a new worker, or the fleet or the pool changed size
-            ledger = self._recency[worker_id] = RecencyLedger(size)
+        if ledger is None or (ledger.max_blocks, ledger.sample_every) != (size, every):  # the fleet or pool changed
+            ledger = self._recency[worker_id] = RecencyLedger(size, every)
         return ledger
 
     def _recent_traffic(self, worker_id: str, now: float) -> float:

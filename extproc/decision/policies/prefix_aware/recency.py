@@ -16,7 +16,15 @@ evicts leaves before their ancestors.
 The count is exact over the keys kept (a Fenwick tree over use numbers; a send's new numbers are
 consecutive, so it costs one range update for them and one per run of old numbers they replace); at
 most ``max_blocks`` keys are kept, the least recently used forgotten first (a forgotten key answers
-``None``: too old to say, which the caller treats as not predicted). What it does not see: other
+``None``: too old to say, which the caller treats as not predicted).
+
+A ledger may keep only a sample of the keys (``sample_every`` n: the keys divisible by n, which, block
+keys being hashes, is every n-th block on average), and counts n blocks for each sampled one used: the
+spatial sampling that estimates an LRU cache's reuse distances from a fraction of its keys (SHARDS,
+Waldspurger et al., FAST 2015). A pool too large for a full ledger in the memory the router gives it
+gets a sampled one rather than none; the depth it predicts is then known to the nearest sampled block
+(the deeper one: the blocks between a sample within the limit and the next beyond it count as kept, which
+predicts less loss). What it does not see: other
 routers' sends to the worker (fewer evictions predicted, never more), decode tokens stored when a
 request ends, and requests served from the worker's cache without the router.
 """
@@ -35,10 +43,13 @@ _KEY_BYTES = 208  # one kept key: its OrderedDict entry and its int objects (CPy
 class RecencyLedger:
     """One worker's blocks in the order the router's sends last used them."""
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, sample_every: int = 1) -> None:
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
-        self.max_blocks = max_blocks
+        if sample_every <= 0:
+            raise ValueError("sample_every must be positive")
+        self.max_blocks = max_blocks  # sampled keys kept
+        self.sample_every = sample_every
         self._last: OrderedDict[int, int] = OrderedDict()  # key -> use number, least recent first
         self._seq = 0  # the last use number given
         self._size = 2 * max_blocks + 2  # use numbers run to here, then are renumbered from 1
@@ -52,8 +63,14 @@ class RecencyLedger:
         """Estimated bytes held: the Fenwick arrays (allocated whole) and an entry per key kept (measured ~208 B)."""
         return 16 * len(self._b1) + _KEY_BYTES * len(self._last)
 
+    def sampled(self, key: int) -> bool:
+        """Whether the ledger keeps ``key`` (every key when it keeps them all)."""
+        return key % self.sample_every == 0
+
     def touch(self, keys: Sequence[int]) -> None:
         """A send used ``keys`` (a prompt's block keys, in prompt order), deepest first."""
+        if self.sample_every > 1:
+            keys = [key for key in keys if key % self.sample_every == 0]
         if not keys:
             return
         keys = keys[: self.max_blocks]  # the deeper ones would be forgotten at once (used first, so oldest)
@@ -94,33 +111,39 @@ class RecencyLedger:
             self._add(run_start, run_end, -1)
 
     def newer_than(self, key: int) -> int | None:
-        """Distinct blocks used after ``key`` was last used; None for a key not kept (never seen, or forgotten)."""
+        """Distinct blocks used after ``key`` was last used (estimated from the sample, when sampled); None for
+        a key not kept (never seen, forgotten, or not in the sample)."""
         seq = self._last.get(key)
         if seq is None:
             return None
-        return len(self._last) - self._prefix(seq)
+        return (len(self._last) - self._prefix(seq)) * self.sample_every
 
     def kept_depth(self, keys: Sequence[int], depth: int, limit: float) -> int:
         """The deepest ``d <= depth`` whose block ``keys[d - 1]`` had at most ``limit`` blocks used after it.
 
         Along one path a shallower block was used no earlier than a deeper one, so the count only falls
-        toward the root and the answer is a binary search. A deepest block not kept says nothing: ``depth``.
+        toward the root and the answer is a binary search over the path's kept blocks. A deepest block not
+        kept says nothing: ``depth``. Sampled, a block between a kept one within the limit and the next kept
+        one beyond it counts as kept (the answer is that next one's depth less one).
         """
         depth = min(depth, len(keys))
         if depth <= 0:
             return 0
-        newer = self.newer_than(keys[depth - 1])
+        at = range(depth) if self.sample_every == 1 else [i for i in range(depth) if self.sampled(keys[i])]
+        if not at:
+            return depth
+        newer = self.newer_than(keys[at[-1]])
         if newer is None or newer <= limit:
             return depth
-        low, high = 0, depth - 1  # keys[high] is beyond the limit; find the deepest kept one below it
-        while low < high:
-            mid = (low + high + 1) // 2
-            count = self.newer_than(keys[mid - 1])
+        low, high = -1, len(at) - 1  # at[high] is beyond the limit; find the first sampled block beyond it
+        while high - low > 1:
+            mid = (low + high) // 2
+            count = self.newer_than(keys[at[mid]])
             if count is None or count <= limit:
                 low = mid
             else:
-                high = mid - 1
-        return low
+                high = mid
+        return at[high]
 
     # -- the Fenwick tree: point counts of live use numbers, range updates, prefix sums -------------
     def _add(self, lo: int, hi: int, value: int) -> None:
