@@ -92,5 +92,8 @@ def test_a_sampled_ledger_estimates_the_counts_and_the_kept_depth_of_a_full_one(
     assert sampled.kept_depth(history, 2000, limit=0) == first  # all beyond it: kept only before the first sample
     unsampled = [key for key in history[:40] if not sampled.sampled(key)][:3]
     assert sampled.kept_depth(unsampled, 3, limit=0) == 3  # no sampled block on the path: nothing to say
+    # A decision asks each holder about one prompt (its sampled positions found once); another prompt is its own.
+    assert sampled.kept_depth(history, 2000, limit=0) == first
+    assert sampled.kept_depth(list(history), 2000, limit=0) == first
     with pytest.raises(ValueError, match="sample_every must be positive"):
         RecencyLedger(10, sample_every=0)

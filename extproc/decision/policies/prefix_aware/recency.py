@@ -32,12 +32,27 @@ request ends, and requests served from the worker's cache without the router.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 
 __all__ = ["RecencyLedger"]
 
 _KEY_BYTES = 208  # one kept key: its OrderedDict entry and its int objects (CPython 3.11, tracemalloc)
+
+# The positions of one prompt's sampled keys, for the last (keys, n) asked: a decision asks every holder's
+# ledger about the same prompt, and with like pools they sample alike.
+_positions: tuple[Sequence[int], int, list[int]] | None = None
+
+
+def _sampled_positions(keys: Sequence[int], every: int) -> list[int]:
+    global _positions
+    last = _positions
+    if last is not None and last[0] is keys and last[1] == every:
+        return last[2]
+    found = [i for i, key in enumerate(keys) if key % every == 0]
+    _positions = (keys, every, found)
+    return found
 
 
 class RecencyLedger:
@@ -129,17 +144,22 @@ class RecencyLedger:
         depth = min(depth, len(keys))
         if depth <= 0:
             return 0
-        at = range(depth) if self.sample_every == 1 else [i for i in range(depth) if self.sampled(keys[i])]
-        if not at:
+        if self.sample_every == 1:
+            at: Sequence[int] = range(depth)
+            count = depth
+        else:
+            at = _sampled_positions(keys, self.sample_every)
+            count = bisect_left(at, depth)  # the sampled blocks among the first ``depth``
+        if not count:
             return depth
-        newer = self.newer_than(keys[at[-1]])
+        newer = self.newer_than(keys[at[count - 1]])
         if newer is None or newer <= limit:
             return depth
-        low, high = -1, len(at) - 1  # at[high] is beyond the limit; find the first sampled block beyond it
+        low, high = -1, count - 1  # at[high] is beyond the limit; find the first sampled block beyond it
         while high - low > 1:
             mid = (low + high) // 2
-            count = self.newer_than(keys[at[mid]])
-            if count is None or count <= limit:
+            used = self.newer_than(keys[at[mid]])
+            if used is None or used <= limit:
                 low = mid
             else:
                 high = mid
