@@ -59,6 +59,7 @@ class LocalDecider:
             config, registry, self.index, memory, self.loads, states or NoEvents(), tiers or NoTiers(), clock
         )
         self.loads.listeners.append(self.pipeline.on_load)
+        self.index.eviction_listeners.append(self.pipeline.on_evicted)
         registry.listeners.append(self.pipeline.forget_departed)
 
     def route(self, parsed: ParsedRequest) -> RouteOutcome:

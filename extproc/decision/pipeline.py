@@ -227,6 +227,11 @@ class DecisionPipeline:
         self.policy.on_load(worker, load)
         self.decode_policy.on_load(worker, load)
 
+    def on_evicted(self, worker_id: str, keys: Sequence[int]) -> None:
+        """A worker's KV events removed these blocks from its GPU pool: both policies learn from it."""
+        self.policy.on_evicted(worker_id, keys)
+        self.decode_policy.on_evicted(worker_id, keys)
+
     def forget_departed(self) -> None:
         """The worker set changed: the policies forget workers that left or moved to another address."""
         current = {w.id: w for w in self.registry.workers}

@@ -189,6 +189,9 @@ class BlockIndex:
         self._recent_fifo: dict[int, deque[tuple[float, Sequence[int]]]] = {}
         self._recent_count: dict[int, int] = {}
         self._synced: int = 0  # bitmask of slots whose event stream is in sync (others: state unknown)
+        # Called with (worker id, keys) after a worker's events evict blocks from its GPU pool, outside the lock:
+        # the policy learns from a worker's evictions how much of the pool its cached prefixes really fill.
+        self.eviction_listeners: list[Callable[[str, Sequence[int]], None]] = []
 
     # -- worker slots -------------------------------------------------------------------------
     def slot(self, worker_id: str) -> int:
@@ -264,6 +267,9 @@ class BlockIndex:
                     entry = recent.get(key)
                     if entry is not None and entry.pop(slot, None) is not None and not entry:
                         del recent[key]
+        if tier == "gpu" and keys:
+            for listener in self.eviction_listeners:
+                listener(worker_id, keys)
 
     def clear(self, worker_id: str) -> None:
         """All confirmed entries of the worker go (``AllBlocksCleared``, restart, lost sync)."""

@@ -85,6 +85,7 @@ class RouterApp:
             config, registry, self.index, self.memory, self.loads, self.events, self.tier_stats, clock
         )
         self.loads.listeners.append(self.pipeline.on_load)
+        self.index.eviction_listeners.append(self.pipeline.on_evicted)
         registry.listeners.append(self.pipeline.forget_departed)
         self.telemetry.watch_memory(self.memory_usage, self.memory.limits())
         self.flow = FlowController(config.flow_control, self.telemetry.metrics) if config.flow_control.enabled else None

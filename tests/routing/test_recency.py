@@ -97,3 +97,22 @@ def test_a_sampled_ledger_estimates_the_counts_and_the_kept_depth_of_a_full_one(
     assert sampled.kept_depth(list(history), 2000, limit=0) == first
     with pytest.raises(ValueError, match="sample_every must be positive"):
         RecencyLedger(10, sample_every=0)
+
+
+def test_an_eviction_measures_what_was_used_after_the_newest_block_it_took() -> None:
+    """SGLang evicts least recently used first: what was used after the newest evicted block is what the pool held."""
+    ledger = RecencyLedger(1000)
+    old = list(range(100, 110))
+    ledger.touch(old)
+    ledger.touch(list(range(500, 520)))  # 20 blocks of other prompts since
+    # An eviction of the old prompt's deepest blocks: the newest of them (old[5], used after old[6:]) had the
+    # prompt's 5 shallower blocks and the 20 others used after it.
+    assert ledger.used_after_newest(old[5:]) == 5 + 20 == ledger.newer_than(old[5])
+    assert ledger.used_after_newest([*old[5:], 999_999]) == 25  # a block the ledger never saw says nothing
+    assert ledger.used_after_newest([999_999]) is None
+    assert ledger.used_after_newest([]) is None
+    sampled = RecencyLedger(1000, sample_every=2)  # only even keys kept, each counting two blocks
+    sampled.touch(old)
+    sampled.touch(list(range(500, 520)))
+    assert sampled.used_after_newest(old[5:]) == sampled.newer_than(106) == 2 * (3 + 10)
+    assert sampled.used_after_newest([105, 107]) is None  # none of them sampled

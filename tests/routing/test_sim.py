@@ -163,6 +163,7 @@ async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
         await r.start()
         (worker,) = r.registry.workers
         await until(lambda: r.events.state(worker) == "synced")
+        await until(lambda: r.loads.get(worker) is not None, what="a load report (the pool's size)")
         victim = _chat(_words(rng, 60), "q")
         first, _usage = await _route_and_send(r, victim)
         await until(lambda: _confirmed(r, worker, first.request.block_keys), what="stored events")
@@ -170,6 +171,10 @@ async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
             await _route_and_send(r, _chat(_words(rng, 60), str(i)))
         await until(lambda: not r.index.blocks(worker.id) & set(first.request.block_keys), what="removal events")
         assert r.events.views[worker.id][0].stats.blocks_removed > 0
+        # The policy learned from the evictions where the worker's pool lets go of a block: after some hundreds
+        # of tokens of other prompts, in the router's own count of blocks used since (a 1,024-token pool).
+        horizon = r.pipeline.policy.learned(worker.id)["eviction_horizon_blocks"]
+        assert 0 < horizon <= 1024 // PAGE, horizon
         again = await _send(worker, victim)
         assert again["cached"] == 0  # ground truth: the worker really lost it
     finally:

@@ -1324,10 +1324,11 @@ def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_i
 FULL_CACHE = 24576 * 8 // 10 // 16 + 1  # blocks: past cache_full_fraction of a 24k pool (no room left)
 
 
-def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False) -> Decision:
+def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False, evicted: list[int] | None = None) -> Decision:
     """w0 holds a 6,224-token document in a full 24k pool; a question about it arrives behind a cold 6.2k
     prompt the router just queued there. ``stale``: since the document was last used there, 18.7k other new
-    tokens were stored on w0 (and prefilled), so the LRU order puts the document first in line for eviction."""
+    tokens were stored on w0 (and prefilled), so the LRU order puts the document first in line for eviction.
+    ``evicted``: w0's events say it evicted these blocks just before the question."""
     now = [1000.0]
     workers = loopback_workers(3)
     policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
@@ -1355,6 +1356,8 @@ def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False) -> Decisi
         for w in workers[1:]:
             policy.cost_model(w).sent(4096, 0, now[0])
     route(list(range(50_000, 50_389)), 0)  # a cold prompt queued ahead of the question
+    if evicted:
+        policy.on_evicted("w0", evicted)
     candidates = _candidates(workers, [389, 0, 0], loads)
     candidates[0].cached_blocks = FULL_CACHE
     return policy.select(_request(390 * 16, keys=[*doc, 10_001]), candidates)
@@ -1373,6 +1376,22 @@ def test_a_prefix_the_queued_sends_will_evict_is_not_predicted_as_a_hit() -> Non
     # Past the knee (every worker has a queue) the prediction is not made: spilling there evicts elsewhere.
     busy = _doc_holder_with_cold_sends(stale=True, busy_fleet=True)
     assert busy.scores["w0"]["lost_tokens"] == 0
+
+
+def test_where_a_worker_evicts_is_learned_from_its_evictions() -> None:
+    """Until w0 reports an eviction, a block is predicted gone once more than the pool's cached share
+    (``cache_full_fraction``) was used after it; then at what its own evictions measure. The stale document
+    (1,944 blocks used after its deepest one, past the 1,229 of 80 % of the pool) is kept when w0 evicted a
+    block 1,945 had been used after; and the fresh one (389 used after it) predicted gone when w0 evicted a block
+    only 388 had."""
+    stale = _doc_holder_with_cold_sends(stale=True)
+    assert stale.scores["w0"]["lost_tokens"] == 389 * 16
+    kept = _doc_holder_with_cold_sends(stale=True, evicted=[10_000])  # the document's own extra block, deepest
+    assert kept.scores["w0"]["lost_tokens"] == 0 and kept.scores["w0"]["new_tokens"] == 16, kept.scores
+    fresh = _doc_holder_with_cold_sends(stale=False)
+    assert fresh.scores["w0"]["lost_tokens"] == 0
+    tight = _doc_holder_with_cold_sends(stale=False, evicted=[50_388])  # a pool that held less than thought
+    assert tight.scores["w0"]["lost_tokens"] == 389 * 16, tight.scores
 
 
 def test_the_orders_of_use_share_the_policys_part_of_the_memory_budget() -> None:

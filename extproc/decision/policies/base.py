@@ -206,6 +206,9 @@ class Policy(ABC, Generic[OptionsT]):
     def on_load(self, worker: Worker, load: WorkerLoad) -> None:
         """Called with each load report as it arrives (learn from it here; ``select`` only reads)."""
 
+    def on_evicted(self, worker_id: str, keys: Sequence[int]) -> None:
+        """Called when the worker's KV events say it evicted these blocks from its GPU pool (router block keys)."""
+
     def remove_worker(self, worker_id: str) -> None:
         """Called when a worker left the fleet (or moved to another address): forget what was kept on it."""
 

@@ -12,7 +12,7 @@ of headers and uses the first one present.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pydantic import Field
 
@@ -114,6 +114,9 @@ class SessionPolicy(Policy[SessionOptions]):
 
     def on_load(self, worker: Worker, load: WorkerLoad) -> None:
         self.fallback.on_load(worker, load)
+
+    def on_evicted(self, worker_id: str, keys: Sequence[int]) -> None:
+        self.fallback.on_evicted(worker_id, keys)
 
     def remove_worker(self, worker_id: str) -> None:
         self.fallback.remove_worker(worker_id)

@@ -133,6 +133,19 @@ class RecencyLedger:
             return None
         return (len(self._last) - self._prefix(seq)) * self.sample_every
 
+    def used_after_newest(self, keys: Sequence[int]) -> int | None:
+        """Distinct blocks used after the most recently used of ``keys`` that the ledger keeps (None: it keeps none).
+
+        Called with the blocks a worker just evicted: SGLang evicts least recently used first, so what was used
+        after the newest of them is what the pool still held, in the ledger's count (one dict lookup a key, one
+        prefix sum an eviction).
+        """
+        last = self._last
+        newest = max((last.get(key, 0) for key in keys), default=0)
+        if not newest:
+            return None
+        return (len(last) - self._prefix(newest)) * self.sample_every
+
     def kept_depth(self, keys: Sequence[int], depth: int, limit: float) -> int:
         """The deepest ``d <= depth`` whose block ``keys[d - 1]`` had at most ``limit`` blocks used after it.
 
