@@ -184,7 +184,11 @@ class PrefixAwareOptions(PolicyOptions):
         "a mixed fleet fills the fast workers' caches and evicts).",
     )
     cache_full_fraction: float = Field(
-        0.8, gt=0, le=1, description="Share of a worker's KV pool its cached prefixes fill before new ones evict them."
+        0.8,
+        gt=0,
+        le=1,
+        description="Share of a worker's KV pool its cached prefixes fill before new ones evict them (where a "
+        "prefix is predicted evicted, only until the worker's own evictions measure it).",
     )
     tie_abs_s: float = Field(0.003, ge=0, description="Scores within this many seconds of the best count as a tie.")
     tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
@@ -590,8 +594,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         when the step ends: the batch being prefilled may already have evicted the prefix, and the sends
         queued ahead will evict more before this request is admitted. The worker's order of use, as the
         router's own sends made it (``RecencyLedger``), says how many blocks were used there after the
-        prefix's deepest block; beyond the pool's cached share (``cache_full_fraction``) the block is gone,
-        and so is every block of the prefix used no later. Virtual fleet, multi-turn, 16 workers, 0.5 x knee:
+        prefix's deepest block; beyond the worker's eviction horizon (``on_evicted``; the pool's cached share,
+        ``cache_full_fraction``, until its first eviction) the block is gone, and so is every block of the
+        prefix used no later. Virtual fleet, multi-turn, 16 workers, 0.5 x knee:
         turns predicted to find their session's history computed it again (the history evicted during the
         step under way), TTFT p99 183 against the floor's 75 ms before this, 77 after.
         """

@@ -9,7 +9,8 @@ a send uses every block of its prompt, the matched ones and the new ones.
 
 ``RecencyLedger`` keeps, per worker, each block key's last use by one of the router's sends, numbered
 in order, and answers "how many distinct blocks were used after this one". A block that more blocks
-than the pool's cached share were used after is (predicted) gone. A send's blocks are used deepest
+were used after than the worker's pool holds is (predicted) gone; how many it holds, in the ledger's count,
+the worker's own evictions say (``used_after_newest`` of the blocks it evicted). A send's blocks are used deepest
 first, so that each block counts as used no earlier than the blocks below it in the tree, as SGLang
 evicts leaves before their ancestors.
 
