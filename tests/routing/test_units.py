@@ -1324,11 +1324,14 @@ def test_an_unmeasured_worker_borrows_the_fleet_mean_and_a_departed_one_leaves_i
 FULL_CACHE = 24576 * 8 // 10 // 16 + 1  # blocks: past cache_full_fraction of a 24k pool (no room left)
 
 
-def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False, evicted: list[int] | None = None) -> Decision:
+def _doc_holder_with_cold_sends(
+    stale: bool, busy_fleet: bool = False, evicted: list[int] | None = None, busy_others: int | None = None
+) -> Decision:
     """w0 holds a 6,224-token document in a full 24k pool; a question about it arrives behind a cold 6.2k
     prompt the router just queued there. ``stale``: since the document was last used there, 18.7k other new
     tokens were stored on w0 (and prefilled), so the LRU order puts the document first in line for eviction.
-    ``evicted``: w0's events say it evicted these blocks just before the question."""
+    ``evicted``: w0's events say it evicted these blocks just before the question. ``busy_fleet``: the other
+    two workers have a queue too (``busy_others``: that many of them)."""
     now = [1000.0]
     workers = loopback_workers(3)
     policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
@@ -1352,9 +1355,8 @@ def _doc_holder_with_cold_sends(stale: bool, busy_fleet: bool = False, evicted: 
         for i in range(3):  # other cold prompts stored there since, long done
             route(list(range(20_000 + 1000 * i, 20_389 + 1000 * i)), 0)
         now[0] += 30.0
-    if busy_fleet:
-        for w in workers[1:]:
-            policy.cost_model(w).sent(4096, 0, now[0])
+    for w in workers[1 : 1 + (busy_others if busy_others is not None else 2 if busy_fleet else 0)]:
+        policy.cost_model(w).sent(4096, 0, now[0])
     route(list(range(50_000, 50_389)), 0)  # a cold prompt queued ahead of the question
     if evicted:
         policy.on_evicted("w0", evicted)
@@ -1373,9 +1375,12 @@ def test_a_prefix_the_queued_sends_will_evict_is_not_predicted_as_a_hit() -> Non
     # Predicted as what it will be: the whole document computed again behind the queue.
     assert stale.scores["w0"]["prefill_s"] > 10 * fresh.scores["w0"]["prefill_s"]
     assert stale.ranked[0].id != "w0"
-    # Past the knee (every worker has a queue) the prediction is not made: spilling there evicts elsewhere.
+    # Where every worker has a queue the prediction is not made: spilling there evicts elsewhere. With two of
+    # the three queued (under ``eviction_lag_busy_share``, 80 %) it is.
     busy = _doc_holder_with_cold_sends(stale=True, busy_fleet=True)
     assert busy.scores["w0"]["lost_tokens"] == 0
+    mostly_busy = _doc_holder_with_cold_sends(stale=True, busy_others=1)
+    assert mostly_busy.scores["w0"]["lost_tokens"] == 389 * 16
 
 
 def test_where_a_worker_evicts_is_learned_from_its_evictions() -> None:

@@ -175,6 +175,15 @@ class PrefixAwareOptions(PolicyOptions):
         description="The fleet counts as lightly loaded (for idle_fleet_price) while fewer than this share of the "
         "candidates have anything of the router's queued.",
     )
+    eviction_lag_busy_share: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="A matched prefix the worker will have evicted by the request's admission (its order of use "
+        "past its eviction horizon) counts as uncached while fewer than this share of the candidates have anything "
+        "of the router's queued (0: never). Past it every holder has a queue, and spilling on the prediction moves "
+        "the recomputation to a worker where it evicts in turn.",
+    )
     eviction_weight: float = Field(
         1.0,
         ge=0,
@@ -351,11 +360,13 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         tier_costs = costs_from_report(c.tier_report, kv_bytes_per_token(c.load))
         tiers = tier_extra(host, shared, tier_costs, compute, c.block_size)
         new = total - gpu - tiers.host_tokens - tiers.shared_tokens
-        # On a light fleet, what the router's own queued sends will evict of the matched prefix before this
-        # request is admitted is computed again, not reused. (Past the knee every holder has such a queue,
-        # and spilling on that prediction moves the recomputation elsewhere, where it evicts in turn: virtual
-        # fleet, 4 workers docqa and gsp at 1.3 x knee, mean +225 % and +52 %.)
-        lost = self._lost_before_admission(request, c, gpu) if light and gpu > 0 else 0
+        # Unless nearly every candidate has a queue, what the worker will have evicted of the matched prefix by
+        # this request's admission is computed again, not reused. (Where every holder has such a queue, spilling
+        # on that prediction moves the recomputation elsewhere, where it evicts in turn: virtual fleet,
+        # multi-turn past the knee, docs/benchmarks-log.md, 2026-12-06 (afternoon).)
+        lost = 0
+        if gpu > 0 and busy_share < opts.eviction_lag_busy_share:
+            lost = self._lost_before_admission(request, c, gpu)
         new += lost
         prefill = model.seconds(new, total - new) + tiers.load_back_s
         queue = cost.queued_seconds(now)
