@@ -23,7 +23,7 @@ from benchmarks.workloads.cells import WORKLOADS, CellSize
 from extproc.decision.policies import POLICIES
 from extproc.decision.policies.base import RandomTieBreakPolicy
 
-__all__ = ["TARGETS", "cell_markdown", "gap_closed", "meets_targets", "run_cell", "virtual_knee"]
+__all__ = ["TARGETS", "cell_markdown", "gap_closed", "meets_targets", "paired_difference", "run_cell", "virtual_knee"]
 
 
 _KNEES: dict[tuple[str, Fleet, int, int], float] = {}
@@ -49,6 +49,58 @@ def _measure_knee(workload: str, fleet: Fleet, options: CellSize) -> float:
             break
         rate *= min(4.0, max(0.25, 0.4 / max(utilization, 1e-3)))
     return rate / max(utilization, 1e-3)
+
+
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (1-30); beyond, the normal's 1.96.
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
+
+
+def paired_difference(ours: Sequence[float], reference: Sequence[float]) -> tuple[float, float, float]:
+    """Mean of ``ours - reference`` seed by seed, with its 95 % t-interval (NaN bounds under two seeds).
+
+    Seeds draw the same arrivals for every policy, so the difference seed by seed removes most of the seeds'
+    own spread: a cell whose shares swing between seeds (the gap to the floor a few ms) is told apart from a
+    real miss by whether the interval holds zero.
+    """
+    diffs = [a - b for a, b in zip(ours, reference)]
+    n = len(diffs)
+    mean = sum(diffs) / n if n else math.nan
+    if n < 2:
+        return mean, math.nan, math.nan
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def gap_closed(rr: float, ours: float, floor: float) -> float:
@@ -135,6 +187,11 @@ def run_cell(
                     gap_closed(rr[metric], ours[metric], fl[metric])
                     for rr, ours, fl in zip(runs["round-robin"], runs["prefix-aware"], runs[reference])
                 ]
+    if {"prefix-aware", FLOOR_PHASE_BLIND} <= set(runs):
+        for metric in ("mean", "p99"):
+            cell[f"blind_difference_{metric}"] = paired_difference(
+                [r[metric] for r in runs["prefix-aware"]], [r[metric] for r in runs[FLOOR_PHASE_BLIND]]
+            )
     return cell
 
 
@@ -160,6 +217,16 @@ def cell_markdown(cell: dict[str, Any]) -> list[str]:
         closed += (
             f"; of the gap to the phase-blind floor, {_spread(cell['blind_gap_closed_mean'], 100)} % in mean, "
             f"{_spread(cell['blind_gap_closed_p99'], 100)} % in p99"
+        )
+    if "blind_difference_mean" in cell:
+
+        def diff(key: str) -> str:
+            mean, low, high = (1000 * v for v in cell[key])
+            return f"{mean:+.1f} ms" + (f" (95 % interval {low:+.1f} to {high:+.1f})" if not math.isnan(low) else "")
+
+        closed += (
+            f"; prefix-aware minus the phase-blind floor, seed by seed: {diff('blind_difference_mean')} in mean, "
+            f"{diff('blind_difference_p99')} in p99"
         )
     lines.append(
         f"**{cell['fleet']}, {cell['workload']}, {cell['load']:g} x knee ({cell['rate']:.2f} req/s)**, "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
+
+import pytest
 
 from benchmarks.fleet.shapes import FLEETS
 from benchmarks.virtual.fleet import FLOOR as FLOOR_NAME
@@ -195,3 +198,33 @@ def test_the_routers_memory_budget_bounds_what_its_policy_keeps() -> None:
     small = run_virtual("prefix-aware", workload, fleet, memory_budget_bytes=2**20)
     assert 0 < default.policy_memory_bytes <= 0.05 * 256 * 2**20
     assert small.policy_memory_bytes == 0 and small.errors == 0 and len(small.ttft_s) == 64
+
+
+def test_ours_minus_the_phase_blind_floor_is_paired_by_seed_with_its_interval() -> None:
+    from benchmarks.virtual.cells import cell_markdown, paired_difference
+    from benchmarks.virtual.fleet import FLOOR_PHASE_BLIND
+
+    mean, low, high = paired_difference([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])  # differences 1, 2, 3: sd 1
+    assert mean == 2.0 and (low, high) == pytest.approx((2.0 - 4.303 / 3**0.5, 2.0 + 4.303 / 3**0.5))
+    # Seeds that move ours and the floor together: a spread of 10 ms between seeds, 1 ms between the two.
+    mean, low, high = paired_difference([0.011, 0.021, 0.031, 0.041], [0.010, 0.020, 0.030, 0.040])
+    assert mean == pytest.approx(0.001) and high - low == pytest.approx(0.0, abs=1e-12)
+    one = paired_difference([0.5], [0.4])
+    assert one[0] == pytest.approx(0.1) and math.isnan(one[1]) and math.isnan(one[2])
+    runs = {
+        "prefix-aware": [
+            {"mean": m, "p50": m, "p99": 3 * m, "hit_vs_oracle": 1.0, "max_mean": 1.0} for m in (0.05, 0.06)
+        ],
+        FLOOR_PHASE_BLIND: [
+            {"mean": m, "p50": m, "p99": 3 * m, "hit_vs_oracle": 1.0, "max_mean": 1.0} for m in (0.04, 0.05)
+        ],
+    }
+    cell = {"fleet": "f", "workload": "w", "load": 0.5, "rate": 1.0, "requests": 10, "seeds": [0, 1], "runs": runs}
+    cell["blind_difference_mean"] = paired_difference([0.05, 0.06], [0.04, 0.05])
+    cell["blind_difference_p99"] = paired_difference([0.15, 0.18], [0.12, 0.15])
+    head = cell_markdown(cell)[0]
+    assert (
+        "prefix-aware minus the phase-blind floor, seed by seed: +10.0 ms (95 % interval +10.0 to +10.0) in mean"
+        in head
+    )
+    assert "+30.0 ms (95 % interval +30.0 to +30.0) in p99" in head
