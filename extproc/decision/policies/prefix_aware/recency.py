@@ -130,9 +130,7 @@ class RecencyLedger:
         """Distinct blocks used after ``key`` was last used (estimated from the sample, when sampled); None for
         a key not kept (never seen, forgotten, or not in the sample)."""
         seq = self._last.get(key)
-        if seq is None:
-            return None
-        return (len(self._last) - self._prefix(seq)) * self.sample_every
+        return self._used_after(seq) if seq is not None else None
 
     def used_after_newest(self, keys: Sequence[int]) -> int | None:
         """Distinct blocks used after the most recently used of ``keys`` that the ledger keeps (None: it keeps none).
@@ -143,9 +141,11 @@ class RecencyLedger:
         """
         last = self._last
         newest = max((last.get(key, 0) for key in keys), default=0)
-        if not newest:
-            return None
-        return (len(last) - self._prefix(newest)) * self.sample_every
+        return self._used_after(newest) if newest else None
+
+    def _used_after(self, seq: int) -> int:
+        """Distinct blocks whose last use is numbered after ``seq`` (times the sampling, estimated)."""
+        return (len(self._last) - self._prefix(seq)) * self.sample_every
 
     def kept_depth(self, keys: Sequence[int], depth: int, limit: float) -> int:
         """The deepest ``d <= depth`` whose block ``keys[d - 1]`` had at most ``limit`` blocks used after it.
