@@ -258,7 +258,17 @@ class EventsConfig(Section):
 class LoadConfig(Section):
     """Load reported by the workers."""
 
-    poll_interval_s: float = Field(0.5, description="How often /v1/loads (or /metrics) is polled per worker.")
+    poll_interval_s: float = Field(0.5, gt=0, description="How often /v1/loads (or /metrics) is polled per worker.")
+    startup_poll_interval_s: float = Field(
+        0.1,
+        ge=0,
+        description=(
+            "Between the rounds that poll every worker every poll_interval_s, how often a worker is polled while "
+            "the router has requests in flight there and no report has yet shown its prefill work between two "
+            "polls (its speed is then still the priors'). A worker that reports no prefill counters is never "
+            "polled sooner (0: never sooner)."
+        ),
+    )
     timeout_s: float = Field(1.0, description="HTTP timeout of one load poll.")
     read_prefill_batches: bool = Field(
         True,

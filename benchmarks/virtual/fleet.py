@@ -23,6 +23,7 @@ re-implementations of their policies (``sgl-cache-aware``, ``dynamo-cost``, ...)
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -162,9 +163,26 @@ async def _run(
     tokenizer = load_tokenizer()
     policy_reads = router.pipeline.policy
 
+    # The load tracker's schedule (``LoadTracker.poll_due``): every worker every poll_interval_s, and in between
+    # every startup_poll_interval_s the workers the router has sent requests to but not yet measured.
+    startup_s = config.load.startup_poll_interval_s
+    tick = startup_s if 0 < startup_s < poll_interval_s else poll_interval_s
+    polled_at: dict[str, float] = {}
+    next_round: list[float] = []
+
     async def poll() -> None:
         while not stop.is_set():
+            now = loop.time()
+            whole = not next_round or now >= next_round[0] - tick / 2
+            if whole:
+                next_round[:] = [now + poll_interval_s]
             for worker in workers:
+                if not whole and (
+                    router.loads.poll_every(worker, poll_interval_s, startup_s) >= poll_interval_s
+                    or now - polled_at.get(worker.id, -math.inf) < startup_s - tick / 2
+                ):
+                    continue
+                polled_at[worker.id] = now
                 load = parse_loads({"loads": [schedulers[worker.id].load()]})
                 if load is not None:
                     # What the router reads from the worker's /metrics beside /v1/loads (parse_prefill_passes,
@@ -172,7 +190,7 @@ async def _run(
                     load.total_prefill_batches = schedulers[worker.id].stats.prefill_batches
                     load.new_token_ratio = schedulers[worker.id].reported_new_token_ratio
                     router.loads.set(worker, load)
-            await asyncio.sleep(poll_interval_s)
+            await asyncio.sleep(tick)
 
     async def one(request: Any) -> None:
         await asyncio.sleep(max(0.0, request.arrival_s - (loop.time() - start)))

@@ -107,6 +107,26 @@ class LoadBook:
         # Called with each new report as it arrives (the policy learns from reports here, not when it decides).
         self.listeners: list[Callable[[Worker, WorkerLoad], None]] = []
         self._loads: dict[str, tuple[float, WorkerLoad]] = {}
+        # Workers whose reports have shown prefill work between two polls (or carry no prefill counters):
+        # the first window a cost model can learn from has been measured there.
+        self._measured: set[str] = set()
+
+    def measuring(self, worker: Worker) -> bool:
+        """The router has requests in flight on the worker and no report has yet measured its prefill work.
+
+        Such a worker is polled every ``load.startup_poll_interval_s`` between the rounds of ``poll_interval_s``
+        (``poll_every``): until a window between two reports shows prefill work, the router prices the worker
+        on priors, and a burst in a fleet's first half second is routed on them (virtual fleet, 16 workers,
+        hot-burst past the knee: a cold 2k-token prefill priced at 110 ms that took 66, and a hot prefix's
+        first burst kept on its busy holder).
+        """
+        return worker.in_flight > 0 and worker.id not in self._measured
+
+    def poll_every(self, worker: Worker, steady_s: float, startup_s: float) -> float:
+        """Seconds between two polls of the worker: ``startup_s`` while it is being measured (0: never faster)."""
+        if 0 < startup_s < steady_s and self.measuring(worker):
+            return startup_s
+        return steady_s
 
     def get(self, worker: Worker) -> WorkerLoad | None:
         """The last report, with ``age_s`` filled; None if the worker never answered."""
@@ -123,6 +143,12 @@ class LoadBook:
         return None if entry is None else entry[1]
 
     def set(self, worker: Worker, load: WorkerLoad) -> None:
+        if worker.id not in self._measured:
+            before = self.peek(worker)
+            busy = load.total_prefill_busy_us
+            was = before.total_prefill_busy_us if before is not None else None
+            if busy is None or (was is not None and busy > was):
+                self._measured.add(worker.id)
         load.polled_at = self.clock()
         self._loads[worker.id] = (load.polled_at, load)
         for listener in self.listeners:

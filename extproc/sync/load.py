@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -238,7 +239,11 @@ class LoadTracker(LoadBook):
         self._path: dict[str, str] = {}
         self._passes_misses: dict[str, int] = {}  # polls in a row without a usable prefill-batch count
         self._passes_retry_at: dict[str, float] = {}  # not asked for the count again before then
-        self._poller = Poller("load-poller", config.poll_interval_s, self.poll_once)
+        self._polled_at: dict[str, float] = {}  # worker id -> when it was last polled
+        self._next_round: float | None = None  # when every worker is next polled
+        startup = config.startup_poll_interval_s
+        tick = startup if 0 < startup < config.poll_interval_s else config.poll_interval_s
+        self._poller = Poller("load-poller", tick, self.poll_due)
 
     async def start(self) -> None:
         self._poller.start()
@@ -247,7 +252,29 @@ class LoadTracker(LoadBook):
         await self._poller.stop()
 
     async def poll_once(self) -> None:
+        """Poll every worker now."""
         await asyncio.gather(*(self._poll(w) for w in self.registry.workers), return_exceptions=True)
+
+    async def poll_due(self) -> None:
+        """Every ``poll_interval_s`` every worker, as one round; between rounds, every ``startup_poll_interval_s``
+        the workers being measured (``LoadBook.measuring``)."""
+        now, config = self.clock(), self.config
+        slack = self._poller.interval_s / 2  # half a tick early is on time
+        if self._next_round is None or now >= self._next_round - slack:
+            self._next_round = now + config.poll_interval_s
+            due = list(self.registry.workers)
+        else:
+            # Judged at every tick, so a worker that has just been sent its first requests is polled sooner.
+            due = [
+                w
+                for w in self.registry.workers
+                if self.poll_every(w, config.poll_interval_s, config.startup_poll_interval_s) < config.poll_interval_s
+                and now - self._polled_at.get(w.id, -math.inf) >= config.startup_poll_interval_s - slack
+            ]
+        for worker in due:
+            self._polled_at[worker.id] = now
+        if due:
+            await asyncio.gather(*(self._poll(w) for w in due), return_exceptions=True)
 
     async def _poll(self, worker: Worker) -> None:
         known = self._path.get(worker.id)

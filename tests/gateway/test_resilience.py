@@ -136,10 +136,10 @@ async def test_killed_worker_costs_only_its_in_flight_requests_and_comes_back(
 
 
 async def test_refused_connection_is_retried_on_the_routers_fallback(envoy_bin: str, tmp_path: Path) -> None:
-    """The router is never told the worker died (health and load polls an hour apart), so it keeps
+    """The router is never told the worker died (health and load polls an hour apart, none sooner), so it keeps
     naming it first: every such request must be served by the fallback Envoy retries on."""
     config = tmp_path / "router.yaml"
-    config.write_text("health: {interval_s: 3600}\nload: {poll_interval_s: 3600}\n")
+    config.write_text("health: {interval_s: 3600}\nload: {poll_interval_s: 3600, startup_poll_interval_s: 0}\n")
     async with GatewayStack(
         sim_workers=2,
         sim_worker_options={"profile": "instant"},

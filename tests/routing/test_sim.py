@@ -173,8 +173,10 @@ async def test_eviction_on_the_worker_removes_blocks_from_the_index() -> None:
         assert r.events.views[worker.id][0].stats.blocks_removed > 0
         # The policy learned from the evictions where the worker's pool lets go of a block: after some hundreds
         # of tokens of other prompts, in the router's own count of blocks used since (a 1,024-token pool).
+        # An eviction's event may reach the router after it counted its next send there (~300 tokens): the count
+        # is then that much above what the pool held (1 in ~10 runs, 68.2 blocks against a 64-block pool).
         horizon = r.pipeline.policy.learned(worker.id)["eviction_horizon_blocks"]
-        assert 0 < horizon <= 1024 // PAGE, horizon
+        assert 0 < horizon <= (1024 + 320) // PAGE, horizon
         again = await _send(worker, victim)
         assert again["cached"] == 0  # ground truth: the worker really lost it
     finally:
