@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from extproc.fleet.reports import DEFAULT_PREFETCH_THRESHOLD
-from extproc.fleet.workers import Worker
+from extproc.fleet.workers import Worker, disaggregation_role
 from prefix_common.addresses import substitute_wildcard
 
 __all__ = [
@@ -130,19 +130,6 @@ def storage_group(worker: Worker) -> str | None:
     model = info.get("served_model_name") or worker.model or ""
     tp = info.get("tp_size") if isinstance(info.get("tp_size"), int) else 1
     return f"{backend}:{location}:{model}:tp{tp}"
-
-
-def disaggregation_role(worker: Worker) -> str:
-    """``aggregated``, ``prefill`` or ``decode``: configured, else ``/server_info``'s ``disaggregation_mode``.
-
-    SGLang reports ``"null"`` for an aggregated server; a worker that has not answered yet (or an
-    older SGLang without the field) counts as aggregated until it says otherwise.
-    """
-    if worker.role is not None:
-        return worker.role
-    info = worker.info if isinstance(worker.info, dict) else {}
-    mode = info.get("disaggregation_mode")
-    return mode if mode in ("prefill", "decode") else "aggregated"
 
 
 def bootstrap_port(worker: Worker, default: int) -> int:

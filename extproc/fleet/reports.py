@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.clock import MONOTONIC, Clock
-from extproc.fleet.workers import Worker
+from extproc.fleet.workers import Worker, disaggregation_role
 
 __all__ = ["DEFAULT_PREFETCH_THRESHOLD", "LoadBook", "TierReport", "WorkerLoad"]
 
@@ -112,7 +112,8 @@ class LoadBook:
         self._measured: set[str] = set()
 
     def measuring(self, worker: Worker) -> bool:
-        """The router has requests in flight on the worker and no report has yet measured its prefill work.
+        """The router has requests in flight on the worker and no report has yet measured its prefill work (a
+        decode worker of a PD pair, which prefills nothing, never counts).
 
         Such a worker is polled every ``load.startup_poll_interval_s`` between the rounds of ``poll_interval_s``
         (``poll_every``): until a window between two reports shows prefill work, the router prices the worker
@@ -120,7 +121,10 @@ class LoadBook:
         hot-burst past the knee: a cold 2k-token prefill priced at 110 ms that took 66, and a hot prefix's
         first burst kept on its busy holder).
         """
-        return worker.in_flight > 0 and worker.id not in self._measured
+        if worker.in_flight <= 0 or worker.id in self._measured:
+            return False
+        # A decode worker of a PD pair prefills nothing: its prefill work would never be measured.
+        return disaggregation_role(worker) != "decode"
 
     def poll_every(self, worker: Worker, steady_s: float, startup_s: float) -> float:
         """Seconds between two polls of the worker: ``startup_s`` while it is being measured (0: never faster)."""

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from extproc.config import WorkerConfig
 from prefix_common.addresses import resolve_endpoint, url_port
 
-__all__ = ["Worker", "WorkerRegistry"]
+__all__ = ["Worker", "WorkerRegistry", "disaggregation_role"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,19 @@ class Worker:
             role=config.role,
             bootstrap_port=config.bootstrap_port,
         )
+
+
+def disaggregation_role(worker: Worker) -> str:
+    """``aggregated``, ``prefill`` or ``decode``: configured, else ``/server_info``'s ``disaggregation_mode``.
+
+    SGLang reports ``"null"`` for an aggregated server; a worker that has not answered yet (or an
+    older SGLang without the field) counts as aggregated until it says otherwise.
+    """
+    if worker.role is not None:
+        return worker.role
+    info = worker.info if isinstance(worker.info, dict) else {}
+    mode = info.get("disaggregation_mode")
+    return mode if mode in ("prefill", "decode") else "aggregated"
 
 
 class WorkerRegistry:

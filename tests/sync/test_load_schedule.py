@@ -90,6 +90,8 @@ async def test_a_worker_is_polled_sooner_until_its_prefill_work_is_measured(
         assert await at(0.5) == (5, 2)  # the round: every worker, every poll_interval_s as before
         assert await at(0.8) == (5, 2)
         assert await at(1.0) == (6, 3)
+        decode = Worker(id="d", url=old.url, ip="127.0.0.1", port=old.port, role="decode", in_flight=1)
+        assert not tracker.measuring(decode)  # a PD pair's decode side prefills nothing to measure
         off = LoadTracker(LoadConfig(startup_poll_interval_s=0), WorkerRegistry([worker]), http)
         assert off._poller.interval_s == 0.5 and off.poll_every(worker, 0.5, 0.0) == 0.5
     finally:
