@@ -23,7 +23,6 @@ re-implementations of their policies (``sgl-cache-aware``, ``dynamo-cost``, ...)
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from benchmarks.workloads.base import Workload
 from extproc.config import EventsConfig, MemoryConfig, RouterConfig
 from extproc.decision.local import LocalDecider
 from extproc.decision.request import ParsedRequest
+from extproc.fleet.reports import poll_tick
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.cache_view import WorkerCacheView
 from extproc.sync.load import parse_loads
@@ -163,26 +163,13 @@ async def _run(
     tokenizer = load_tokenizer()
     policy_reads = router.pipeline.policy
 
-    # The load tracker's schedule (``LoadTracker.poll_due``): every worker every poll_interval_s, and in between
-    # every startup_poll_interval_s the workers the router has sent requests to but not yet measured.
+    # The load tracker's schedule (``LoadBook.due``, as ``LoadTracker.poll_due`` runs it).
     startup_s = config.load.startup_poll_interval_s
-    tick = startup_s if 0 < startup_s < poll_interval_s else poll_interval_s
-    polled_at: dict[str, float] = {}
-    next_round: list[float] = []
+    tick = poll_tick(poll_interval_s, startup_s)
 
     async def poll() -> None:
         while not stop.is_set():
-            now = loop.time()
-            whole = not next_round or now >= next_round[0] - tick / 2
-            if whole:
-                next_round[:] = [now + poll_interval_s]
-            for worker in workers:
-                if not whole and (
-                    router.loads.poll_every(worker, poll_interval_s, startup_s) >= poll_interval_s
-                    or now - polled_at.get(worker.id, -math.inf) < startup_s - tick / 2
-                ):
-                    continue
-                polled_at[worker.id] = now
+            for worker in router.loads.due(workers, loop.time(), poll_interval_s, startup_s):
                 load = parse_loads({"loads": [schedulers[worker.id].load()]})
                 if load is not None:
                     # What the router reads from the worker's /metrics beside /v1/loads (parse_prefill_passes,

@@ -6,14 +6,15 @@ policies; kept here so that the decision reads them without importing the code t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.fleet.workers import Worker, disaggregation_role
 
-__all__ = ["DEFAULT_PREFETCH_THRESHOLD", "LoadBook", "TierReport", "WorkerLoad"]
+__all__ = ["DEFAULT_PREFETCH_THRESHOLD", "LoadBook", "TierReport", "WorkerLoad", "poll_tick"]
 
 
 @dataclass
@@ -95,6 +96,11 @@ class TierReport:
         return per_token / (self.prefetch_gbps_sum / self.prefetch_ops * 1e9)
 
 
+def poll_tick(steady_s: float, startup_s: float) -> float:
+    """How often the load poller wakes: ``startup_s`` where it is set and shorter than ``steady_s``."""
+    return startup_s if 0 < startup_s < steady_s else steady_s
+
+
 class LoadBook:
     """The last load each worker reported, stamped with the router's clock when it arrived.
 
@@ -110,6 +116,8 @@ class LoadBook:
         # Workers whose reports have shown prefill work between two polls (or carry no prefill counters):
         # the first window a cost model can learn from has been measured there.
         self._measured: set[str] = set()
+        self._polled_at: dict[str, float] = {}  # worker id -> when ``due`` last named it
+        self._next_round: float | None = None  # when ``due`` next names every worker
 
     def measuring(self, worker: Worker) -> bool:
         """The router has requests in flight on the worker and no report has yet measured its prefill work (a
@@ -131,6 +139,25 @@ class LoadBook:
         if 0 < startup_s < steady_s and self.measuring(worker):
             return startup_s
         return steady_s
+
+    def due(self, workers: Sequence[Worker], now: float, steady_s: float, startup_s: float) -> list[Worker]:
+        """The workers to poll at this tick (one every ``poll_tick``): all of them every ``steady_s``, as one round,
+        and between the rounds every ``startup_s`` those being measured. Judged at every tick, so a worker that
+        has just been sent its first requests is polled sooner; half a tick early counts as on time."""
+        slack = poll_tick(steady_s, startup_s) / 2
+        if self._next_round is None or now >= self._next_round - slack:
+            self._next_round = now + steady_s
+            due = list(workers)
+        else:
+            due = [
+                w
+                for w in workers
+                if self.poll_every(w, steady_s, startup_s) < steady_s
+                and now - self._polled_at.get(w.id, -math.inf) >= startup_s - slack
+            ]
+        for worker in due:
+            self._polled_at[worker.id] = now
+        return due
 
     def get(self, worker: Worker) -> WorkerLoad | None:
         """The last report, with ``age_s`` filled; None if the worker never answered."""

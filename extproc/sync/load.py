@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,7 @@ import aiohttp
 
 from extproc.clock import MONOTONIC, Clock
 from extproc.config import LoadConfig
-from extproc.fleet.reports import LoadBook, WorkerLoad
+from extproc.fleet.reports import LoadBook, WorkerLoad, poll_tick
 from extproc.fleet.workers import Worker, WorkerRegistry
 from extproc.sync.http import Poller, WorkerHttp
 
@@ -239,10 +238,7 @@ class LoadTracker(LoadBook):
         self._path: dict[str, str] = {}
         self._passes_misses: dict[str, int] = {}  # polls in a row without a usable prefill-batch count
         self._passes_retry_at: dict[str, float] = {}  # not asked for the count again before then
-        self._polled_at: dict[str, float] = {}  # worker id -> when it was last polled
-        self._next_round: float | None = None  # when every worker is next polled
-        startup = config.startup_poll_interval_s
-        tick = startup if 0 < startup < config.poll_interval_s else config.poll_interval_s
+        tick = poll_tick(config.poll_interval_s, config.startup_poll_interval_s)
         self._poller = Poller("load-poller", tick, self.poll_due)
 
     async def start(self) -> None:
@@ -256,23 +252,9 @@ class LoadTracker(LoadBook):
         await asyncio.gather(*(self._poll(w) for w in self.registry.workers), return_exceptions=True)
 
     async def poll_due(self) -> None:
-        """Every ``poll_interval_s`` every worker, as one round; between rounds, every ``startup_poll_interval_s``
-        the workers being measured (``LoadBook.measuring``)."""
-        now, config = self.clock(), self.config
-        slack = self._poller.interval_s / 2  # half a tick early is on time
-        if self._next_round is None or now >= self._next_round - slack:
-            self._next_round = now + config.poll_interval_s
-            due = list(self.registry.workers)
-        else:
-            # Judged at every tick, so a worker that has just been sent its first requests is polled sooner.
-            due = [
-                w
-                for w in self.registry.workers
-                if self.poll_every(w, config.poll_interval_s, config.startup_poll_interval_s) < config.poll_interval_s
-                and now - self._polled_at.get(w.id, -math.inf) >= config.startup_poll_interval_s - slack
-            ]
-        for worker in due:
-            self._polled_at[worker.id] = now
+        """Poll the workers due now (``LoadBook.due``)."""
+        config = self.config
+        due = self.due(self.registry.workers, self.clock(), config.poll_interval_s, config.startup_poll_interval_s)
         if due:
             await asyncio.gather(*(self._poll(w) for w in due), return_exceptions=True)
 
