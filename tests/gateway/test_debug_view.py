@@ -24,6 +24,11 @@ from tests.support.gateway_http import Reply, envoy_stats, post, request, stream
 SYSTEMS = [f"You are assistant number {i}, careful and brief, answering in full sentences. " * 12 for i in range(3)]
 MSGS_SENT = "http.gateway.ext_proc.stream_msgs_sent"
 KEPT = 32  # debug.decisions: fewer than the workload sends
+# The prompts whose routing these tests check carry a long document of their own: what its cached prefix saves
+# (~2,000 tokens) outweighs what two identical simulated workers' learned costs differ by. On a prompt of ~350
+# tokens a prefill's fixed cost dominates, and a learned per-token slope 0.005 ms on one worker and 0.015 on the
+# other (seen in runs of this module) made recomputing the prompt elsewhere the cheaper choice.
+DOCUMENTS = [" ".join(f"clause {i}.{k} of document {i} applies" for k in range(300)) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +240,7 @@ def test_workers_view_shows_health_load_learned_costs_and_blocks(stack: GatewayS
 def test_decisions_view_names_the_choice_the_runner_up_and_what_the_engine_said(
     stack: GatewayStack, workload: int
 ) -> None:
-    body = chat(SYSTEMS[0], "question 0 about topic 0")
+    body = chat(SYSTEMS[0], DOCUMENTS[0])
     post(stack.url + "/v1/chat/completions", body)  # held somewhere whatever earlier tests flushed
     post(stack.url + "/v1/chat/completions", body, {"x-request-id": "mine-1"})
     wait_until(lambda: debug(stack, "decisions?limit=1").json()["decisions"][0]["served"] is not None)
@@ -259,8 +264,9 @@ def test_decisions_view_names_the_choice_the_runner_up_and_what_the_engine_said(
 
 
 def test_explain_ranks_without_routing_and_the_next_decision_follows_it(stack: GatewayStack, workload: int) -> None:
-    body = chat(SYSTEMS[1], "question 0 about topic 1")
+    body = chat(SYSTEMS[1], DOCUMENTS[1])
     post(stack.url + "/v1/chat/completions", body)  # held somewhere whatever earlier tests flushed
+    wait_until(lambda: _in_flight(stack) == 0)  # the router has seen that reply end (read below as a baseline)
     before = (debug(stack, "decisions?limit=1").json()["decisions"][0]["request_id"], _in_flight(stack))
     explained = debug(stack, "explain?path=/v1/chat/completions", body)
     assert explained.status == 200, explained.body

@@ -192,7 +192,9 @@ def test_a_killed_prefill_worker_fails_its_request_fast_and_the_next_go_to_the_o
     reply = result["reply"]
     assert result["seconds"] < 10  # seconds, never SGLang's 300 s bootstrap wait
     assert reply.status >= 500, reply.body
-    assert re.search(rb"prefill|abort", reply.body, re.IGNORECASE), reply.body
+    # Who answers depends on when the kill lands: the router (the prefill leg failed or was aborted) or the decode
+    # worker, whose handshake with the dead prefill's bootstrap server was refused or reset.
+    assert re.search(rb"prefill|abort|bootstrap", reply.body, re.IGNORECASE), reply.body
     after = _metrics(stack)
     assert _sample(after, "prefix_router_pd_prefill_failures_total", retried="false") > _sample(
         before, "prefix_router_pd_prefill_failures_total", retried="false"

@@ -67,9 +67,9 @@ async def test_a_worker_is_polled_sooner_until_its_prefill_work_is_measured(
     (worker, state), (old, old_state) = counted, uncounted
     now = [0.0]
     http = WorkerHttp()
-    config = LoadConfig(read_prefill_batches=False, startup_poll_interval_s=0.1)  # /v1/loads only: one request a poll
+    config = LoadConfig(read_prefill_batches=False)  # /v1/loads only: each poll is one request
     tracker = LoadTracker(config, WorkerRegistry([worker, old]), http, clock=lambda: now[0])
-    assert tracker._poller.interval_s == 0.1
+    assert tracker._poller.interval_s == config.startup_poll_interval_s == 0.1
 
     async def at(t: float) -> tuple[int, int]:
         now[0] = t
@@ -92,7 +92,7 @@ async def test_a_worker_is_polled_sooner_until_its_prefill_work_is_measured(
         assert await at(1.0) == (6, 3)
         decode = Worker(id="d", url=old.url, ip="127.0.0.1", port=old.port, role="decode", in_flight=1)
         assert not tracker.measuring(decode)  # a PD pair's decode side prefills nothing to measure
-        off = LoadTracker(LoadConfig(), WorkerRegistry([worker]), http)  # off by default
+        off = LoadTracker(LoadConfig(startup_poll_interval_s=0), WorkerRegistry([worker]), http)
         assert off._poller.interval_s == 0.5 and off.poll_every(worker, 0.5, 0.0) == 0.5
     finally:
         await http.close()
