@@ -202,6 +202,9 @@ async def _run(
             estimates = {wid: floor_view.ttft(s, tokens, sent) for wid, s in schedulers.items()}
             best = min(estimates, key=estimates.__getitem__)
             figures = outcome.decision.scores.get(chosen, {}) if outcome is not None else {}
+            # What every worker's tree holds of the prompt now: copies of one prefix on several workers take
+            # pool room that a fleet past its knee needs (how many hold it, and the most any does).
+            held = {wid: cached_prefix(s.cache, tokens[:-1]) for wid, s in schedulers.items()}
             entry = {
                 "index": request.index,
                 "sent_s": sent - start,
@@ -214,7 +217,9 @@ async def _run(
                 "floor_estimate_here_s": estimates[chosen],
                 "floor_estimate_best_s": estimates[best],
                 "floor_best_worker": best,
-                "true_cached_tokens_now": cached_prefix(schedulers[chosen].cache, tokens[:-1]),
+                "true_cached_tokens_now": held[chosen],
+                "true_cached_tokens_best": max(held.values()),
+                "true_holders": sum(1 for tokens_held in held.values() if tokens_held > 0),
             }
             result.records.append(entry)
         try:

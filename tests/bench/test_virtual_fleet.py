@@ -137,6 +137,11 @@ def test_a_recorded_run_keeps_each_request_and_decides_the_same() -> None:
     assert all(r["floor_estimate_best_s"] <= r["floor_estimate_here_s"] for r in records)
     hits = [r for r in records if r["reason"] == "prefix-hit" and r["cached_tokens"] > 0]
     assert hits and all(r["predicted_new_tokens"] < r["prompt_tokens"] for r in hits)
+    # What every worker holds of the prompt: the chosen one's share is at most the best's, and a hit's holder counts.
+    assert first["true_holders"] == 0 and first["true_cached_tokens_best"] == 0
+    assert all(r["true_cached_tokens_now"] <= r["true_cached_tokens_best"] for r in records)
+    assert all(r["true_holders"] >= 1 for r in records if r["true_cached_tokens_now"] > 0)
+    assert max(r["true_holders"] for r in records) <= 4
 
 
 def test_the_floor_prices_each_queue_once_per_state_and_as_if_anew(monkeypatch) -> None:  # type: ignore[no-untyped-def]
