@@ -25,9 +25,9 @@ SYSTEMS = [f"You are assistant number {i}, careful and brief, answering in full 
 MSGS_SENT = "http.gateway.ext_proc.stream_msgs_sent"
 KEPT = 32  # debug.decisions: fewer than the workload sends
 # The prompts whose routing these tests check carry a long document of their own: what its cached prefix saves
-# (~2,000 tokens) outweighs what two identical simulated workers' learned costs differ by. On a prompt of ~350
-# tokens a prefill's fixed cost dominates, and a learned per-token slope 0.005 ms on one worker and 0.015 on the
-# other (seen in runs of this module) made recomputing the prompt elsewhere the cheaper choice.
+# (~3,500 tokens) outweighs what two identical simulated workers' learned costs differ by. On a prompt of ~350
+# tokens a prefill's fixed cost dominates, and a learned per-token slope of 0.005 ms on one worker and 0.014 on the
+# other (seen in runs of this module) can make recomputing the prompt elsewhere the cheaper choice.
 DOCUMENTS = [" ".join(f"clause {i}.{k} of document {i} applies" for k in range(300)) for i in range(2)]
 
 
