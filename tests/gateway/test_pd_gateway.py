@@ -34,8 +34,10 @@ def stack(
     request: pytest.FixtureRequest, envoy_bin: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayStack]:
     config = tmp_path_factory.mktemp("router") / "router.yaml"
+    # A /health answers after 1 s at the earliest: 3 s leaves a loaded machine room (nothing here hangs a worker;
+    # a killed one refuses at once). At 1.5 s one CI run saw a prefill worker unhealthy all through (cause not found).
     config.write_text(
-        "health: {interval_s: 0.2, timeout_s: 1.5, unhealthy_after: 2, healthy_after: 1, keep_last_healthy_s: 0}\n"
+        "health: {interval_s: 0.2, timeout_s: 3.0, unhealthy_after: 2, healthy_after: 1, keep_last_healthy_s: 0}\n"
         "load: {poll_interval_s: 0.2}\n"
     )
     gateway = GatewayStack(
