@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import Reply, envoy_stats, post, request, stream_lines
+from tests.support.gateway_http import Reply, envoy_stats, flush_cache, post, request, stream_lines
 
 SYSTEMS = [f"You are assistant number {i}, careful and brief, answering in full sentences. " * 12 for i in range(3)]
 MSGS_SENT = "http.gateway.ext_proc.stream_msgs_sent"
@@ -156,7 +156,7 @@ def test_a_flush_the_events_report_is_no_drift(stack: GatewayStack, workload: in
     body = chat(SYSTEMS[2], "after a flush")
     post(stack.url + "/v1/chat/completions", body)
     holder = debug(stack, "decisions?limit=1").json()["decisions"][0]["worker"]
-    flush(f"http://{holder}")
+    flush_cache(f"http://{holder}")
     wait_until(lambda: _blocks(stack, holder) == 0)
     # AllBlocksCleared takes the router's record of its sends to the worker with it; wait out
     # index.speculative_ttl_s anyway, so that only the cleared index can explain a right prediction.
@@ -166,12 +166,6 @@ def test_a_flush_the_events_report_is_no_drift(stack: GatewayStack, workload: in
     post(stack.url + "/v1/chat/completions", body)
     wait_until(lambda: total(stack, "prefix_router_drift_samples_total") > samples)
     assert total(stack, "prefix_router_drift_mismatched_total") == mismatched
-
-
-def flush(worker_url: str) -> None:
-    """``POST /flush_cache`` until it succeeds: SGLang flushes only an idle cache and answers 400 meanwhile
-    (a request whose response the client has read may still be leaving the scheduler)."""
-    wait_until(lambda: request(worker_url + "/flush_cache", "POST").status == 200, what=lambda: "an idle worker")
 
 
 def _blocks(stack: GatewayStack, worker: str) -> int:
@@ -187,7 +181,7 @@ def test_cut_events_show_up_as_drift(envoy_bin: str, tmp_path: Path) -> None:
         body = chat(SYSTEMS[0], "who holds this?")
         for _ in range(2):
             assert post(gateway.url + "/v1/chat/completions", body).status == 200
-        flush(gateway.worker_urls[0])
+        flush_cache(gateway.worker_urls[0])
         assert post(gateway.url + "/v1/chat/completions", body).status == 200
         wait_until(lambda: total(gateway, "prefix_router_drift_samples_total") == 3)
         assert total(gateway, "prefix_router_drift_mismatched_total") == 1  # the request after the flush

@@ -21,7 +21,7 @@ import zmq
 
 from prefix_router.stack import GatewayStack
 from tests.support import waiting
-from tests.support.gateway_http import envoy_host_healthy, post, request, sse_data
+from tests.support.gateway_http import envoy_host_healthy, flush_cache, post, request, sse_data
 from tests.support.kv_batches import apply_events
 from tests.support.real_sglang import restart_cpu_worker, streamed_chat, tiny_model_config
 from tests.support.sglang_session import fit_chat
@@ -248,9 +248,7 @@ def test_flush_cache_clears_the_workers_entries(stack: GatewayStack, sglang_cpu_
     target, other = sglang_cpu_workers
     wait_until(lambda: index_blocks(stack, target) > 0, what="entries to flush")
     kept = index_blocks(stack, other)
-    # SGLang refuses to flush (400, "Flush cache failed.") while any request is running or waiting there; in CI
-    # it once did, right after the earlier tests' traffic: flush once the worker is idle.
-    wait_until(lambda: request(target.url + "/flush_cache", "POST").status == 200, what="the worker idle and flushed")
+    flush_cache(target.url)  # once the worker is idle (right after the earlier tests' traffic it may not be)
     wait_until(lambda: index_blocks(stack, target) == 0, what="index cleared")
     assert index_blocks(stack, other) == kept and synced(stack, target)
 

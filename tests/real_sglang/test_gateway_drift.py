@@ -11,10 +11,11 @@ is a mismatch. The figures are printed (run with ``-s``) and quoted in docs/rout
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_common.addresses import free_port
 from prefix_router.stack import GatewayStack
-from tests.support.gateway_http import post, request
+from tests.support import waiting
+from tests.support.gateway_http import flush_cache, post, request
 from tests.support.real_sglang import tiny_model_config
 from tests.support.sglang_session import fit_chat
 
@@ -34,6 +36,7 @@ SYSTEMS = {
     for name in ("billing", "travel", "support", "legal")
 }
 NAMES = ("samples", "mismatched", "predicted", "served")
+wait_until = functools.partial(waiting.wait_until, timeout=60.0, every=0.2)
 COUNTERS = {
     "prefix_router_drift_samples_total": "samples",
     "prefix_router_drift_mismatched_total": "mismatched",
@@ -54,7 +57,7 @@ def stack(
     # Cold caches whatever ran on the session's workers before (the figures assume it). This module runs after
     # test_gateway.py, whose first test counts on the workers' start-up warm-up being all they hold.
     for worker in sglang_cpu_workers:
-        assert request(worker.url + "/flush_cache", "POST", timeout=30).status == 200
+        flush_cache(worker.url)
     dead = [free_port(), free_port()]  # nothing listens there: the router never hears B's events
     config = tmp_path_factory.mktemp("router") / "router.yaml"
     config.write_text(
@@ -90,13 +93,6 @@ def drift(stack: GatewayStack) -> dict[str, dict[str, float]]:
 def delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]], worker: str) -> dict[str, float]:
     zero = dict.fromkeys(NAMES, 0.0)
     return {k: after.get(worker, zero)[k] - before.get(worker, zero)[k] for k in NAMES}
-
-
-def wait_until(check: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f}s"
-        time.sleep(0.2)
 
 
 def ask(stack: GatewayStack, system: str, user: str, how: int) -> str:
@@ -161,7 +157,7 @@ def test_drift_is_near_zero_with_events_and_visible_once_they_are_cut(
     before = drift(stack)
     for last in (5, 4):
         for worker in (synced, cut):
-            assert request(worker.url + "/flush_cache", "POST", timeout=30).status == 200
+            flush_cache(worker.url)
         wait_until(lambda: _gpu_blocks(stack, a) == 0, what="A's index emptied by its AllBlocksCleared")
         time.sleep(2.5)  # past index.speculative_ttl_s: the router's record of A's last sends has expired
         run(stack, [(name, f"Question {last} for the {name} desk") for name in SYSTEMS])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from tests.support.waiting import wait_until
+
 
 @dataclass
 class Reply:
@@ -51,6 +53,13 @@ def request(
 
 def post(url: str, body: bytes | dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 10.0) -> Reply:
     return request(url, "POST", body, headers, timeout)
+
+
+def flush_cache(worker_url: str, timeout: float = 60.0) -> None:
+    """``POST /flush_cache`` until it succeeds. SGLang flushes only an idle cache and answers 400 ("Flush cache
+    failed.") while a request is queued or running there, which includes one whose response the client has
+    already read but which is still leaving the scheduler; CI has seen that on real SGLang more than once."""
+    wait_until(lambda: request(worker_url + "/flush_cache", "POST").status == 200, f"{worker_url} idle", timeout, 0.2)
 
 
 def stream_lines(url: str, body: dict[str, Any], timeout: float = 10.0) -> Generator[tuple[float, bytes], None, None]:
