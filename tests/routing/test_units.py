@@ -1286,6 +1286,45 @@ def test_on_full_pools_a_spill_pays_for_the_room_its_copy_of_the_prefix_takes_fr
     assert roomy.scores["w0"]["memory_work_s"] == roomy.scores["w1"]["memory_work_s"] == 0.0
 
 
+def _loaded_fleet(holder_sends: int, output: int) -> Decision:
+    """Three measured workers, each with room in a 24k-token pool: w0 holds 3,000 of a 3,200-token prompt
+    behind ``holder_sends`` of the router's 1,800-token cold sends, w2 has one such send queued, w1 nothing.
+    Two of the three candidates have a queue: the fleet is past its knee (``idle_fleet_busy_share`` 0.5)."""
+    workers = loopback_workers(3)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
+    for w, ld in zip(workers, loads):
+        model = policy.cost_model(w)
+        model.windows, model.utilization = 1, 0.1
+        policy.on_load(w, ld)
+    for _ in range(holder_sends):
+        policy.cost_model(workers[0]).sent(1800, 0, now)
+    policy.cost_model(workers[2]).sent(1800, 0, now)
+    request = _request(3200, keys=[5], max_new_tokens=output)
+    return policy.select(request, _candidates(workers, [188, 0, 0], loads))
+
+
+def test_past_the_knee_a_spill_pays_for_the_room_its_copy_takes_before_any_pool_is_full() -> None:
+    """Once most candidates have a queue, the queue fills a pool within one request's hold: a copy of a held
+    prefix made now holds room the queued requests will need, full pool or not. Without that charge the idle
+    worker's score is below the holder's; with it the request stays, until the holder's queue is longer than
+    the copy's prefill and room together. The room is held for the output's decode too: a longer output keeps
+    it home. Below the knee nothing is charged."""
+    kept = _loaded_fleet(holder_sends=6, output=256)
+    f = kept.scores
+    assert all(x["memory_wait_s"] == 0 for x in f.values())  # no pool is full
+    assert f["w0"]["memory_work_s"] == 0 < f["w1"]["memory_work_s"] == f["w2"]["memory_work_s"]  # the copy's room
+    assert f["w1"]["score"] - f["w1"]["memory_price"] * f["w1"]["memory_work_s"] < f["w0"]["score"]
+    assert kept.reason == "prefix-hit" and kept.ranked[0].id == "w0"
+    spilled = _loaded_fleet(holder_sends=10, output=256)
+    assert spilled.reason == "prefix-spill" and spilled.ranked[0].id == "w1"
+    long = _loaded_fleet(holder_sends=10, output=1000)
+    assert long.reason == "prefix-hit" and long.scores["w1"]["memory_work_s"] > spilled.scores["w1"]["memory_work_s"]
+    light = _light_fleet_with_a_busy_holder({})  # one of three candidates has a queue
+    assert all(x["memory_work_s"] == 0 for x in light.scores.values()) and light.reason == "prefix-spill"
+
+
 def test_the_fleet_mean_is_kept_as_running_sums() -> None:
     """Each refit replaces its worker's share; a worker that leaves drops out; nobody measured: no mean."""
     from extproc.decision.policies.prefix_aware.cost_model import FleetMean

@@ -47,7 +47,9 @@ prefill is shortest, and on a fleet of fast and slow GPUs every new system promp
 until their caches thrashed.
 
 Where the request would wait for KV room (the pool, not prefill time, bounds the worker: long prompts past
-the knee), the score adds ``memory_price * new * hold / capacity``: the new tokens hold that share of the
+the knee), or wherever the fleet is not lightly loaded (``idle_fleet_busy_share`` of the candidates have a
+queue, which fills a pool within one request's hold), the score adds ``memory_price * new * hold / capacity``:
+the new tokens hold that share of the
 pool for ``hold`` (its prefill, and its decode at the pace the worker's prefills leave its decode steps),
 and every request waiting there waits for it, so ``memory_price`` is the number the worker reports waiting
 (at least ``price``, at most ``max_work_price``); only the new tokens beyond the least any candidate brings
@@ -172,8 +174,9 @@ class PrefixAwareOptions(PolicyOptions):
         0.5,
         ge=0,
         le=1,
-        description="The fleet counts as lightly loaded (for idle_fleet_price) while fewer than this share of the "
-        "candidates have anything of the router's queued.",
+        description="The fleet counts as lightly loaded while fewer than this share of the candidates have anything "
+        "of the router's queued: idle workers' least price may fall (idle_fleet_price); past it a spill pays for "
+        "the KV room its copy of a held prefix takes even before a pool is full.",
     )
     eviction_lag_busy_share: float = Field(
         0.8,
@@ -406,9 +409,12 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         # running requests free room: the new tokens this one brings hold pool room through its prefill and
         # decode, a share new / capacity of the pool for that long, and every request queued there waits for
         # it. Requests that share a prefix hold it once, so this is what a spill that copies a held prefix
-        # costs a memory-bound fleet (docs/routing.md, "The price of KV room").
+        # costs a memory-bound fleet (docs/routing.md, "The price of KV room"). Past the knee (at least
+        # idle_fleet_busy_share of the candidates have a queue) it is charged before the pool is full too: the
+        # queue fills the pool within the hold, and a copy made now holds room the queued requests will need
+        # (virtual fleet, agent sessions and multi-turn past the knee: docs/benchmarks-log.md, 2026-12-06 (night)).
         memory_work = 0.0
-        if memory_wait > 0 and capacity:
+        if capacity and (memory_wait > 0 or busy_share >= opts.idle_fleet_busy_share):
             hold = prefill + output * token_s
             memory_work = new * hold / capacity
         waiting = float(load.num_waiting_reqs) if load else 0.0
