@@ -330,12 +330,13 @@ def test_a_request_sent_while_a_batch_forms_joins_it_without_a_floor_of_its_own(
         model.observe(worker.report(float(poll)))
     assert model.floor_per_batch
     model.sent(2048, 0, 4.0)  # runs at once
-    assert not model.joins_forming_batch(4.0)
+    assert not model.joins_forming_batch(4.0) and model.forming_requests == 0
     first = model.sent(2048, 0, 4.001)  # waits behind it: opens the next batch, pays its floor
     assert first == pytest.approx(truth.seconds(2048, 0))
-    assert model.joins_forming_batch(4.002)
+    assert model.joins_forming_batch(4.002) and model.forming_requests == 1
     joined = model.sent(84, 2048, 4.002)  # joins that batch: no floor of its own
     assert joined == pytest.approx(truth.seconds(84, 2048) - truth.c0)
+    assert model.forming_requests == 2  # a third that joins delays both: they get their first tokens with it
     assert model.queued_seconds(4.002) == pytest.approx(2 * truth.seconds(2048, 0) + joined - 0.002, rel=0.01)
     assert not model.joins_forming_batch(4.0 + truth.seconds(2048, 0) + 0.001)  # that batch has started
 

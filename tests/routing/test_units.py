@@ -1305,6 +1305,42 @@ def _loaded_fleet(holder_sends: int, output: int) -> Decision:
     return policy.select(request, _candidates(workers, [188, 0, 0], loads))
 
 
+def test_a_request_that_joins_a_forming_batch_pays_for_the_wait_it_adds_to_each_request_in_it() -> None:
+    """SGLang prefills the requests waiting behind a running prefill as one batch and each gets its first token
+    at its end: a request that joins the batch delays every one of them by its own prefill. w0 runs a cold
+    prefill with one hit waiting behind it; a cold prompt there joins the hit's batch (no floor of its own) and
+    its seconds cost one request more than on idle w1; with a second joiner, two more. A hit there pays none."""
+    workers = loopback_workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    now = 1000.0
+    policy.clock = lambda: now + 0.02
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
+    for w, ld in zip(workers, loads):
+        model = policy.cost_model(w)
+        model.windows, model.utilization = 1, 0.1
+        policy.on_load(w, ld)
+        model.floor_per_batch = True  # the worker counts its prefill batches
+    holder = policy.cost_model(workers[0])
+    holder.sent(2048, 0, now)  # runs at once
+    holder.sent(150, 2048, now + 0.01)  # waits behind it: opens the next batch
+    assert holder.joins_forming_batch(now + 0.02) and holder.forming_requests == 1
+    request = _request(2200, keys=[9])
+    decision = policy.select(request, _candidates(workers, [0, 0], loads))
+    joined, idle = decision.scores["w0"], decision.scores["w1"]
+    assert joined["prefill_s"] < idle["prefill_s"]  # the batch pays the floor
+    assert joined["work_price"] == pytest.approx(idle["work_price"] + 1)  # one request waits for its prefill
+    assert joined["score"] - joined["ttft_s"] == pytest.approx(joined["work_price"] * joined["prefill_s"])
+    assert decision.ranked[0].id == "w1"
+    holder.sent(150, 2048, now + 0.02)  # a second request joins the batch
+    assert holder.forming_requests == 2
+    again = policy.select(request, _candidates(workers, [0, 0], loads)).scores["w0"]
+    assert again["work_price"] == pytest.approx(idle["work_price"] + 2)
+    # A hit on the worker that holds its prefix is not charged for joining: it adds little to the batch, and
+    # charging it pushed sessions off their holders while the pools filled.
+    hit = policy.select(_request(2200, keys=[9]), _candidates(workers, [128, 0], loads)).scores["w0"]
+    assert hit["work_price"] == pytest.approx(idle["work_price"])
+
+
 def test_past_the_knee_a_spill_pays_for_the_room_its_copy_takes_before_any_pool_is_full() -> None:
     """Once most candidates have a queue, the queue fills a pool within one request's hold: a copy of a held
     prefix made now holds room the queued requests will need, full pool or not. Without that charge the idle
@@ -1399,39 +1435,72 @@ def _doc_holder_with_cold_sends(
     route(list(range(50_000, 50_389)), 0)  # a cold prompt queued ahead of the question
     if evicted:
         policy.on_evicted("w0", evicted)
+    if busy_fleet:
+        policy.busy_average = 1.0  # and every worker had a queue over the last second: past the knee
     candidates = _candidates(workers, [389, 0, 0], loads)
     candidates[0].cached_blocks = FULL_CACHE
     return policy.select(_request(390 * 16, keys=[*doc, 10_001]), candidates)
 
 
 def test_a_prefix_the_queued_sends_will_evict_is_not_predicted_as_a_hit() -> None:
-    """SGLang evicts least recently used pages: a document used long ago goes first, one just used survives."""
-    fresh = _doc_holder_with_cold_sends(stale=False)
+    """SGLang evicts least recently used pages: a document used long ago goes first, one just used survives.
+    w0 last evicted when 1,267 of its ledger's blocks had been used after the block it evicted (block 100 of the
+    first prompt stored after the document): that is where its pool ends."""
+    fresh = _doc_holder_with_cold_sends(stale=False, evicted=[20_100])
     assert fresh.scores["w0"]["lost_tokens"] == 0 and fresh.scores["w0"]["new_tokens"] == 16, fresh.scores
-    stale = _doc_holder_with_cold_sends(stale=True)
+    stale = _doc_holder_with_cold_sends(stale=True, evicted=[20_100])
     assert stale.scores["w0"]["lost_tokens"] == 389 * 16, stale.scores
     assert stale.scores["w0"]["new_tokens"] == 16 + 389 * 16
     # Predicted as what it will be: the whole document computed again behind the queue.
     assert stale.scores["w0"]["prefill_s"] > 10 * fresh.scores["w0"]["prefill_s"]
     assert stale.ranked[0].id != "w0"
-    # Where every worker has a queue the prediction is not made: spilling there evicts elsewhere. With two of
-    # the three queued (under ``eviction_lag_busy_share``, 80 %) it is.
-    busy = _doc_holder_with_cold_sends(stale=True, busy_fleet=True)
+    # Where every worker has a queue (and had, on average over the last second) the prediction is not made:
+    # spilling there evicts elsewhere. With two of the three queued (under ``eviction_lag_busy_share``, 80 %) it is.
+    busy = _doc_holder_with_cold_sends(stale=True, busy_fleet=True, evicted=[20_100])
     assert busy.scores["w0"]["lost_tokens"] == 0
-    mostly_busy = _doc_holder_with_cold_sends(stale=True, busy_others=1)
+    mostly_busy = _doc_holder_with_cold_sends(stale=True, busy_others=1, evicted=[20_100])
     assert mostly_busy.scores["w0"]["lost_tokens"] == 389 * 16
 
 
+def test_a_fleet_busy_for_a_moment_is_not_past_its_knee() -> None:
+    """Every candidate queued now, but the fleet was light over the last second (the share averaged over
+    decisions below ``idle_fleet_busy_share``): not past the knee, so the eviction lag is predicted and a
+    request joining a forming batch pays for the wait it adds. Only a fleet busy now and on average is past it.
+    The average follows the decisions over about a second."""
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    policy.busy_average = 0.2
+    assert not policy.past_knee(1.0)  # all busy now, light on average
+    assert not policy.past_knee(0.5)  # light now
+    policy.busy_average = 0.9
+    assert policy.past_knee(1.0)  # busy now and on average
+    assert not policy.past_knee(0.5)  # a moment with half the fleet idle
+    now = [10.0]
+    averaged = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    averaged.clock = lambda: now[0]
+    workers = loopback_workers(2)
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now[0]) for _ in workers]
+    averaged.cost_model(workers[0]).sent(4096, 0, now[0])  # w0 has a queue, w1 none: half the fleet busy
+    averaged.select(_request(64, keys=[1, 2, 3, 4]), _candidates(workers, [0, 0], loads))
+    assert averaged.busy_average == 0.5  # the first decision sets it
+    now[0] += 1.0  # a second later both are queued
+    for worker in workers:
+        averaged.cost_model(worker).sent(4096, 0, now[0])
+    averaged.select(_request(64, keys=[1, 2, 3, 4]), _candidates(workers, [0, 0], loads))
+    assert averaged.busy_average == pytest.approx(0.5 + 0.5 * (1 - math.exp(-1.0)))
+
+
 def test_where_a_worker_evicts_is_learned_from_its_evictions() -> None:
-    """Until w0 reports an eviction, a block is predicted gone once more than the pool's cached share
-    (``cache_full_fraction``) was used after it; then at what its own evictions measure. The stale document
-    (1,944 blocks used after its deepest one, past the 1,229 of 80 % of the pool) is kept when w0 evicted a
-    block 1,945 had been used after; and the fresh one (389 used after it) predicted gone when w0 evicted a block
-    only 388 had."""
-    stale = _doc_holder_with_cold_sends(stale=True)
-    assert stale.scores["w0"]["lost_tokens"] == 389 * 16
+    """Until w0 reports an eviction nothing is predicted gone (it has lost nothing but what its step under way
+    may be evicting, and there is nothing to judge that by); then a block is gone once more were used after it
+    than its own evictions measure. The stale document (1,945 blocks used after its deepest one) is kept when
+    w0 evicted a block 1,945 had been used after, gone when it evicted one 1,267 had; the fresh one (778 used
+    after it) is predicted gone when w0 evicted a block only 388 had."""
+    never = _doc_holder_with_cold_sends(stale=True)
+    assert never.scores["w0"]["lost_tokens"] == 0 and never.scores["w0"]["new_tokens"] == 16, never.scores
     kept = _doc_holder_with_cold_sends(stale=True, evicted=[10_000])  # the document's own extra block, deepest
     assert kept.scores["w0"]["lost_tokens"] == 0 and kept.scores["w0"]["new_tokens"] == 16, kept.scores
+    gone = _doc_holder_with_cold_sends(stale=True, evicted=[20_100])
+    assert gone.scores["w0"]["lost_tokens"] == 389 * 16
     fresh = _doc_holder_with_cold_sends(stale=False)
     assert fresh.scores["w0"]["lost_tokens"] == 0
     tight = _doc_holder_with_cold_sends(stale=False, evicted=[50_388])  # a pool that held less than thought

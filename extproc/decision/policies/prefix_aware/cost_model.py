@@ -187,6 +187,9 @@ class WorkerCostModel:
         # When the batch now forming (requests waiting behind the running prefill) starts: a request sent
         # before then joins it. None: nothing is forming; the next request that finds a queue opens one.
         self._forming_until: float | None = None
+        # Requests in that batch: SGLang prefills a batch in one pass and each gets its first token at its end,
+        # so a request that joins delays every one of them by its own prefill.
+        self.forming_requests = 0
 
     # -- the learned figures ----------------------------------------------------------------------
     @property
@@ -259,6 +262,7 @@ class WorkerCostModel:
         self._queue_level, self._queue_clock = level, load.polled_at
         # The waiting requests start once what runs now is done; until then a new one joins them.
         self._forming_until = load.polled_at + (level - waiting_work) if waiting else None
+        self.forming_requests = waiting
         for sent in reversed(recent):
             self._enqueue(sent.seconds, sent.at)
 
@@ -273,9 +277,11 @@ class WorkerCostModel:
         if self.floor_per_batch and seconds > 0:
             if self.joins_forming_batch(now):
                 seconds = max(0.0, seconds - self.prefill.c0)
+                self.forming_requests += 1
             else:  # it opens the next batch: starting once the queue drains (now, if there is none)
                 queued = self.queued_seconds(now)
                 self._forming_until = now + queued if queued > 0 else None
+                self.forming_requests = 1 if queued > 0 else 0
         self._enqueue(seconds, now)
         if new_tokens + cached_tokens > 0:
             self.reuse += 0.05 * (cached_tokens / (new_tokens + cached_tokens) - self.reuse)

@@ -104,6 +104,10 @@ _OUTPUT_CLIP = 4096
 _MIN_SAMPLED_KEYS = 256
 # Each eviction a worker reports moves its learned eviction horizon this share of the way to what it measured.
 _HORIZON_BLEND = 0.1
+# Time constant of the share of candidates with a queue averaged over decisions (``busy_average``): about a
+# second, so that a fleet past its knee (every candidate queued within a second of its start) is told from one
+# whose workers are all busy only for a moment.
+_BUSY_AVERAGE_S = 1.0
 
 
 def _output_of(request: RoutingRequest) -> int:
@@ -182,10 +186,12 @@ class PrefixAwareOptions(PolicyOptions):
         0.8,
         ge=0,
         le=1,
-        description="A matched prefix the worker will have evicted by the request's admission (its order of use "
-        "past its eviction horizon) counts as uncached while fewer than this share of the candidates have anything "
-        "of the router's queued (0: never). Past it every holder has a queue, and spilling on the prediction moves "
-        "the recomputation to a worker where it evicts in turn.",
+        description="The fleet is past its knee where at least this share of the candidates have anything of the "
+        "router's queued now and idle_fleet_busy_share have had on average over the last second. Below it a matched "
+        "prefix the worker will have evicted by the request's admission (its order of use past its eviction "
+        "horizon) counts as uncached (0: never), and a request that joins a forming batch pays for the wait it adds "
+        "to each request in it. Past it every holder has a queue: spilling on the prediction moves the "
+        "recomputation to a worker where it evicts in turn, and the price counts the batch already.",
     )
     eviction_weight: float = Field(
         1.0,
@@ -199,8 +205,9 @@ class PrefixAwareOptions(PolicyOptions):
         0.8,
         gt=0,
         le=1,
-        description="Share of a worker's KV pool its cached prefixes fill before new ones evict them (where a "
-        "prefix is predicted evicted, only until the worker's own evictions measure it).",
+        description="Share of a worker's KV pool its cached prefixes fill before new ones evict them (prices the "
+        "evictions a new prefix causes, and sizes the order-of-use ledgers; where a prefix will have been evicted "
+        "by admission the worker's own evictions say).",
     )
     tie_abs_s: float = Field(0.003, ge=0, description="Scores within this many seconds of the best count as a tie.")
     tie_rel: float = Field(0.05, ge=0, description="... or within this fraction of the best.")
@@ -253,6 +260,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         self._queued_sum = 0.0
         self._reuse_sum = 0.0  # the sum of the cost models' reuse (the fleet's mean prices an eviction)
         self._turn = 0
+        # The share of candidates with a queue, averaged over decisions (``_BUSY_AVERAGE_S``), and as of when.
+        self.busy_average = 0.0
+        self._busy_at: float | None = None
         self._replicated = False  # set by share_decisions: new prefixes are placed alike on every replica
 
     def share_decisions(self) -> None:
@@ -342,12 +352,14 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         light: bool = False,
         new_prefix: bool = True,
         busy_share: float = 0.0,
+        past_knee: bool = False,
     ) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
         ``light``: the fleet counts as lightly loaded; ``busy_share``: the share of its candidates with
         something queued (``busy_share``); ``new_prefix``: no candidate holds any of the prompt (only then
-        are evictions priced). Reads the learned state and changes nothing.
+        are evictions priced); ``past_knee``: the fleet is past its knee (``past_knee``). Reads the learned state
+        and changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
@@ -363,12 +375,12 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         tier_costs = costs_from_report(c.tier_report, kv_bytes_per_token(c.load))
         tiers = tier_extra(host, shared, tier_costs, compute, c.block_size)
         new = total - gpu - tiers.host_tokens - tiers.shared_tokens
-        # Unless nearly every candidate has a queue, what the worker will have evicted of the matched prefix by
-        # this request's admission is computed again, not reused. (Where every holder has such a queue, spilling
-        # on that prediction moves the recomputation elsewhere, where it evicts in turn: virtual fleet,
-        # multi-turn past the knee, docs/benchmarks-log.md, 2026-12-06 (afternoon).)
+        # Unless the fleet is past its knee, what the worker will have evicted of the matched prefix by this
+        # request's admission is computed again, not reused. (Past it every holder has a queue, and spilling on
+        # that prediction moves the recomputation elsewhere, where it evicts in turn: virtual fleet, multi-turn
+        # past the knee, docs/benchmarks-log.md, 2026-12-06 (afternoon).)
         lost = 0
-        if gpu > 0 and busy_share < opts.eviction_lag_busy_share:
+        if gpu > 0 and not past_knee and opts.eviction_lag_busy_share > 0:
             lost = self._lost_before_admission(request, c, gpu)
         new += lost
         prefill = model.seconds(new, total - new) + tiers.load_back_s
@@ -397,6 +409,19 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         if light and queue <= 0 and evicted <= 0:
             least = min(least, self.fleet_price(busy_share))
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
+        if not past_knee and c.matched_blocks == 0 and cost.joins_forming_batch(now):
+            # The requests in the batch it joins get their first tokens when the whole batch is done: each waits
+            # for this one's prefill too, beside the requests to come that the price counts. Charged only at the
+            # price, a cold prompt joined a hit's batch on a busy worker and took the hit from 72 to 122 ms while
+            # an idle worker was 4 ms further off (virtual fleet, gsp, 4 workers, 0.5 x knee). Past the knee the
+            # price (the mean number waiting) counts the batch's requests already; charged again there, it sent
+            # session turns off their holders (16 workers, multi-turn: TTFT p99 +112 ms over ten seeds;
+            # docs/benchmarks-log.md, 2026-12-06 (late night)). Only a prompt this worker holds none of is
+            # charged: a hit on its holder adds little to the batch, and charging it pushed sessions off their
+            # holders while the pools filled (agent sessions past the knee, 4 workers: mean TTFT +89 ms over 30
+            # seeds charged everywhere, +28 charged cold only; docs/benchmarks-log.md, 2026-12-06 (memory-bound
+            # knee)).
+            price = min(price + cost.forming_requests, opts.max_work_price)
         reuse = min(self.fleet_reuse(), 0.95)
         eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
         output = _output_of(request)
@@ -443,13 +468,15 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
         now = self.clock()
         share = self.busy_share(candidates, now)
+        self._average_busy_share(share, now)
         light = self.opts.idle_fleet_price and share < self.opts.idle_fleet_busy_share
+        past_knee = self.past_knee(share)
         # Evictions are priced only where a new prefix is placed (no candidate holds any of it): that choice
         # decides where its followers go. For a prompt some worker holds, the choice is its holder or a spill,
         # which the price of GPU time already governs; charging the spill's evictions too kept hits waiting
         # behind cold prefills on their holders (virtual fleet: 4 workers docqa, 16 workers multi-turn).
         new_prefix = not any(c.matched_blocks for c in candidates)
-        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix, share) for c in candidates}
+        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix, share, past_knee) for c in candidates}
         # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
         # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
         unavoidable = min(f["eviction_s"] for f in figures.values())
@@ -591,6 +618,30 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         busy = sum(1 for c in candidates if (self.costs.get(c.worker.id) or self._unseen).queued_seconds(now) > 0)
         return busy / len(candidates)
 
+    def _average_busy_share(self, share: float, now: float) -> None:
+        """Fold one decision's busy share into ``busy_average`` (exponentially, over ``_BUSY_AVERAGE_S``)."""
+        if self._busy_at is None:
+            self.busy_average = share
+        else:
+            weight = 1.0 - math.exp(-max(0.0, now - self._busy_at) / _BUSY_AVERAGE_S)
+            self.busy_average += weight * (share - self.busy_average)
+        self._busy_at = now
+
+    def past_knee(self, busy_share: float) -> bool:
+        """Whether the fleet is past its knee: at least ``eviction_lag_busy_share`` of the candidates have a queue
+        now, and at least ``idle_fleet_busy_share`` have had one on average over the last second.
+
+        There the eviction lag is not predicted (every holder has a queue, and spilling on the prediction moves
+        the recomputation to a worker where it evicts in turn: virtual fleet, multi-turn past the knee at 16
+        workers, TTFT p99 +826 ms over three seeds where it was predicted at any load), and a request that joins
+        a forming batch pays the price alone (the price counts the batch already). Judged by the share now
+        alone, a light fleet of four workers, all of them busy for a moment, went without the prediction: hits
+        went to a holder whose step under way had evicted their prefix, and a cold prompt after them into the
+        same batch (gsp at half the knee; docs/benchmarks-log.md, 2026-12-06 (late night)).
+        """
+        opts = self.opts
+        return busy_share >= opts.eviction_lag_busy_share and self.busy_average >= opts.idle_fleet_busy_share
+
     def _break_tie(self, request: RoutingRequest, tied: list[Candidate]) -> Candidate:
         keys = request.block_keys
         if not keys:
@@ -611,11 +662,14 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         when the step ends: the batch being prefilled may already have evicted the prefix, and the sends
         queued ahead will evict more before this request is admitted. The worker's order of use, as the
         router's own sends made it (``RecencyLedger``), says how many blocks were used there after the
-        prefix's deepest block; beyond the worker's eviction horizon (``on_evicted``; the pool's cached share,
-        ``cache_full_fraction``, until its first eviction) the block is gone, and so is every block of the
-        prefix used no later. Virtual fleet, multi-turn, 16 workers, 0.5 x knee:
-        turns predicted to find their session's history computed it again (the history evicted during the
-        step under way), TTFT p99 183 against the floor's 75 ms before this, 77 after.
+        prefix's deepest block; beyond the worker's eviction horizon (``on_evicted``) the block is gone, and so is
+        the run of blocks the same send used last (``RecencyLedger.kept_depth``). A worker that has evicted
+        nothing yet has lost nothing but what its step under way may be evicting, and has no horizon to judge
+        that by: nothing is predicted there (the pool's cached share, ``cache_full_fraction``, stood in before,
+        and with runs leaving whole it took 2k-token prefixes from holders that still had them: virtual fleet,
+        gsp, 16 workers, half the knee, TTFT mean +0.6 ms over ten seeds). Virtual fleet, multi-turn, 16
+        workers, 0.5 x knee: turns predicted to find their session's history computed it again (the history
+        evicted during the step under way), TTFT p99 183 against the floor's 75 ms before this, 77 after.
         """
         capacity = c.load.max_total_num_tokens if c.load else None
         ledger = self._recency.get(c.worker.id)
@@ -623,8 +677,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             return 0
         depth = gpu // c.block_size
         limit = self._horizon.get(c.worker.id)
-        if limit is None:  # no eviction seen there yet: the pool's cached share
-            limit = self.opts.cache_full_fraction * capacity / c.block_size
+        if limit is None:  # no eviction seen there yet
+            return 0
         kept = ledger.kept_depth(request.block_keys, depth, limit)
         return gpu - kept * c.block_size if kept < depth else 0
 
@@ -652,9 +706,10 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
 
         That count, averaged over the worker's evictions, is where its ledger's blocks fall out of the pool: the
         share of the pool its cached prefixes fill, less what the ledger does not see (running requests' decode
-        tokens, outputs stored when a request ends, other routers' sends). The configured
-        ``cache_full_fraction`` is only its prior: on multi-turn chat a pool's prefixes filled 96 % of it (virtual
-        fleet, 4 workers), and predicting a prefix gone past 80 % sent turns away from holders that still had it.
+        tokens, outputs stored when a request ends, other routers' sends). Nothing stands in for it before the
+        first eviction: the pool's cached share (``cache_full_fraction``, 80 %) was too low (on multi-turn chat a
+        pool's prefixes filled 96 % of it, virtual fleet, 4 workers), and predicting a prefix gone past it sent
+        turns away from holders that still had it.
         """
         ledger = self._recency.get(worker_id)
         if ledger is None:
