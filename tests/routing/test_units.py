@@ -741,12 +741,35 @@ def _learned(policy: PrefixAwarePolicy, truth: dict[Worker, PrefillModel]) -> No
             )
 
 
-def _traffic(policy: Policy, worker: Worker, requests: int) -> None:
+def _traffic(policy: Policy, worker: Worker, requests: int, tokens: int = 64) -> None:
     for _ in range(requests):
         policy.on_routed(
-            _request(64),
-            Decision(ranked=[worker], reason="t", scores={worker.id: {"new_tokens": 0, "cached_tokens": 64}}),
+            _request(tokens),
+            Decision(ranked=[worker], reason="t", scores={worker.id: {"new_tokens": 0, "cached_tokens": tokens}}),
         )
+
+
+def test_near_ties_go_to_the_worker_sent_the_fewest_prompt_tokens_not_the_fewest_requests() -> None:
+    """Three long prompts outweigh twenty short ones: a near-tie goes to the worker sent fewer tokens lately.
+
+    Counted in requests, the tie-break sent the long prompts of the Mooncake trace past the knee to the worker
+    that got the fewest requests because each of its requests was long: its backlog drained 23 s after another
+    worker's (virtual fleet, 4 workers, 1.3 x knee, seed 0), and the slowest requests were its own.
+    """
+    many_short, few_long = loopback_workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    _traffic(policy, many_short, 20, tokens=256)  # 5,120 tokens in 20 requests
+    _traffic(policy, few_long, 3, tokens=8192)  # 24,576 in 3
+    decision = policy.select(_request(4096, keys=[11]), _candidates([many_short, few_long], [0, 0]))
+    assert decision.reason == "cold"
+    both = [decision.scores[w.id]["score"] for w in (many_short, few_long)]
+    assert max(both) <= min(both) * 1.05  # a near-tie: the tie-break decides
+    assert decision.ranked[0] is many_short
+    # prompts alike in length: the fewest requests, as before
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    _traffic(policy, many_short, 20, tokens=256)
+    _traffic(policy, few_long, 3, tokens=256)
+    assert policy.select(_request(4096, keys=[11]), _candidates([many_short, few_long], [0, 0])).ranked[0] is few_long
 
 
 def test_a_cold_prompt_is_placed_by_balance_across_like_workers_measured_apart() -> None:
