@@ -1,8 +1,9 @@
 """``prefix-router bench --suite virtual-fleet``: the real router and simulated workers in one process on a
 virtual clock (deterministic, faster than real time), beside a perfect-information floor.
 
-Every worker is the simulator's own scheduler and radix cache at the profiles' own GPU speed; the
-router is the real one with the chosen policy, fed the workers' KV events and load reports; the event
+Every worker is the simulator's own scheduler and radix cache at the profiles' own GPU speed (or
+``--gpu-slowdown`` times slower, as the real-time matrix runs them); the router is the real one with
+the chosen policy, fed the workers' KV events and load reports; the event
 loop's clock jumps to the next timer whenever every task waits, so a run of 1,000 requests takes
 seconds and two runs with one seed print the same figures. ``floor`` is no router: the perfect-
 information reference, which reads each simulated worker's true state and sends each request where
@@ -83,6 +84,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="The router's memory.budget_bytes in MiB (default: the router's own default, 256). Its 'policy' share "
         "bounds prefix-aware's order-of-use ledgers: at 256 MiB, 64 workers of these pools keep none.",
     )
+    g.add_argument(
+        "--gpu-slowdown",
+        type=positive(float),
+        default=1.0,
+        metavar="X",
+        help="Run the simulated GPUs X times slower than their profiles, the workload's think times stretched "
+        "alike, as the real-time matrix slows them to keep a 2-core machine from setting the pace: the "
+        "router's clock-time constants (poll interval, TTLs, averaging windows) then meet the time scale of a "
+        "real-time cell. (default: 1, the profiles' own speed)",
+    )
     g.add_argument("--out", type=Path, default=None, help="Write cells as JSON lines here (appended per cell).")
     g.add_argument(
         "--records",
@@ -106,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
     met = total = 0
     for fleet_name in args.fleets:
         for size in args.sizes or [0]:
-            fleet = virtual_fleet_of(FLEETS[fleet_name], size or None)
+            fleet = virtual_fleet_of(FLEETS[fleet_name], size or None, args.gpu_slowdown)
             for workload in args.workloads:
                 for load in args.loads:
                     cell = run_cell(

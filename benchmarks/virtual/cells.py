@@ -126,10 +126,12 @@ def run_cell(
     ``records``: a folder that gets each run's per-request records as JSON lines (``run_virtual(record=True)``);
     ``memory_budget_bytes``: the router's ``memory.budget_bytes`` (None: its default).
     """
-    knee = virtual_knee(workload, fleet, CellSize(requests=requests, seed=seeds[0]))
+    # A fleet slowed down (``virtual_fleet_of``) stretches the workload's think times with it, as the matrix does.
+    slowdown = 1.0 / fleet.speedup
+    knee = virtual_knee(workload, fleet, CellSize(requests=requests, seed=seeds[0], gpu_slowdown=slowdown))
     runs: dict[str, list[dict[str, float]]] = {}
     for seed in seeds:
-        workload_run = WORKLOADS[workload](load * knee, CellSize(requests=requests, seed=seed))
+        workload_run = WORKLOADS[workload](load * knee, CellSize(requests=requests, seed=seed, gpu_slowdown=slowdown))
         oracle = oracle_hit_rate(
             workload_run.token_ids(),
             fleet.workers * fleet.capacity_tokens,

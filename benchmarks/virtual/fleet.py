@@ -141,7 +141,11 @@ async def _run(
     for i, worker in enumerate(workers):
         profile = get_profile(names[i % len(names)].strip())
         cfg = SimWorkerConfig(
-            page_size=16, capacity_tokens=fleet.capacity_tokens, profile=profile.name, speedup=1.0, kv_events=True
+            page_size=16,
+            capacity_tokens=fleet.capacity_tokens,
+            profile=profile.name,
+            speedup=fleet.speedup,
+            kv_events=True,
         )
         view = WorkerCacheView(worker.id, router.index, model=lambda: "", clock=loop.time)
         states.views[worker.id] = view  # what the event hub would hold: the decision reads the view's state
@@ -282,8 +286,11 @@ def run_virtual(
         loop.close()
 
 
-def virtual_fleet_of(fleet: Fleet, workers: int | None = None) -> Fleet:
-    """``fleet`` at the profiles' own GPU speed, resized to ``workers`` (its profiles cycled over them)."""
+def virtual_fleet_of(fleet: Fleet, workers: int | None = None, gpu_slowdown: float = 1.0) -> Fleet:
+    """``fleet`` resized to ``workers`` (its profiles cycled over them), its GPUs ``gpu_slowdown`` times slower
+    than the profiles (1: the profiles' own speed)."""
     size = workers or fleet.workers
     name = fleet.name if size == fleet.workers else f"{fleet.name} x{size // fleet.workers or 1} ({size} workers)"
-    return Fleet(name, fleet.profile, size, 1.0, fleet.capacity_tokens)
+    if gpu_slowdown != 1.0:
+        name += f", GPUs {gpu_slowdown:g}x slower"
+    return Fleet(name, fleet.profile, size, 1.0 / gpu_slowdown, fleet.capacity_tokens)

@@ -26,6 +26,18 @@ def test_runs_repeat_exactly_and_faster_than_real_time() -> None:
     assert wall < first.duration_s * 5  # ... in less than five times as many seconds on a loaded 2-core machine
 
 
+def test_a_slowed_fleet_stretches_time_alike_for_round_robin() -> None:
+    """GPUs 4x slower and arrivals 4x sparser: a router that reads no clock-time constant (round robin) sees the
+    same run, four times as long; the prefix-aware router, whose poll interval and TTLs are clock time, may not."""
+    fast = virtual_fleet_of(FLEETS["4x8b-h100"])
+    slow = virtual_fleet_of(FLEETS["4x8b-h100"], gpu_slowdown=4.0)
+    assert slow.speedup == 0.25 and "GPUs 4x slower" in slow.name and fast.speedup == 1.0
+    quick = run_virtual("round-robin", WORKLOADS["gsp"](20.0, CellSize(requests=64)), fast)
+    stretched = run_virtual("round-robin", WORKLOADS["gsp"](5.0, CellSize(requests=64, gpu_slowdown=4.0)), slow)
+    assert stretched.duration_s == pytest.approx(4 * quick.duration_s, rel=0.02)
+    assert sum(stretched.ttft_s) == pytest.approx(4 * sum(quick.ttft_s), rel=0.05)
+
+
 def test_the_index_is_fed_by_the_workers_events() -> None:
     """A prefix-aware router on the virtual fleet finds the shared system prompts that round robin scatters."""
     fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
