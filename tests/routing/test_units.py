@@ -1569,3 +1569,41 @@ def test_the_orders_of_use_share_the_policys_part_of_the_memory_budget() -> None
     assert not policy._recency and policy.memory_bytes() == 0
     policy, workers = fleet_of(4, 0)  # the decode policy's part: nothing
     assert not policy._recency
+
+
+def test_deep_past_the_knee_the_room_a_copy_takes_costs_a_saturated_workers_second() -> None:
+    """Every candidate has a queue (the fleet is past its knee): a copy's KV room is priced at ``max_work_price``,
+    not at the number its worker reports waiting now (none here): the queue grows while the copy holds the room.
+    With one candidate idle the fleet is not past its knee and the room costs what waits, at least the price."""
+
+    def fleet(busy: int) -> Decision:
+        workers = loopback_workers(3)
+        policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+        now = time.monotonic()
+        loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in workers]
+        for w, ld in zip(workers, loads):
+            model = policy.cost_model(w)
+            model.windows, model.utilization = 1, 0.1
+            policy.on_load(w, ld)
+        for w in workers[:busy]:
+            policy.cost_model(w).sent(1800, 0, now)
+        return policy.select(_request(3200, keys=[5], max_new_tokens=256), _candidates(workers, [188, 0, 0], loads))
+
+    deep = fleet(busy=3).scores["w1"]
+    assert deep["memory_work_s"] > 0 and deep["memory_price"] == PrefixAwareOptions().max_work_price
+    assert deep["memory_price"] > deep["work_price"]
+    two = fleet(busy=2).scores["w2"]  # the idle w2 is the copy's candidate now
+    assert two["memory_work_s"] > 0 and two["memory_price"] == two["work_price"] < PrefixAwareOptions().max_work_price
+
+
+def test_a_worker_whose_full_pool_has_requests_waiting_counts_as_having_a_queue() -> None:
+    """A memory-bound worker's queue waits for KV room with its prefill done: the router's own prefill account
+    there is empty, its report's waiting requests are the queue. With room in the pool, a report's waiting count
+    does not count (it is up to a poll stale, and prefill queues are the router's own account)."""
+    workers = loopback_workers(2)
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    full = WorkerLoad(num_waiting_reqs=12, token_usage=0.97, max_total_num_tokens=24576)
+    roomy = WorkerLoad(num_waiting_reqs=12, token_usage=0.5, max_total_num_tokens=24576)
+    assert policy.busy_share(_candidates(workers, [0, 0], [full, full]), policy.clock()) == 1.0
+    assert policy.busy_share(_candidates(workers, [0, 0], [full, roomy]), policy.clock()) == 0.5
+    assert policy.busy_share(_candidates(workers, [0, 0], [roomy, None]), policy.clock()) == 0.0

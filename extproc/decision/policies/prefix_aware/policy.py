@@ -110,12 +110,20 @@ _HORIZON_BLEND = 0.1
 # second, so that a fleet past its knee (every candidate queued within a second of its start) is told from one
 # whose workers are all busy only for a moment.
 _BUSY_AVERAGE_S = 1.0
+# KV usage from which a worker with requests waiting counts as memory-bound (SGLang admits a request only when
+# its new tokens and clipped output fit beside the running ones' reservations: near full, the queue waits for room).
+_MEMORY_BOUND_USAGE = 0.9
 
 
 def _output_of(request: RoutingRequest) -> int:
     """The output a request may write, as SGLang estimates it when it reserves KV room (0: none named)."""
     limit = request.max_new_tokens
     return min(limit, _OUTPUT_CLIP) if limit is not None else 0
+
+
+def _waits_for_room(load: WorkerLoad | None) -> bool:
+    """The worker's last report found requests waiting with its KV pool full: a queue for memory, not prefill."""
+    return load is not None and load.num_waiting_reqs > 0 and load.token_usage >= _MEMORY_BOUND_USAGE
 
 
 def _rendezvous(key: int, candidates: list[Candidate]) -> Candidate:
@@ -445,7 +453,9 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             hold = prefill + output * token_s
             memory_work = new * hold / capacity
         waiting = float(load.num_waiting_reqs) if load else 0.0
-        memory_price = min(max(waiting, price), opts.max_work_price)
+        # Past the knee a copy's room is held while the queue only grows: every request admitted during the hold
+        # waits for it, not only those waiting now, so it costs what a saturated worker's second does.
+        memory_price = opts.max_work_price if past_knee else min(max(waiting, price), opts.max_work_price)
         return {
             "matched_blocks": c.matched_blocks,
             "cached_tokens": total - new,
@@ -606,18 +616,29 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         return _rendezvous(request.block_keys[0], alike)
 
     def busy_share(self, candidates: list[Candidate], now: float) -> float:
-        """The share of the candidates that have something of the router's own queued (0 without candidates).
+        """The share of the candidates with a queue (0 without candidates): prefill of the router's own queued
+        there, or, on a worker whose KV pool is full, requests its last report found waiting.
 
         Below ``idle_fleet_busy_share`` the fleet counts as lightly loaded, and idle workers' least price may
         fall (``idle_fleet_price``). The router's own account of each worker's queue, not its utilisation: on
         a fleet past the knee the measured utilisation and the fleet's mean price can be as low as below it
         (hits are cheap), but most workers have something waiting, and a request spilled onto the one that
         is momentarily idle costs the holder's followers their cache (16 workers, multi-turn, 1.3 x knee:
-        mean 147 vs 121 ms).
+        mean 147 vs 121 ms). On a memory-bound worker the queue waits for KV room with its prefill done, and
+        the router's prefill account is empty: there the report's waiting requests count. Agent sessions deep
+        past the knee (virtual fleet, 4 workers, 1.72 x knee) were judged neither light nor past the knee in
+        169 of 600 decisions while every worker had requests waiting, and copied their prefixes. Counted on
+        any worker, reported waiting moved multi-turn turns off their holders past the knee (+62 ms mean at 4
+        workers, ten seeds), where queues wait for prefill and a report is up to a poll stale.
         """
         if not candidates:
             return 0.0
-        busy = sum(1 for c in candidates if (self.costs.get(c.worker.id) or self._unseen).queued_seconds(now) > 0)
+        unseen = self._unseen
+        busy = sum(
+            1
+            for c in candidates
+            if (self.costs.get(c.worker.id) or unseen).queued_seconds(now) > 0 or _waits_for_room(c.load)
+        )
         return busy / len(candidates)
 
     def _average_busy_share(self, share: float, now: float) -> None:
