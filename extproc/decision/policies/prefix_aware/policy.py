@@ -626,8 +626,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         is momentarily idle costs the holder's followers their cache (16 workers, multi-turn, 1.3 x knee:
         mean 147 vs 121 ms). On a memory-bound worker the queue waits for KV room with its prefill done, and
         the router's prefill account is empty: there the report's waiting requests count. Agent sessions deep
-        past the knee (virtual fleet, 4 workers, 1.72 x knee) were judged neither light nor past the knee in
-        169 of 600 decisions while every worker had requests waiting, and copied their prefixes. Counted on
+        past the knee (virtual fleet, 4 workers, 1.72 x knee, seed 0) were judged neither light nor past the knee
+        in 216 of 600 decisions, and copied their prefixes. Counted on
         any worker, reported waiting moved multi-turn turns off their holders past the knee (+62 ms mean at 4
         workers, ten seeds), where queues wait for prefill and a report is up to a poll stale.
         """
