@@ -245,3 +245,19 @@ def test_ours_minus_the_phase_blind_floor_is_paired_by_seed_with_its_interval() 
         in head
     )
     assert "+30.0 ms (95 % interval +30.0 to +30.0) in p99" in head
+
+
+def test_a_seeds_figures_do_not_depend_on_the_seeds_run_beside_it() -> None:
+    """A cell's knee is measured on one fixed seed's workload, so seed 1 alone and seed 1 after seed 2 are one run.
+
+    Measured on the cell's first seed, the knee (and so the offered rate of "1.72 x the knee") moved with the
+    seed list by up to a fifth on agent sessions, and runs of different seed lists could not be paired.
+    """
+    from benchmarks.virtual.cells import KNEE_SEED, run_cell
+
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
+    alone = run_cell("gsp", fleet, 0.8, ["round-robin"], 64, [1])
+    beside = run_cell("gsp", fleet, 0.8, ["round-robin"], 64, [2, 1])
+    assert KNEE_SEED not in (1, 2)  # neither list holds the seed that measures the knee
+    assert alone["knee"] == beside["knee"] > 0
+    assert alone["runs"]["round-robin"][0] == beside["runs"]["round-robin"][1]
