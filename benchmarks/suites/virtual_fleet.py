@@ -57,7 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--loads",
         type=positive_list(float),
         default="0.5,1.3",
-        help="Offered loads as multiples of round robin's knee.",
+        help="Offered loads as multiples of round robin's knee (measured on seed 0's workload, whatever --seeds "
+        "names, so that a seed's figures do not depend on the seeds run beside it).",
     )
     g.add_argument(
         "--policies",
