@@ -1607,3 +1607,38 @@ def test_a_worker_whose_full_pool_has_requests_waiting_counts_as_having_a_queue(
     assert policy.busy_share(_candidates(workers, [0, 0], [full, full]), policy.clock()) == 1.0
     assert policy.busy_share(_candidates(workers, [0, 0], [full, roomy]), policy.clock()) == 0.5
     assert policy.busy_share(_candidates(workers, [0, 0], [roomy, None]), policy.clock()) == 0.0
+
+
+def test_a_fleet_whose_pools_are_full_with_requests_waiting_prices_a_second_as_saturated() -> None:
+    """Two of three candidates report requests waiting with full pools: the fleet is memory-bound, not yet past
+    its knee by the router's prefill account, and every second of prefill costs ``max_work_price`` (its measured
+    prefill utilisation, 0.1, would price it at the least). A copy of the prompt w0 holds onto the idle w2 then
+    costs more than waiting behind w0's queue. With one of three so, the price is the utilisation's."""
+    cap = PrefixAwareOptions().max_work_price
+
+    def fleet(full: int) -> Decision:
+        workers = loopback_workers(3)
+        policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+        now = time.monotonic()
+        loads = [
+            WorkerLoad(
+                num_waiting_reqs=12 if i < full else 0,
+                token_usage=0.97 if i < full else 0.3,
+                max_total_num_tokens=24576,
+                polled_at=now,
+            )
+            for i in range(3)
+        ]
+        for w, ld in zip(workers, loads):
+            model = policy.cost_model(w)
+            model.windows, model.utilization = 1, 0.1
+            policy.on_load(w, ld)
+        policy.cost_model(workers[0]).sent(6000, 0, now)  # the holder has prefill queued
+        return policy.select(_request(3200, keys=[5], max_new_tokens=256), _candidates(workers, [188, 0, 0], loads))
+
+    bound = fleet(full=2)
+    assert {f["work_price"] for f in bound.scores.values()} == {cap}
+    assert bound.ranked[0].id == "w0" and bound.reason == "prefix-hit"
+    roomy = fleet(full=1)
+    assert all(f["work_price"] < cap for f in roomy.scores.values())
+    assert roomy.ranked[0].id == "w2" and roomy.reason == "prefix-spill"

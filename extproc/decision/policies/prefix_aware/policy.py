@@ -40,6 +40,8 @@ implies): such a worker's second delays no queue and pushes out no prefix, so a 
 whose holder is busy spills to it when that is sooner, as the perfect-information floor would. Where the
 fleet's workers are mostly busy or the worker's cache is full the least price stays ``min_work_price``:
 a momentarily idle worker of a loaded fleet is not free, and recomputing into a full cache evicts.
+A fleet whose pools are full with requests waiting is saturated whatever its prefill utilisation says: there,
+until the fleet is judged past its knee, the least price is ``max_work_price`` (``memory_bound``).
 Where a new prefix is placed (no worker holds any of the prompt), evictions are priced too
 (``eviction_weight``): the new tokens a full cache must push out, times the fleet's mean reuse of a cached
 token, beyond the least any candidate would push out. Without that a new prefix lands wherever its first
@@ -190,7 +192,9 @@ class PrefixAwareOptions(PolicyOptions):
         le=1,
         description="The fleet counts as lightly loaded while fewer than this share of the candidates have anything "
         "of the router's queued: idle workers' least price may fall (idle_fleet_price); past it a spill pays for "
-        "the KV room its copy of a held prefix takes even before a pool is full.",
+        "the KV room its copy of a held prefix takes even before a pool is full. Where this share report requests "
+        "waiting with full KV pools, the fleet is memory-bound and a second of prefill costs max_work_price until "
+        "it is past its knee.",
     )
     eviction_lag_busy_share: float = Field(
         0.8,
@@ -363,13 +367,15 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         new_prefix: bool = True,
         busy_share: float = 0.0,
         past_knee: bool = False,
+        memory_bound: bool = False,
     ) -> dict[str, float]:
         """The figures behind one candidate's predicted TTFT and score (also reported on the decision span).
 
         ``light``: the fleet counts as lightly loaded; ``busy_share``: the share of its candidates with
         something queued (``busy_share``); ``new_prefix``: no candidate holds any of the prompt (only then
-        are evictions priced); ``past_knee``: the fleet is past its knee (``past_knee``). Reads the learned state
-        and changes nothing.
+        are evictions priced); ``past_knee``: the fleet is past its knee (``past_knee``); ``memory_bound``: not
+        past it, but its pools are full with requests waiting (``memory_bound``). Reads the learned state and
+        changes nothing.
         """
         opts = self.opts
         cost = self.costs.get(c.worker.id) or self._unseen
@@ -418,6 +424,11 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         least = opts.min_work_price
         if light and queue <= 0 and evicted <= 0:
             least = min(least, self.fleet_price(busy_share))
+        if memory_bound:
+            # The queue waits for KV room with its prefill done, so the prefill utilisation that prices a second
+            # understates the load: the fleet is saturated, and every second of recomputation holds pool room the
+            # queue needs (``memory_bound``).
+            least = opts.max_work_price
         price = min(max(self._queued_of(cost), least), opts.max_work_price)
         if not past_knee and c.matched_blocks == 0 and cost.joins_forming_batch(now):
             # The requests in the batch it joins get their first tokens when the whole batch is done: each waits
@@ -483,12 +494,16 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         self._average_busy_share(share, now)
         light = self.opts.idle_fleet_price and share < self.opts.idle_fleet_busy_share
         past_knee = self.past_knee(share)
+        memory_bound = not past_knee and self.memory_bound(candidates)
         # Evictions are priced only where a new prefix is placed (no candidate holds any of it): that choice
         # decides where its followers go. For a prompt some worker holds, the choice is its holder or a spill,
         # which the price of GPU time already governs; charging the spill's evictions too kept hits waiting
         # behind cold prefills on their holders (virtual fleet: 4 workers docqa, 16 workers multi-turn).
         new_prefix = not any(c.matched_blocks for c in candidates)
-        figures = {c.worker.id: self.predict(request, c, now, light, new_prefix, share, past_knee) for c in candidates}
+        figures = {
+            c.worker.id: self.predict(request, c, now, light, new_prefix, share, past_knee, memory_bound)
+            for c in candidates
+        }
         # Only the evictions a choice could avoid are its cost: where every candidate's cache is full, one
         # prompt evicts about as much anywhere, and pricing that moves nothing but the ties.
         unavoidable = min(f["eviction_s"] for f in figures.values())
@@ -640,6 +655,24 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             if (self.costs.get(c.worker.id) or unseen).queued_seconds(now) > 0 or _waits_for_room(c.load)
         )
         return busy / len(candidates)
+
+    def memory_bound(self, candidates: list[Candidate]) -> bool:
+        """Whether at least ``idle_fleet_busy_share`` of the candidates report requests waiting with their KV pools
+        full: the fleet waits for memory, not prefill. ``select`` prices every second of prefill there at
+        ``max_work_price`` until the fleet is past its knee (``past_knee``).
+
+        On such a fleet the measured prefill utilisation, which prices a second, stays low (hits are cheap) while
+        the queue grows, and the router's own prefill account, which judges the knee, is empty where the queue
+        waits for room: agent sessions past the knee copied their tenants' prompts there (virtual fleet, 4
+        workers, 1.3 x knee, 30 seeds: TTFT mean -49 ms, 95 % interval -89 to -9, p50 -45, -86 to -4, with it;
+        docs/benchmarks-log.md, 2026-12-07 (morning)). Past the knee a copy's room is priced at
+        ``max_work_price`` already; pricing every second there too kept multi-turn turns on holders with long
+        queues (16 workers: TTFT p99 +268 ms over ten seeds).
+        """
+        if not candidates:
+            return False
+        waiting = sum(1 for c in candidates if _waits_for_room(c.load))
+        return waiting / len(candidates) >= self.opts.idle_fleet_busy_share
 
     def _average_busy_share(self, share: float, now: float) -> None:
         """Fold one decision's busy share into ``busy_average`` (exponentially, over ``_BUSY_AVERAGE_S``)."""
