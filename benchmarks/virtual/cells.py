@@ -37,8 +37,8 @@ __all__ = [
 
 _KNEES: dict[tuple[str, Fleet, int, int], float] = {}
 
-# The seed whose workload measures a cell's knee, whatever seeds the cell runs. One seed's workload measures it
-# to about 10 % (agent sessions at 4 workers: 153 to 195 req/s between seeds), and measured on the cell's first
+# The seed whose workload measures a cell's knee, whatever seeds the cell runs. Seeds' workloads measure it a
+# fifth apart (agent sessions at 4 workers: 89 req/s on seed 1, 113 on seed 0), and measured on the cell's first
 # seed, "1.72 x the knee" was 153 req/s for seeds 1 and 8 and 195 for seeds 0-9: a seed's figures depended on
 # the seeds run beside it, and runs of seeds 10-19 and 0-9 were cells of different depths.
 KNEE_SEED = 0
