@@ -29,6 +29,7 @@ from benchmarks.fleet.shapes import FLEETS
 from benchmarks.virtual.cells import cell_markdown, meets_targets, run_cell
 from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, virtual_fleet_of
 from benchmarks.workloads.cells import WORKLOADS
+from extproc.decision.policies import PolicyError, create_policy
 
 __all__ = ["configure", "main"]
 
@@ -113,6 +114,11 @@ def main(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {key: float(value) for key, value in args.option}
     except (TypeError, ValueError):
         print("prefix-router bench: --option takes KEY=NUMBER", file=sys.stderr)
+        return 2
+    try:
+        create_policy("prefix-aware", overrides)  # a misspelt or out-of-range option fails here, not mid-run
+    except PolicyError as exc:
+        print(f"prefix-router bench: --option: {exc}", file=sys.stderr)
         return 2
     policies = list(args.policies)
     met = total = 0

@@ -55,3 +55,18 @@ def test_an_unknown_suite_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
         cli_main(["bench", "--suite", "matrixx"])
     assert done.value.code == 2
     assert "invalid choice: 'matrixx'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "problem"),
+    [("nonsense=1", "nonsense: Extra inputs are not permitted"), ("tie_rel=-1", "tie_rel: Input should be greater")],
+)
+def test_a_bad_policy_option_is_a_usage_error_before_anything_runs(
+    option: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A misspelt or out-of-range ``--option`` is named at once (exit 2), not a traceback minutes into a run."""
+    argv = ["bench", "--suite", "virtual-fleet", "--workloads", "gsp", "--sizes", "4", "--loads", "0.5"]
+    assert cli_main([*argv, "--requests", "20", "--seeds", "0", "--option", option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prefix-router bench: --option: invalid prefix-aware options") and problem in err
+    assert "Traceback" not in err
