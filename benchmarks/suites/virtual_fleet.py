@@ -75,8 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=key_value,
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="An option of the prefix-aware policy (repeatable), e.g. max_work_price=10.",
+        metavar="[POLICY.]KEY=NUMBER",
+        help="An option of a policy run (repeatable): KEY=NUMBER for prefix-aware (max_work_price=10), "
+        "POLICY.KEY=NUMBER for another (sgl-cache-aware.balance_abs_threshold=32).",
     )
     g.add_argument(
         "--memory-budget",
@@ -110,17 +111,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        overrides: dict[str, Any] = {key: float(value) for key, value in args.option}
-    except (TypeError, ValueError):
-        print("prefix-router bench: --option takes KEY=NUMBER", file=sys.stderr)
-        return 2
-    try:
-        create_policy("prefix-aware", overrides)  # a misspelt or out-of-range option fails here, not mid-run
-    except PolicyError as exc:
-        print(f"prefix-router bench: --option: {exc}", file=sys.stderr)
-        return 2
     policies = list(args.policies)
+    overrides: dict[str, dict[str, Any]] = {}  # policy -> its options
+    for key, value in args.option:
+        policy, dot, name = key.rpartition(".")
+        policy = policy if dot else "prefix-aware"
+        try:
+            overrides.setdefault(policy, {})[name] = float(value)
+        except (TypeError, ValueError):
+            print("prefix-router bench: --option takes [POLICY.]KEY=NUMBER", file=sys.stderr)
+            return 2
+    for policy, options in overrides.items():
+        if policy not in policies:
+            print(f"prefix-router bench: --option {policy}.*: --policies does not run {policy!r}", file=sys.stderr)
+            return 2
+        try:
+            create_policy(policy, options)  # a misspelt or out-of-range option fails here, not mid-run
+        except PolicyError as exc:
+            print(f"prefix-router bench: --option: {exc}", file=sys.stderr)
+            return 2
     met = total = 0
     for fleet_name in args.fleets:
         for size in args.sizes or [0]:

@@ -132,13 +132,14 @@ def run_cell(
     policies: Sequence[str],
     requests: int,
     seeds: Sequence[int],
-    overrides: dict[str, Any] | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
     log: Callable[[str], None] | None = None,
     records: Path | None = None,
     memory_budget_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One virtual cell: every policy (and the floor) over every seed; figures per seed and their spread.
 
+    ``overrides``: options by policy name (the others run on their defaults);
     ``records``: a folder that gets each run's per-request records as JSON lines (``run_virtual(record=True)``);
     ``memory_budget_bytes``: the router's ``memory.budget_bytes`` (None: its default).
     """
@@ -156,9 +157,9 @@ def run_cell(
         )
         for policy in policies:
             started = time.monotonic()
-            opts = overrides if policy == "prefix-aware" else None
+            opts = dict((overrides or {}).get(policy, {}))
             if policy in POLICIES and issubclass(POLICIES[policy], RandomTieBreakPolicy):
-                opts = {"seed": seed}  # a peer's random tie-break, seeded so that the run repeats
+                opts["seed"] = seed  # a peer's random tie-break, seeded so that the run repeats
             result = run_virtual(
                 policy, workload_run, fleet, opts, record=records is not None, memory_budget_bytes=memory_budget_bytes
             )

@@ -261,3 +261,16 @@ def test_a_seeds_figures_do_not_depend_on_the_seeds_run_beside_it() -> None:
     assert KNEE_SEED not in (1, 2)  # neither list holds the seed that measures the knee
     assert alone["knee"] == beside["knee"] > 0
     assert alone["runs"]["round-robin"][0] == beside["runs"]["round-robin"][1]
+
+
+def test_a_peers_options_reach_that_peer_alone() -> None:
+    """``overrides`` are by policy: sgl-router's policy that never follows the cache (a match rate above 1)
+    places by tree size alone and hits less, beside a run of its defaults; prefix-aware is not touched."""
+    from benchmarks.virtual.cells import run_cell
+
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
+    peers = ["sgl-cache-aware", "prefix-aware"]
+    plain = run_cell("gsp", fleet, 0.5, peers, 96, [0])["runs"]
+    blind = run_cell("gsp", fleet, 0.5, peers, 96, [0], {"sgl-cache-aware": {"cache_threshold": 1.01}})["runs"]
+    assert blind["sgl-cache-aware"][0]["hit_vs_oracle"] < plain["sgl-cache-aware"][0]["hit_vs_oracle"]
+    assert blind["prefix-aware"][0] == plain["prefix-aware"][0]
