@@ -8,9 +8,10 @@ loop's clock jumps to the next timer whenever every task waits, so a run of 1,00
 seconds and two runs with one seed print the same figures. ``floor`` is no router: the perfect-
 information reference, which reads each simulated worker's true state and sends each request where
 its TTFT would be lowest now; ``floor-phase-blind`` is the same, blind to the phase of the decode step
-under way (which no router can see). Per cell (workload x load x fleet size) every policy runs over
-every seed; the table shows each figure's mean (range) over the seeds and, for ``prefix-aware``, the
-share of round robin's excess over the floor that it removes. Only the router's own CPU time is
+under way (which no router can see); ``floor-router-view`` is blind to that phase and to when a prefill under
+way started (which carries it), placing its end where a router would. Per cell (workload x load x fleet size)
+every policy runs over every seed; the table shows each figure's mean (range) over the seeds and, for
+``prefix-aware``, the share of round robin's excess over the floor that it removes. Only the router's own CPU time is
 missing (decisions take no virtual time): ``--suite overhead`` measures that. Peers run as this
 project's re-implementations of their policies (``sgl-cache-aware``, ``dynamo-cost``), not their
 binaries. How: ``benchmarks/virtual/``.
@@ -27,7 +28,7 @@ from typing import Any
 from benchmarks.argtypes import integers, key_value, names, positive, positive_list
 from benchmarks.fleet.shapes import FLEETS
 from benchmarks.virtual.cells import cell_markdown, meets_targets, run_cell
-from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, virtual_fleet_of
+from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, FLOOR_ROUTER_VIEW, virtual_fleet_of
 from benchmarks.workloads.cells import WORKLOADS
 from extproc.decision.policies import PolicyError, create_policy
 
@@ -65,8 +66,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--policies",
         type=names(),
         default=f"round-robin,sgl-cache-aware,dynamo-cost,prefix-aware,{FLOOR}",
-        help=f"Router policies, '{FLOOR}' (the perfect-information reference) and '{FLOOR_PHASE_BLIND}' (the "
-        "same, blind to the phase of the decode step under way, which no router sees).",
+        help=f"Router policies, '{FLOOR}' (the perfect-information reference), '{FLOOR_PHASE_BLIND}' (the "
+        f"same, blind to the phase of the decode step under way, which no router sees) and '{FLOOR_ROUTER_VIEW}' "
+        "(blind to the phase and to when a prefill under way started, which carries it: its end placed where a "
+        "router would place it).",
     )
     g.add_argument("--requests", type=positive(int), default=1000, help="Requests per run.")
     g.add_argument("--seeds", type=integers, default="0,1,2", help="Comma-separated seeds; tables show mean (range).")

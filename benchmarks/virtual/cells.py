@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.fleet.shapes import Fleet
 from benchmarks.oracle import oracle_hit_rate
-from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, run_virtual
+from benchmarks.virtual.fleet import FLOOR, FLOOR_PHASE_BLIND, FLOOR_ROUTER_VIEW, run_virtual
 from benchmarks.workloads.cells import WORKLOADS, CellSize
 from extproc.decision.policies import POLICIES
 from extproc.decision.policies.base import RandomTieBreakPolicy
@@ -199,18 +199,19 @@ def run_cell(
     }
     if memory_budget_bytes is not None:
         cell["memory_budget_bytes"] = memory_budget_bytes
-    for prefix, reference in (("", FLOOR), ("blind_", FLOOR_PHASE_BLIND)):
+    for prefix, reference in (("", FLOOR), ("blind_", FLOOR_PHASE_BLIND), ("view_", FLOOR_ROUTER_VIEW)):
         if {"round-robin", reference, "prefix-aware"} <= set(runs):
             for metric in ("mean", "p99"):
                 cell[f"{prefix}gap_closed_{metric}"] = [
                     gap_closed(rr[metric], ours[metric], fl[metric])
                     for rr, ours, fl in zip(runs["round-robin"], runs["prefix-aware"], runs[reference])
                 ]
-    if {"prefix-aware", FLOOR_PHASE_BLIND} <= set(runs):
-        for metric in ("mean", "p99"):
-            cell[f"blind_difference_{metric}"] = paired_difference(
-                [r[metric] for r in runs["prefix-aware"]], [r[metric] for r in runs[FLOOR_PHASE_BLIND]]
-            )
+    for prefix, reference in (("blind_", FLOOR_PHASE_BLIND), ("view_", FLOOR_ROUTER_VIEW)):
+        if {"prefix-aware", reference} <= set(runs):
+            for metric in ("mean", "p99"):
+                cell[f"{prefix}difference_{metric}"] = paired_difference(
+                    [r[metric] for r in runs["prefix-aware"]], [r[metric] for r in runs[reference]]
+                )
     return cell
 
 
@@ -237,16 +238,22 @@ def cell_markdown(cell: dict[str, Any]) -> list[str]:
             f"; of the gap to the phase-blind floor, {_spread(cell['blind_gap_closed_mean'], 100)} % in mean, "
             f"{_spread(cell['blind_gap_closed_p99'], 100)} % in p99"
         )
-    if "blind_difference_mean" in cell:
-
-        def diff(key: str) -> str:
-            mean, low, high = (1000 * v for v in cell[key])
-            return f"{mean:+.1f} ms" + (f" (95 % interval {low:+.1f} to {high:+.1f})" if not math.isnan(low) else "")
-
+    if "view_gap_closed_mean" in cell:
         closed += (
-            f"; prefix-aware minus the phase-blind floor, seed by seed: {diff('blind_difference_mean')} in mean, "
-            f"{diff('blind_difference_p99')} in p99"
+            f"; of the gap to the router-view floor, {_spread(cell['view_gap_closed_mean'], 100)} % in mean, "
+            f"{_spread(cell['view_gap_closed_p99'], 100)} % in p99"
         )
+
+    def diff(key: str) -> str:
+        mean, low, high = (1000 * v for v in cell[key])
+        return f"{mean:+.1f} ms" + (f" (95 % interval {low:+.1f} to {high:+.1f})" if not math.isnan(low) else "")
+
+    for prefix, name in (("blind_", "phase-blind"), ("view_", "router-view")):
+        if f"{prefix}difference_mean" in cell:
+            closed += (
+                f"; prefix-aware minus the {name} floor, seed by seed: {diff(prefix + 'difference_mean')} in mean, "
+                f"{diff(prefix + 'difference_p99')} in p99"
+            )
     lines.append(
         f"**{cell['fleet']}, {cell['workload']}, {cell['load']:g} x knee ({cell['rate']:.2f} req/s)**, "
         f"{cell['requests']} requests x seeds {cell['seeds']}{closed}"

@@ -46,11 +46,20 @@ from sglang_workers.sim.config import SimWorkerConfig
 from sglang_workers.sim.kv_events import KVEvent, encode_payload
 from sglang_workers.sim.timing import get_profile
 
-__all__ = ["FLOOR", "FLOORS", "FLOOR_PHASE_BLIND", "VirtualResult", "run_virtual", "virtual_fleet_of"]
+__all__ = [
+    "FLOOR",
+    "FLOORS",
+    "FLOOR_PHASE_BLIND",
+    "FLOOR_ROUTER_VIEW",
+    "VirtualResult",
+    "run_virtual",
+    "virtual_fleet_of",
+]
 
 FLOOR = "floor"  # the perfect-information reference (``floor.py``), not a router policy
 FLOOR_PHASE_BLIND = "floor-phase-blind"  # the same, blind to the phase of the decode step under way
-FLOORS = (FLOOR, FLOOR_PHASE_BLIND)
+FLOOR_ROUTER_VIEW = "floor-router-view"  # blind to the phase, and to when a prefill under way started
+FLOORS = (FLOOR, FLOOR_PHASE_BLIND, FLOOR_ROUTER_VIEW)
 
 
 class _DirectPublisher:
@@ -155,7 +164,11 @@ async def _run(
         scheduler.start()
         schedulers[worker.id] = scheduler
     result = VirtualResult(policy, workload.offered_rate)
-    floor = PerfectInformationFloor(schedulers, sees_step_phase=policy == FLOOR) if policy in FLOORS else None
+    floor = None
+    if policy in FLOORS:
+        floor = PerfectInformationFloor(
+            schedulers, sees_step_phase=policy == FLOOR, sees_prefill_start=policy != FLOOR_ROUTER_VIEW
+        )
     floor_view = PerfectInformationFloor(schedulers) if record else None  # what the floor would estimate, per decision
     stop = asyncio.Event()
     # What each worker computes from the request (whether or not the policy tokenizes).

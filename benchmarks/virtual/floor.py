@@ -19,18 +19,28 @@ the benchmarks, and reads simulator objects: nothing in ``extproc/`` can do this
 step under way is. A request that arrives during a decode step waits for its end, anywhere from nothing to a
 whole step (7-8 ms for one to eight requests on an 8B H100 profile); no router can see that phase (the worker
 reports nothing of it, and it drifts with every step), so the blind floor charges half a step, the expected
-wait. A prefill under way stays known: its end follows from what was sent and when. Between the two floors
-lies what only the step's phase buys: on a light fleet, where every cold request waits for some decode
-step, that is most of round robin's excess at p99.
+wait. Between the two floors lies what only the step's phase buys: on a light fleet, where every cold request
+waits for some decode step, that is most of round robin's excess at p99.
+
+The phase-blind floor still reads the true end of a prefill under way, and that end carries the phase: a
+prompt that arrived during a decode step started its prefill when that step ended. Sending a cold prompt to a
+worker whose prefill ends in a millisecond (it is prefilled next, with no decode step between) is how that
+floor placed half its cold prompts at 64 workers (gsp, half the knee, 2026-12-07). ``sees_prefill_start=False``
+makes a third reference, the router's view: blind to the phase, and placing each prefill batch's end where a
+router would, from when its requests were sent, with half the decode step under way as their expected wait
+(``ObservedScheduler.seen_prefill_end``); until that end it counts the prefill as under way, after it the
+worker as decoding whatever runs there. Everything else it reads as the other floors do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from sglang_workers.sim.radix_cache import RadixCache, TreeNode
+from sglang_workers.sim.request import Request
 from sglang_workers.sim.scheduler import Scheduler
 from sglang_workers.sim.timing import TimingProfile
 
@@ -56,12 +66,44 @@ class ObservedRadixCache(RadixCache):
 
 
 class ObservedScheduler(Scheduler):
-    """The simulator's scheduler, also noting when the step under way ends (what the floor reads)."""
+    """The simulator's scheduler, also noting when the step under way ends (what the floors read).
+
+    Beside the true end of the step under way it keeps the end of the last prefill batch as a router would
+    place it (``seen_prefill_end``): a batch whose first request arrived during a decode step started when that
+    step ended, which no router sees, so it is placed half that step after the request arrived; a batch run
+    right behind a prefill starts where the previous one's end was placed.
+    """
 
     busy_until: float = 0.0  # loop time at which the current step ends
+    seen_prefill_end: float = 0.0  # loop time at which a router would place the last prefill batch's end
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arrived: dict[str, float] = {}  # rid -> loop time it was queued, until its prefill starts
+        self._last_kind = ""  # the step before the one starting: "prefill", "decode" or "" (none yet)
+        self._last_start = 0.0
+        self._last_seconds = 0.0
+
+    def enqueue(self, req: Request) -> Request:
+        self._arrived[req.rid] = asyncio.get_running_loop().time()
+        return super().enqueue(req)
 
     async def _sleep(self, simulated: float) -> None:
-        self.busy_until = asyncio.get_running_loop().time() + simulated / self.config.speedup
+        now = asyncio.get_running_loop().time()
+        seconds = simulated / self.config.speedup
+        self.busy_until = now + seconds
+        step = self.steps[-1] if self.steps else None
+        if step is not None and step.kind == "prefill":
+            arrived = [self._arrived.pop(rid) for rid in step.rids if rid in self._arrived]
+            first = min(arrived, default=-math.inf)  # none: the next chunk of a chunked prompt
+            start = now
+            if self._last_kind == "decode" and self._last_start <= first < now:
+                start = first + self._last_seconds / 2  # it waited for the decode step under way: half, expected
+            elif self._last_kind == "prefill":
+                start = max(first, self.seen_prefill_end)  # behind the last prefill: where its end was placed
+            self.seen_prefill_end = start + seconds
+        if step is not None:
+            self._last_kind, self._last_start, self._last_seconds = step.kind, now, seconds
         await super()._sleep(simulated)
 
 
@@ -116,10 +158,20 @@ class PerfectInformationFloor:
 
     name = "floor"
 
-    def __init__(self, schedulers: dict[str, ObservedScheduler], *, sees_step_phase: bool = True) -> None:
+    def __init__(
+        self,
+        schedulers: dict[str, ObservedScheduler],
+        *,
+        sees_step_phase: bool = True,
+        sees_prefill_start: bool = True,
+    ) -> None:
         self.schedulers = schedulers
         self.sees_step_phase = sees_step_phase
-        self.name = "floor" if sees_step_phase else "floor-phase-blind"
+        self.sees_prefill_start = sees_prefill_start or sees_step_phase  # the phase shows when a prefill started
+        if sees_step_phase:
+            self.name = "floor"
+        else:
+            self.name = "floor-phase-blind" if self.sees_prefill_start else "floor-router-view"
         # Per scheduler: the queue's state when last priced, its prefill seconds and the page chains of the
         # prompts in it. A worker's queue changes less often than requests arrive: pricing it again for
         # every decision made a deep queue quadratic (minutes a run past the knee).
@@ -144,7 +196,16 @@ class PerfectInformationFloor:
         page = scheduler.cache.page_size
         budget = scheduler.config.chunked_prefill_size
         wait = 0.0
-        if scheduler.prefilling or (scheduler.running and self.sees_step_phase):
+        if not self.sees_prefill_start:
+            # A prefill under way until where a router would place its end; after it, decode steps of an unseen
+            # phase wherever anything runs (the batch just prefilled too, if its prefill has in fact not ended).
+            decoding = [*scheduler.running, *scheduler.prefilling]
+            if now < scheduler.seen_prefill_end:
+                wait = (scheduler.seen_prefill_end - now) * speedup
+            elif decoding:
+                context = sum(r.kv_len for r in decoding) + len(decoding)
+                wait = profile.decode_time(len(decoding), context) / 2
+        elif scheduler.prefilling or (scheduler.running and self.sees_step_phase):
             wait = max(0.0, scheduler.busy_until - now) * speedup
         elif scheduler.running:  # a decode step under way, its phase unseen: half a step on average
             context = sum(r.kv_len for r in scheduler.running) + len(scheduler.running)

@@ -110,6 +110,68 @@ def test_the_phase_blind_floor_charges_half_a_decode_step_where_the_floor_sees_i
     assert step / 2 > 0.001  # so here the blind floor expects the longer wait
 
 
+def test_the_router_view_floor_places_a_prefill_end_where_a_router_would() -> None:
+    """A cold prompt sent during a decode step starts its prefill when that step ends: the phase-blind floor reads
+    that true end, the router-view floor expects half the step instead, as a router must."""
+    import asyncio
+
+    from benchmarks.virtual.clock import VirtualClockLoop, simulator_clock
+    from benchmarks.virtual.floor import ObservedRadixCache, ObservedScheduler, PerfectInformationFloor
+    from sglang_workers.sim.config import SimWorkerConfig
+    from sglang_workers.sim.timing import get_profile
+
+    async def scenario() -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        profile = get_profile("llama-3.1-8b-h100")
+        config = SimWorkerConfig(page_size=16, capacity_tokens=24576, profile=profile.name, speedup=1.0)
+        scheduler = ObservedScheduler(config, profile, ObservedRadixCache(16, enable_events=False), None, [1])
+        scheduler.start()
+        try:
+            decoding = scheduler.submit(list(range(100, 612)), 400)
+            await decoding.updates.get()  # prefilled: it decodes from now on
+            await asyncio.sleep(0.0123)  # somewhere inside a decode step
+            sent = loop.time()
+            step = scheduler.steps[-1]
+            residual = scheduler.busy_until - sent
+            cold = scheduler.submit(list(range(5000, 7048)), 8)
+            await asyncio.sleep(residual + 0.01)  # the decode step has ended; the cold prompt's prefill is under way
+            now = loop.time()
+            prefill, before = scheduler.steps[-1], scheduler.steps[-2]
+            assert before is step and before.kind == "decode" and prefill.kind == "prefill"
+            prompt = list(range(9000, 11048))
+            figures = {
+                "sent": sent,
+                "residual": residual,
+                "step": step.duration,
+                "prefill": prefill.duration,
+                "seen_end": scheduler.seen_prefill_end,
+                "true_end": scheduler.busy_until,
+                "now": now,
+                "blind": PerfectInformationFloor({"w": scheduler}, sees_step_phase=False).ttft(scheduler, prompt, now),
+                "view": PerfectInformationFloor({"w": scheduler}, sees_step_phase=False, sees_prefill_start=False).ttft(
+                    scheduler, prompt, now
+                ),
+            }
+            await cold.updates.get()
+            figures["first_token"] = loop.time()
+            return figures
+        finally:
+            await scheduler.stop()
+
+    loop = VirtualClockLoop()
+    try:
+        with simulator_clock(loop):
+            f = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert 0 < f["residual"] < f["step"] and abs(f["residual"] - f["step"] / 2) > 1e-4
+    assert f["true_end"] == pytest.approx(f["sent"] + f["residual"] + f["prefill"], abs=1e-9)
+    assert f["first_token"] == pytest.approx(f["true_end"], abs=1e-6)
+    assert f["seen_end"] == pytest.approx(f["sent"] + f["step"] / 2 + f["prefill"], abs=1e-9)  # the expected wait
+    # Each floor waits for the prefill under way to end where it places that end, then prefills the new prompt.
+    assert f["view"] - f["blind"] == pytest.approx(f["seen_end"] - f["true_end"], abs=1e-9)
+
+
 def test_a_figure_without_a_gap_is_judged_by_the_same_inequality_as_a_bound() -> None:
     from benchmarks.virtual.cells import meets_targets
     from benchmarks.virtual.fleet import FLOOR
@@ -245,6 +307,13 @@ def test_ours_minus_the_phase_blind_floor_is_paired_by_seed_with_its_interval() 
         in head
     )
     assert "+30.0 ms (95 % interval +30.0 to +30.0) in p99" in head
+    assert "router-view" not in head
+    cell["view_difference_mean"] = paired_difference([0.05, 0.06], [0.045, 0.055])
+    cell["view_difference_p99"] = paired_difference([0.15, 0.18], [0.14, 0.17])
+    cell["view_gap_closed_mean"], cell["view_gap_closed_p99"] = [0.5, 0.7], [0.8, 1.0]
+    head = cell_markdown(cell)[0]
+    assert "of the gap to the router-view floor, 60 (50-70) % in mean, 90 (80-100) % in p99" in head
+    assert "minus the router-view floor, seed by seed: +5.0 ms (95 % interval +5.0 to +5.0) in mean" in head
 
 
 def test_a_seeds_figures_do_not_depend_on_the_seeds_run_beside_it() -> None:
