@@ -108,8 +108,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Write every run's per-request records here, one JSON-lines file a run: the worker chosen and why, "
         "the policy's predicted TTFT, the floor's estimate there and on its best worker at that moment, the "
-        "cache found then there and on the worker holding the most, how many workers held some, the cache at "
-        "admission, the TTFT (slower: the floor's view is computed per request).",
+        "cache found then there and on the worker holding the most, how many workers held some, what the chosen "
+        "worker was doing (prefilling, decoding or idle; its running and waiting requests) and how many workers "
+        "were idle, the cache at admission, the TTFT (slower: the floor's view is computed per request).",
     )
 
 

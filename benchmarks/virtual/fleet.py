@@ -222,6 +222,9 @@ async def _run(
             # What every worker's tree holds of the prompt now: copies of one prefix on several workers take
             # pool room that a fleet past its knee needs (how many hold it, and the most any does).
             held = {wid: cached_prefix(s.cache, tokens[:-1]) for wid, s in schedulers.items()}
+            # What the chosen worker was doing (a prompt sent to one in a prefill is prefilled next; to one that
+            # decodes, after the step under way), and how many workers had nothing at all to do.
+            here = schedulers[chosen]
             entry = {
                 "index": request.index,
                 "sent_s": sent - start,
@@ -237,6 +240,10 @@ async def _run(
                 "true_cached_tokens_now": held[chosen],
                 "true_cached_tokens_best": max(held.values()),
                 "true_holders": sum(1 for tokens_held in held.values() if tokens_held > 0),
+                "worker_state": _state(here),
+                "worker_running": len(here.running),
+                "worker_waiting": len(here.waiting),
+                "idle_workers": sum(1 for s in schedulers.values() if s.idle),
             }
             result.records.append(entry)
         try:
@@ -269,6 +276,15 @@ async def _run(
         result.prefill_busy_s += scheduler.load()["total_prefill_busy_us"] / 1e6
         await scheduler.stop()
     return result
+
+
+def _state(scheduler: ObservedScheduler) -> str:
+    """What a worker is doing: a prefill batch under way, decode steps, only requests waiting, or nothing."""
+    if scheduler.prefilling or scheduler.chunked:
+        return "prefilling"
+    if scheduler.running:
+        return "decoding"
+    return "waiting" if scheduler.waiting else "idle"
 
 
 def run_virtual(

@@ -216,6 +216,12 @@ def test_a_recorded_run_keeps_each_request_and_decides_the_same() -> None:
     assert all(r["true_cached_tokens_now"] <= r["true_cached_tokens_best"] for r in records)
     assert all(r["true_holders"] >= 1 for r in records if r["true_cached_tokens_now"] > 0)
     assert max(r["true_holders"] for r in records) <= 4
+    # The chosen worker's state: the first request finds every worker idle; one decoding has requests running.
+    assert first["worker_state"] == "idle" and first["idle_workers"] == 4 and first["worker_running"] == 0
+    states = {r["worker_state"] for r in records}
+    assert states <= {"idle", "prefilling", "decoding", "waiting"} and len(states) > 1
+    assert all(r["worker_running"] > 0 for r in records if r["worker_state"] == "decoding")
+    assert all(r["idle_workers"] >= 1 for r in records if r["worker_state"] == "idle")
 
 
 def test_the_floor_prices_each_queue_once_per_state_and_as_if_anew(monkeypatch) -> None:  # type: ignore[no-untyped-def]
