@@ -110,7 +110,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "the policy's predicted TTFT, the floor's estimate there and on its best worker at that moment, the "
         "cache found then there and on the worker holding the most, how many workers held some, what the chosen "
         "worker was doing (prefilling, decoding or idle; its running and waiting requests) and how many workers "
-        "were idle, the cache at admission, the TTFT (slower: the floor's view is computed per request).",
+        "were idle, the cache at admission, the TTFT, and every candidate the policy scored with its figures, "
+        "the floor's estimate, the cache it truly held and its state (slower: the floor's view is computed per "
+        "request).",
     )
 
 

@@ -244,6 +244,17 @@ async def _run(
                 "worker_running": len(here.running),
                 "worker_waiting": len(here.waiting),
                 "idle_workers": sum(1 for s in schedulers.values() if s.idle),
+                # Every worker the policy scored (its shortlist): its figures beside the truth there, so a choice can
+                # be told from the ones it passed over (which a prediction got wrong, or a near-tie decided).
+                "candidates": {
+                    wid: {
+                        **{k: v for k, v in scored.items() if isinstance(v, int | float)},
+                        "floor_estimate_s": estimates[wid],
+                        "true_cached_tokens": held[wid],
+                        "state": _state(schedulers[wid]),
+                    }
+                    for wid, scored in (outcome.decision.scores.items() if outcome is not None else ())
+                },
             }
             result.records.append(entry)
         try:
@@ -299,9 +310,10 @@ def run_virtual(
 ) -> VirtualResult:
     """Run ``workload`` through ``policy`` (or a floor) on a virtual ``fleet`` (GPU time, no wall time).
 
-    ``record``: keep one dict per request in ``records`` (what the policy predicted for its choice, what the
-    floor would estimate there and on its own best worker at that moment, what happened); it walks every
-    worker's tree once per request, so a recorded run is slower, and its decisions are the same.
+    ``record``: keep one dict per request in ``records`` (what the policy predicted for its choice and for each
+    candidate it scored, what the floor would estimate there and on its own best worker at that moment, what
+    happened); it walks every worker's tree once per request, so a recorded run is slower, and its decisions
+    are the same.
     """
     loop = VirtualClockLoop()
     try:

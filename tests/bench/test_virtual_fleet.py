@@ -222,6 +222,20 @@ def test_a_recorded_run_keeps_each_request_and_decides_the_same() -> None:
     assert states <= {"idle", "prefilling", "decoding", "waiting"} and len(states) > 1
     assert all(r["worker_running"] > 0 for r in records if r["worker_state"] == "decoding")
     assert all(r["idle_workers"] >= 1 for r in records if r["worker_state"] == "idle")
+    # Every candidate the policy scored, the chosen one among them with the figures recorded for the choice.
+    for r in records:
+        chosen = r["candidates"][r["worker"]]
+        assert chosen["ttft_s"] == r["predicted_ttft_s"] and chosen["new_tokens"] == r["predicted_new_tokens"]
+        assert chosen["floor_estimate_s"] == r["floor_estimate_here_s"]
+        assert chosen["true_cached_tokens"] == r["true_cached_tokens_now"] and chosen["state"] == r["worker_state"]
+    assert all(len(r["candidates"]) == 4 for r in records)  # a fleet this small is scored in full
+    # A cold prompt is one no candidate was predicted to hold any of; a hit went to the deepest predicted match.
+    for r in records:
+        predicted = {wid: c["cached_tokens"] for wid, c in r["candidates"].items()}
+        if r["reason"] == "cold":
+            assert not any(predicted.values())
+        if r["reason"] == "prefix-hit":
+            assert predicted[r["worker"]] == max(predicted.values()) > 0
 
 
 def test_the_floor_prices_each_queue_once_per_state_and_as_if_anew(monkeypatch) -> None:  # type: ignore[no-untyped-def]
