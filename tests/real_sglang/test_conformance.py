@@ -14,8 +14,8 @@ router, sgl-router, smg or a dashboard reads must agree:
 * the KV events since the session's first flush: the same events, block hashes, tokens and order.
 
 The only differences allowed are listed in ``ALLOWED`` with the reason, and keys SGLang writes only when it
-could time them (``TIMED``) may be missing from its answers; docs/sim-worker.md says what the simulator leaves out
-on purpose.
+could time them (``sglang_session.TIMED_KEYS``) may be missing from its answers; docs/sim-worker.md says what
+the simulator leaves out on purpose.
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ import pytest
 from prefix_router.fleet import start_fleet
 from sglang_workers.process import WorkerProcess
 from tests.support.real_sglang import CPU_POOL_TOKENS
-from tests.support.sglang_session import Observation, Runner, Session, shape, shape_differences
+from tests.support.sglang_session import (
+    Observation,
+    Runner,
+    Session,
+    shape,
+    shape_differences,
+    timed_only_in_simulator,
+)
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
 
@@ -102,19 +109,6 @@ def _run(worker: WorkerProcess) -> Session:
     return Runner(worker.url, worker.kv_events_endpoint, worker.replay_endpoint, MODEL).run()
 
 
-# Keys SGLang writes only when it could time what they measure: a key of these that only the simulator sent is
-# not a difference. ``decode_throughput`` needs the request's first token timed apart from its last; SGLang's
-# tokenizer has that from the scheduler's prefill stamp or an earlier output, and on a loaded CPU runner a
-# non-streamed answer's one output can come without it (a full CI run on 2 cores, 2026-12-07: every non-streamed
-# answer of one session lacked it, the same session alone had it on each).
-TIMED = ("decode_throughput",)
-
-
-def _timed_only_in_simulator(diff: str) -> bool:
-    path, _, what = diff.partition(": ")
-    return what == "only in the simulator" and path.rsplit(".", 1)[-1] in TIMED
-
-
 def _allowed(step: str, what: str) -> bool:
     for (pattern, field), _why in ALLOWED.items():
         matches = step == pattern or (pattern.startswith("*") and pattern.strip("*") in step)
@@ -133,7 +127,7 @@ def _compare(real: Observation, sim: Observation) -> list[str]:
         problems.append(f"values: SGLang {real.values}, simulator {sim.values}")
     for diff in shape_differences(real.shape, sim.shape):
         field = diff.split(":", 1)[0].lstrip(".").split(".")[0]
-        if not _allowed(real.step, field) and not _timed_only_in_simulator(diff):
+        if not _allowed(real.step, field) and not timed_only_in_simulator(diff):
             problems.append(diff)
     return problems
 
