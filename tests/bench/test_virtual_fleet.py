@@ -363,3 +363,18 @@ def test_a_peers_options_reach_that_peer_alone() -> None:
     blind = run_cell("gsp", fleet, 0.5, peers, 96, [0], {"sgl-cache-aware": {"cache_threshold": 1.01}})["runs"]
     assert blind["sgl-cache-aware"][0]["hit_vs_oracle"] < plain["sgl-cache-aware"][0]["hit_vs_oracle"]
     assert blind["prefix-aware"][0] == plain["prefix-aware"][0]
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-load", "sgl-cache-aware", "gie-prefix", "dynamo-cost"])
+def test_every_peers_run_can_be_recorded(policy: str) -> None:
+    """A peer's figures are keyed by the workers it scored, so its records name only workers of the fleet."""
+    fleet = virtual_fleet_of(FLEETS["4x8b-h100"])
+    workload = WORKLOADS["gsp"](20.0, CellSize(requests=24))
+    recorded = run_virtual(policy, workload, fleet, record=True)
+    assert len(recorded.records) == 24 and not recorded.errors
+    workers = {f"w{i}" for i in range(fleet.workers)}
+    for r in recorded.records:
+        assert r["worker"] in workers and set(r["candidates"]) <= workers
+    if policy == "sgl-cache-aware":  # the matched worker carries its match rate once a prompt repeats a prefix
+        matched = [r for r in recorded.records if r["reason"] == "cache-match"]
+        assert matched and all(0.5 < r["candidates"][r["worker"]]["match_rate"] <= 1 for r in matched)

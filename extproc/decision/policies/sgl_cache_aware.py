@@ -146,7 +146,9 @@ class SglCacheAwarePolicy(Policy[SglCacheAwareOptions]):
             chosen = min(candidates, key=lambda c: (self.tree.chars.get(c.worker.id, 0), loads[c.worker.id]))
             reason = "smallest-tree"
         ranked = [chosen.worker, *(c.worker for c in by_load if c is not chosen)]
-        return Decision(ranked=ranked, reason=reason, scores={tenant or "": {"match_rate": rate}})
+        # Figures are keyed by worker (``Decision.scores``): the match rate belongs to the worker whose tree matched.
+        scores = {tenant: {"match_rate": rate}} if tenant is not None else {}
+        return Decision(ranked=ranked, reason=reason, scores=scores)
 
     def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
         tenant = decision.ranked[0].id
