@@ -7,11 +7,12 @@ import dataclasses
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks.fleet.shapes import FLEETS
-from benchmarks.matrix.report import matrix_markdown, plot_heatmap
+from benchmarks.matrix.report import matrix_markdown, misses, plot_heatmap
 from benchmarks.matrix.run import MatrixOptions, cell_figures, find_knee
 from benchmarks.metrics import Summary
 from benchmarks.stats import distribution
@@ -80,39 +81,47 @@ def test_cell_compares_ours_with_the_best_peer_per_metric() -> None:
     assert cell["best_peer_goodput"] == "smg" and cell["goodput_vs_best_peer"] == pytest.approx(9.0 / 5.0)
 
 
-def test_report_counts_the_cells_that_meet_the_targets(tmp_path: Path) -> None:
-    good = cell_figures(
-        [_summary("envoy-rr", 1, 10), _summary("smg", 0.5, 4), _summary("ours:prefix-aware", 0.4, 3, hit=0.78)],
-        {},
-        0.8,
-        2.0,
-        "ours:prefix-aware",
-    )
-    bad = cell_figures(
-        [_summary("envoy-rr", 1, 10), _summary("smg", 0.5, 4), _summary("ours:prefix-aware", 0.6, 3.9, hit=0.7)],
-        {},
-        0.8,
-        2.0,
-        "ours:prefix-aware",
-    )
-    for cell, load in ((good, 0.5), (bad, 1.3)):
-        cell.update({"rate": 4.0 * load, "load": load})
-    data = {
+def _with_intervals(summary: Summary, **ci_ms: tuple[float, float]) -> Summary:
+    """``summary`` with the 95 % intervals given in ms (p50=(low, high), ...); the rest a point at the figure."""
+    point = {q: [summary.ttft_s[q], summary.ttft_s[q]] for q in ("p50", "p99", "mean")}
+    return dataclasses.replace(summary, ttft_ci_s=point | {q: [lo / 1000, hi / 1000] for q, (lo, hi) in ci_ms.items()})
+
+
+def test_report_judges_each_cell_against_issue_41s_real_time_targets(tmp_path: Path) -> None:
+    def cell(load: float, ours: Summary, peer: Summary) -> dict[str, Any]:
+        figures = cell_figures([_summary("envoy-rr", 1, 10), peer, ours], {}, 0.8, 2.0, "ours:prefix-aware")
+        return figures | {"rate": 4.0 * load, "load": load}
+
+    smg = _with_intervals(_summary("smg", 0.5, 4, hit=0.76), p50=(450, 550), p99=(3500, 4500), mean=(2000, 2500))
+    inside = _with_intervals(_summary("ours:prefix-aware", 0.54, 3.9, hit=0.75), p99=(3400, 4400))
+    above = _with_intervals(_summary("ours:prefix-aware", 0.56, 3, hit=0.7))
+    data: dict[str, Any] = {
         "fleets": {"4x8b-h100": {}},
         "workloads": ["gsp"],
         "loads": [0.5, 1.3],
         "knees": {"4x8b-h100/gsp": {"knee_rate": 4.0}},
-        "cells": {"4x8b-h100/gsp/0.5": good, "4x8b-h100/gsp/1.3": bad},
+        "cells": {"4x8b-h100/gsp/0.5": cell(0.5, inside, smg), "4x8b-h100/gsp/1.3": cell(1.3, inside, smg)},
     }
     text = matrix_markdown(data)
-    assert "| gsp | 0.5 (2.00) | 400 / 3000 / 1700 |" in text
-    assert "1 of 2" in text and "Missed: 4x8b-h100/gsp/1.3." in text
-    assert "**4x8b-h100/gsp/0.5**" in text and "| smg | 100 | 0 | 500 | 4000 | 2250 |" in text
-    # Ours behind the best peer on mean TTFT or goodput alone misses the cell too.
-    slow_mean = dict(good, mean_vs_best_peer=1.1)
-    low_goodput = dict(good, goodput={"ours:prefix-aware": 1.0, "smg": 2.0}, best_peer_goodput="smg")
-    data["cells"] = {"4x8b-h100/gsp/0.5": slow_mean, "4x8b-h100/gsp/1.3": low_goodput}
-    assert "0 of 2" in matrix_markdown(data)
+    assert "| gsp | 0.5 (2.00) | 540 / 3900 / 2220 |" in text
+    assert "**4x8b-h100/gsp/0.5**" in text and "| smg | 100 | 0 | 500 [450-550] | 4000 [3500-4500] |" in text
+    # Below the knee, ours inside the best peer's intervals meets the cell; past it, the same figures do not:
+    # the mean and p99 must be better beyond both intervals there.
+    assert "1 of 2" in text
+    assert misses(data["cells"]["4x8b-h100/gsp/0.5"]) == []
+    assert misses(data["cells"]["4x8b-h100/gsp/1.3"]) == [
+        "mean 2220 ms [2220-2220] not below smg's [2000-2500]",
+        "p99 3900 ms [3400-4400] not below smg's [3500-4500]",
+    ]
+    # Ours above the peer's p50 interval, with a hit rate under 0.97 x the peer's, misses on both.
+    assert misses(cell(0.5, above, smg)) == ["p50 560 ms above smg's interval [450-550]", "hit rate 0.92 x smg's"]
+    # Past the knee, intervals wholly below the peer's meet the cell.
+    fast = _with_intervals(_summary("ours:prefix-aware", 0.5, 2, hit=0.76), mean=(1200, 1400), p99=(1800, 2200))
+    assert misses(cell(1.3, fast, smg)) == []
+    # A run without intervals (too short to bootstrap) cannot be judged, and says so.
+    assert misses(cell(0.5, _summary("ours:prefix-aware", 0.4, 3, hit=0.76), smg))[0] == "p50: no interval to judge"
+    data["cells"] = {"4x8b-h100/gsp/0.5": cell(0.5, above, smg), "4x8b-h100/gsp/1.3": cell(1.3, fast, smg)}
+    assert "1 of 2" in matrix_markdown(data) and "Missed: 4x8b-h100/gsp/0.5 (p50 560 ms" in matrix_markdown(data)
     path = plot_heatmap(data, tmp_path / "heat.png")
     assert path is not None and path.stat().st_size > 1000
 
