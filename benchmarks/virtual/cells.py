@@ -38,6 +38,9 @@ __all__ = [
 
 _KNEES: dict[tuple[str, Fleet, int, int], float] = {}
 
+# The prefix of a cell's gap_closed_* keys for each reference floor.
+_GAP_PREFIX = {FLOOR: "", FLOOR_PHASE_BLIND: "blind_", FLOOR_ROUTER_VIEW: "view_"}
+
 # The seed whose workload measures a cell's knee, whatever seeds the cell runs. Seeds' workloads measure it a
 # fifth apart (agent sessions at 4 workers: 89 req/s on seed 1, 113 on seed 0), and measured on the cell's first
 # seed, "1.72 x the knee" was 153 req/s for seeds 1 and 8 and 195 for seeds 0-9: a seed's figures depended on
@@ -200,7 +203,7 @@ def run_cell(
     }
     if memory_budget_bytes is not None:
         cell["memory_budget_bytes"] = memory_budget_bytes
-    for prefix, reference in (("", FLOOR), ("blind_", FLOOR_PHASE_BLIND), ("view_", FLOOR_ROUTER_VIEW)):
+    for reference, prefix in _GAP_PREFIX.items():
         if {"round-robin", reference, "prefix-aware"} <= set(runs):
             for metric in ("mean", "p99"):
                 cell[f"{prefix}gap_closed_{metric}"] = [
@@ -276,9 +279,6 @@ def cell_markdown(cell: dict[str, Any]) -> list[str]:
 
 
 TARGETS = {"mean": 0.9, "p99": 0.8}  # the share of round robin's gap to a floor ours must close
-
-# The prefix of a cell's gap_closed_* keys for each reference floor.
-_GAP_PREFIX = {FLOOR: "", FLOOR_PHASE_BLIND: "blind_", FLOOR_ROUTER_VIEW: "view_"}
 
 
 def meets_targets(cell: dict[str, Any], reference: str = FLOOR_PHASE_BLIND) -> bool:
