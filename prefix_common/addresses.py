@@ -7,6 +7,7 @@ simulated worker launcher and the tests (free loopback ports).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 from urllib.parse import urlsplit
@@ -20,6 +21,7 @@ __all__ = [
     "is_ip_literal",
     "is_loopback",
     "parse_worker_url",
+    "port_in_use",
     "resolve_endpoint",
     "split_host_port",
     "substitute_wildcard",
@@ -106,6 +108,30 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Something already listens on ``host:port`` (a bind there fails with EADDRINUSE).
+
+    Asked just before a server binds, so the refusal is ours to word: gRPC's C core would otherwise print its own
+    line to stderr, outside the log format the operator chose. Binds as servers do (``SO_REUSEADDR``), so a port
+    left in TIME_WAIT counts as free. Any other failure (an address not on this host) is left to the server.
+    """
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from prefix_common.addresses import free_port, free_ports
+from prefix_common.addresses import free_port, free_ports, port_in_use
 from prefix_common.logs import configure_logging
 from prefix_router.cli import SUBCOMMANDS, subcommand_parser
 from tests.support.cli import run_cli
@@ -140,6 +141,36 @@ def test_serve_says_which_worker_name_does_not_resolve() -> None:
     # NXDOMAIN where DNS answers; a failed lookup (no DNS server reachable) is said too, in other words
     named = [line for line in lines if "no-such-worker.invalid" in line and "WARNING" in line]
     assert named and ("does not resolve" in named[0] or "cannot resolve" in named[0]), lines
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_serve_refuses_a_taken_port_in_the_log_format_asked_for(log_format: str) -> None:
+    """A taken ext_proc port is refused with status 2 in our words; under ``--log-format json`` every stderr line
+    is a JSON object (gRPC's C core, left to bind, prints its own bare line, which broke a log pipeline and once a
+    CI run whose stack had to pick the router another port)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = run_cli(
+            "serve", "--port", str(port), "--no-metrics", "--worker", "127.0.0.1:9", "--log-format", log_format
+        )
+    assert done.returncode == 2, done.stderr
+    said = f"cannot listen on 127.0.0.1:{port}: address already in use"
+    if log_format == "json":
+        records = [json.loads(line) for line in done.stderr.splitlines()]
+        assert records[-1]["level"] == "error" and records[-1]["message"] == said, records
+    else:
+        assert done.stderr.splitlines()[-1] == f"prefix-router serve: {said}", done.stderr
+
+
+def test_port_in_use_sees_a_listener_and_not_a_free_port() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        assert port_in_use("127.0.0.1", taken) and port_in_use("0.0.0.0", taken)
+    assert not port_in_use("127.0.0.1", free_port()) and not port_in_use("127.0.0.1", 0)
 
 
 def test_serve_warns_of_plaintext_beyond_loopback() -> None:

@@ -42,7 +42,7 @@ from extproc.sync.load import LoadTracker
 from extproc.sync.shared_state import SharedDecisions
 from extproc.sync.sources import WorkerSources
 from extproc.sync.tier_stats import TierStatsTracker
-from prefix_common.addresses import is_loopback
+from prefix_common.addresses import is_loopback, port_in_use
 
 __all__ = ["RouterApp", "serve"]
 
@@ -200,6 +200,8 @@ async def serve(
     await mark_ready(health_servicer, False)  # readiness: once workers, health checks and sync have started
     address = f"{config.server.host}:{config.server.port}"
     credentials = _credentials(config)
+    if port_in_use(config.server.host, config.server.port):
+        raise ConfigError(f"cannot listen on {address}: address already in use")
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:

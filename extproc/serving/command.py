@@ -20,7 +20,7 @@ from extproc.decision.policies import PolicyError
 from extproc.serving.app import serve
 from extproc.serving.processes import supervise
 from prefix_common.addresses import parse_worker_url
-from prefix_common.logs import add_log_flags, configure_logging
+from prefix_common.logs import add_log_flags, configure_logging, json_line
 
 __all__ = ["build_config", "configure", "main", "serve_one"]
 
@@ -116,19 +116,16 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
 def main(args: argparse.Namespace) -> int:
     processes = getattr(args, "processes", 1)
     if processes < 1:
-        print("prefix-router serve: --processes must be at least 1", file=sys.stderr)
-        return 2
+        return _refuse(args, "--processes must be at least 1")
     if processes == 1:
         return serve_one(args, 0)
     configure_logging(args.log_level, args.log_format)
     try:
         config = build_config(args)
     except ConfigError as exc:
-        print(f"prefix-router serve: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(args, str(exc))
     if config.server.port == 0:  # Envoy lists the N ports: they must be known, not picked by the kernel
-        print("prefix-router serve: --processes needs a fixed --port (the N ports from it), not 0", file=sys.stderr)
-        return 2
+        return _refuse(args, "--processes needs a fixed --port (the N ports from it), not 0")
     return supervise(serve_one, args, processes, config.server.port)
 
 
@@ -146,15 +143,13 @@ def serve_one(args: argparse.Namespace, index: int) -> int:
     try:
         config = configured()
     except ConfigError as exc:
-        print(f"prefix-router serve: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(args, str(exc))
     if not (config.workers or config.discovery.dns or config.discovery.kubernetes):
-        print(
-            "prefix-router serve: no workers; give --worker URL (repeatable), or 'workers:', 'discovery.dns' or "
+        return _refuse(
+            args,
+            "no workers; give --worker URL (repeatable), or 'workers:', 'discovery.dns' or "
             "'discovery.kubernetes' in --config",
-            file=sys.stderr,
         )
-        return 2
     path = getattr(args, "config", None)
 
     async def _main() -> None:
@@ -168,6 +163,15 @@ def serve_one(args: argparse.Namespace, index: int) -> int:
     try:
         asyncio.run(_main())
     except (ConfigError, PolicyError, ValueError, OSError) as exc:
-        print(f"prefix-router serve: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(args, str(exc))
     return 0
+
+
+def _refuse(args: argparse.Namespace, message: str) -> int:
+    """Say why the router will not run, in the log format asked for (a pipeline fed ``--log-format json`` must
+    not meet a bare line), and give the exit status for a bad setup."""
+    if getattr(args, "log_format", "text") == "json":
+        print(json_line("prefix_router.serve", message, "error"), file=sys.stderr)
+    else:
+        print(f"prefix-router serve: {message}", file=sys.stderr)
+    return 2
