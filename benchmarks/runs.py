@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from benchmarks.client import ClientOptions, run_load
@@ -14,7 +17,7 @@ from benchmarks.fleet.process import ContenderError
 from benchmarks.metrics import RequestResult, Summary, failed, summarize
 from benchmarks.workloads.base import Workload
 
-__all__ = ["progress_bar", "run_one"]
+__all__ = ["progress_bar", "run_one", "write_records"]
 
 
 def progress_bar(total: int, desc: str, disabled: bool) -> Any:
@@ -32,10 +35,12 @@ async def run_one(
     rate: float | None,
     progress: bool,
     pool: CpuWorkerPool | None = None,
+    records: Path | None = None,
 ) -> tuple[Summary, list[float]]:
     """One contender at one offered load on a fresh (or flushed) cluster; a start failure becomes its row.
 
-    With ``spec.prefill`` the cluster is a PD fleet and ``name`` a PD contender (``pd_contenders``)."""
+    With ``spec.prefill`` the cluster is a PD fleet and ``name`` a PD contender (``pd_contenders``). ``records``:
+    write what the client saw of each request there (``write_records``)."""
     contender = create_pd_contender(name) if spec.prefill else create_contender(name, page_size=spec.page_size)
     cluster = Cluster(spec, pool)
     try:
@@ -65,6 +70,8 @@ async def run_one(
             for r in results:
                 if r.error is None and r.upstream:
                     counts[r.upstream] = counts.get(r.upstream, 0) + 1
+        if records is not None:
+            write_records(records, results, cluster.urls, spec.profile)
         summary = summarize(name, rate, results, counts, spec.workers)
         summary.fleet = await cluster.fleet_figures()
         ttfts = sorted(r.ttft_s for r in results if r.error is None and r.ttft_s is not None)
@@ -72,3 +79,22 @@ async def run_one(
     finally:
         await contender.stop()
         await cluster.stop()
+
+
+def write_records(path: Path, results: Sequence[RequestResult], worker_urls: Sequence[str], profiles: str) -> None:
+    """One JSON line per request, in request order: what the client saw (times in seconds since the run
+    started, tokens, the upstream where the gateway names it) and, where it does, the worker's position in the
+    cluster and its timing profile (profiles are cycled over the workers, as the cluster starts them). The
+    figures a table summarises can then be taken apart request by request (which requests make a p99)."""
+    position = {url.split("://", 1)[-1].rstrip("/"): i for i, url in enumerate(worker_urls)}
+    cycle = [p.strip() for p in profiles.split(",") if p.strip()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for result in results:
+            worker = position.get(result.upstream or "")
+            line = {
+                **dataclasses.asdict(result),
+                "worker": worker,
+                "profile": cycle[worker % len(cycle)] if worker is not None and cycle else None,
+            }
+            out.write(json.dumps(line) + "\n")

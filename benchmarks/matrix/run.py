@@ -53,6 +53,7 @@ __all__ = [
     "cell_figures",
     "find_knee",
     "load_matrix",
+    "records_path",
     "run_matrix",
     "save_matrix",
 ]
@@ -200,6 +201,11 @@ def cell_figures(
     }
 
 
+def records_path(records_dir: Path, cell: str, contender: str) -> Path:
+    """Where one contender's per-request records of one cell go: ``fleet_workload_load_contender.jsonl``."""
+    return records_dir / f"{cell.replace('/', '_')}_{contender.replace(':', '-')}.jsonl"
+
+
 def save_matrix(path: Path, data: dict[str, Any]) -> None:
     """Checkpoint: the JSON is rewritten after every knee and cell."""
     path.write_text(json.dumps(json_safe(data), indent=1, default=str))
@@ -223,8 +229,10 @@ async def run_matrix(
     out_json: Path,
     previous: dict[str, Any] | None = None,
     progress: bool = False,
+    records_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every cell not already in ``previous`` (a resumed run); returns the whole result."""
+    """Run every cell not already in ``previous`` (a resumed run); returns the whole result. ``records_dir``: each
+    contender's per-request records of each cell go there (``records_path``)."""
     ours = next((c for c in contenders if c.startswith("ours:")), None)
     if ours is None or ROUND_ROBIN not in contenders:
         raise ValueError(f"the matrix needs {ROUND_ROBIN} and one ours:<policy> among the contenders")
@@ -307,7 +315,8 @@ async def run_matrix(
                 summaries: list[Summary] = []
                 ttfts: dict[str, list[float]] = {}
                 for name in contenders:
-                    summary, values = await run_one(name, w, spec, options, rate, progress)
+                    where = {"records": records_path(records_dir, key, name)} if records_dir else {}
+                    summary, values = await run_one(name, w, spec, options, rate, progress, **where)
                     summaries.append(summary)
                     ttfts[name] = values
                     status = (

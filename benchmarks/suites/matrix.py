@@ -3,7 +3,8 @@
 For each fleet and workload the suite first measures round robin's knee (the offered load at which its
 fleet would prefill without pause), then runs every contender in every cell (``load x knee``), each on a
 fresh identical simulated fleet. It writes ``matrix.json`` (checkpointed after every cell: ``--resume``
-continues an interrupted run), ``matrix.md`` (ours against the best peer per figure, and every
+continues an interrupted run), ``records/`` (what the client saw of each request, a file per cell and
+contender), ``matrix.md`` (ours against the best peer per figure, and every
 contender's row with its bootstrap intervals) and a heatmap. What a cell runs: ``benchmarks/matrix/run.py``.
 """
 
@@ -65,7 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--matrix-out",
         type=Path,
         default=Path("matrix"),
-        help="Directory for matrix.json (checkpointed after each cell), matrix.md and matrix-heatmap.png.",
+        help="Directory for matrix.json (checkpointed after each cell), matrix.md, matrix-heatmap.png and "
+        "records/ (each request as the client saw it, a JSON-lines file per cell and contender).",
     )
     g.add_argument("--resume", action="store_true", help="Continue a matrix run from its matrix.json.")
     g.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="The Mooncake JSONL trace of the trace workload.")
@@ -105,6 +107,7 @@ def main(args: argparse.Namespace) -> int:
                 out / "matrix.json",
                 previous=previous,
                 progress=not args.no_progress,
+                records_dir=out / "records",
             )
         )
     except (TraceError, ValueError) as exc:
@@ -117,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
     print(table)
     heatmap = plot_heatmap(data, out / "matrix-heatmap.png")
     print(
-        f"matrix written to {out}/ (matrix.json, matrix.md{', matrix-heatmap.png' if heatmap else ''}) "
+        f"matrix written to {out}/ (matrix.json, matrix.md{', matrix-heatmap.png' if heatmap else ''}, records/) "
         f"in {time.monotonic() - started:.0f} s",
         file=sys.stderr,
     )

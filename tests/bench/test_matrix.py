@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,9 @@ import pytest
 
 from benchmarks.fleet.shapes import FLEETS
 from benchmarks.matrix.report import matrix_markdown, misses, plot_heatmap
-from benchmarks.matrix.run import MatrixOptions, cell_figures, find_knee
-from benchmarks.metrics import Summary
+from benchmarks.matrix.run import MatrixOptions, cell_figures, find_knee, records_path
+from benchmarks.metrics import RequestResult, Summary
+from benchmarks.runs import write_records
 from benchmarks.stats import distribution
 from benchmarks.workloads.base import Workload
 from benchmarks.workloads.cells import WORKLOADS
@@ -219,3 +221,24 @@ def test_a_trace_cells_seed_picks_other_conversations_and_seed_0_the_unsalted_sa
     unsalted = read_trace(o.trace, 0, 60, 0.25)
     assert len(zero.requests) == len(unsalted) == 60
     assert read_trace(o.trace, 0, 60, 0.25, salt=1) != unsalted
+
+
+def test_records_name_each_request_and_the_worker_that_served_it(tmp_path: Path) -> None:
+    """The per-request records the matrix writes a file per cell and contender: what the client saw, and the
+    worker's position and profile where the gateway named the upstream (a peer that does not leaves them null)."""
+    urls = ["http://127.0.0.1:4001", "http://127.0.0.1:4002", "http://127.0.0.1:4003"]
+    results = [
+        RequestResult(index=0, sent_s=0.0, ttft_s=0.5, prompt_tokens=2048, upstream="127.0.0.1:4003"),
+        RequestResult(index=1, sent_s=0.1, ttft_s=0.2, prompt_tokens=2048, cached_tokens=2032, upstream=None),
+        RequestResult(index=2, sent_s=0.2, error="HTTP 503", upstream="127.0.0.1:4002"),
+    ]
+    path = records_path(tmp_path / "records", "4x8b-h100+4x8b-a100/gsp/0.5", "ours:prefix-aware")
+    assert path.name == "4x8b-h100+4x8b-a100_gsp_0.5_ours-prefix-aware.jsonl"
+    write_records(path, results, urls, "llama-3.1-8b-h100,llama-3.1-8b-a100")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["index"], r["worker"], r["profile"]) for r in lines] == [
+        (0, 2, "llama-3.1-8b-h100"),
+        (1, None, None),
+        (2, 1, "llama-3.1-8b-a100"),
+    ]
+    assert lines[0]["ttft_s"] == 0.5 and lines[1]["cached_tokens"] == 2032 and lines[2]["error"] == "HTTP 503"

@@ -401,3 +401,15 @@ def test_every_peers_run_can_be_recorded(policy: str) -> None:
     if policy == "sgl-cache-aware":  # the matched worker carries its match rate once a prompt repeats a prefix
         matched = [r for r in recorded.records if r["reason"] == "cache-match"]
         assert matched and all(0.5 < r["candidates"][r["worker"]]["match_rate"] <= 1 for r in matched)
+
+
+def test_the_knee_of_slowed_gpus_scales_with_the_slowdown() -> None:
+    """GPUs 16 times slower have a knee 16 times lower. The first probe (8 req/s at 4 workers) is then twice
+    past it; read over the whole run, whose queues drained long after the last arrival, it looked half busy, and
+    the knee came out 6.2 times lower instead of 16 ("half the knee" overloaded round robin)."""
+    from benchmarks.virtual.cells import virtual_knee
+
+    fast = virtual_knee("gsp", virtual_fleet_of(FLEETS["4x8b-h100"]), CellSize(requests=200, seed=0))
+    slow_fleet = virtual_fleet_of(FLEETS["4x8b-h100"], None, 16.0)
+    slow = virtual_knee("gsp", slow_fleet, CellSize(requests=200, seed=0, gpu_slowdown=16.0))
+    assert 14.0 <= fast / slow <= 18.0, (fast, slow)
