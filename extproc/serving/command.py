@@ -171,7 +171,7 @@ def _refuse(args: argparse.Namespace, message: str) -> int:
     """Say why the router will not run, in the log format asked for (a pipeline fed ``--log-format json`` must
     not meet a bare line), and give the exit status for a bad setup."""
     if getattr(args, "log_format", "text") == "json":
-        print(json_line("prefix_router.serve", message, "error"), file=sys.stderr)
+        print(json_line(log.name, message, "error"), file=sys.stderr)
     else:
         print(f"prefix-router serve: {message}", file=sys.stderr)
     return 2
