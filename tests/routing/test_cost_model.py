@@ -125,6 +125,30 @@ def test_a_worker_that_slows_down_is_tracked_within_seconds() -> None:
     assert model.prefill.seconds(2048, 0) == pytest.approx(slow.seconds(2048, 0), rel=0.10)
 
 
+def test_a_slow_worker_that_mostly_sees_hits_learns_its_cold_prefill_from_its_pace() -> None:
+    """Hits (128 new tokens after 2,048 cached) pin the floor and say little of the per-token constants: those
+    follow the worker's overall pace, not the priors, so a GPU seven times slower than the priors prices its
+    rare cold prompt near what it takes. Ridged toward the priors, a cold 2k-token prompt was learned at about
+    four fifths of its time here, and at half on the virtual clock (an A100 in a mixed fleet,
+    docs/benchmarks-log.md, 2026-12-07 late night)."""
+    truth = PrefillModel(0.015 * 7, 23e-6 * 7, 0.52e-9 * 7)
+    model = WorkerCostModel(PRIOR, DECODE_PRIOR)
+    worker = FifoWorker(truth)
+    rng = random.Random(5)
+    now, next_poll = 0.0, 0.5
+    while now < 90.0:
+        now += rng.expovariate(0.3 / truth.seconds(400, 1800))
+        while next_poll <= now:
+            model.observe(worker.report(next_poll))
+            next_poll += 0.5
+        new, cached = (2048, 0) if rng.random() < 0.1 else (128, 2048)
+        model.sent(new, cached, now)
+        worker.submit(now, new, cached)
+    assert model.windows > 20
+    assert model.prefill.seconds(2048, 0) == pytest.approx(truth.seconds(2048, 0), rel=0.15)
+    assert model.prefill.seconds(128, 2048) == pytest.approx(truth.seconds(128, 2048), rel=0.15)
+
+
 def test_queued_work_follows_the_reported_queue_and_own_sends() -> None:
     truth = PrefillModel(0.015, 23e-6, 0.52e-9)
     model = WorkerCostModel(truth, DECODE_PRIOR)  # exact priors: only the queue is under test

@@ -367,6 +367,32 @@ def test_an_eviction_is_priced_at_the_fleets_reuse_not_the_workers() -> None:
     assert policy.fleet_reuse() == pytest.approx((policy.costs[warm.id].reuse + policy.costs[empty.id].reuse) / 2)
 
 
+def test_an_eviction_is_priced_at_the_fleets_pace_and_the_wait_it_causes() -> None:
+    """A fast GPU is no cheaper to evict on: the evicted prefix is recomputed wherever its next request goes.
+
+    Priced at each worker's own pace, a new prefix evicted on a fast H100 rather than use an A100 with room, and
+    the H100s' caches thrashed (virtual fleet, 4 x H100 + 4 x A100, gsp past the knee: 39 recomputed prefixes on
+    seed 0; 22 priced as here). The recomputation also delays the request that finds its prefix gone, by its own length:
+    the score carries the eviction once more, beside its price as GPU time.
+    """
+    policy = as_policy(PrefixAwarePolicy, create_policy("prefix-aware"))
+    fast, slow, spare = loopback_workers(3)
+    prior = PrefillModel(0.02, 4e-5, 1e-9)
+    _learned(policy, {fast: prior, slow: PrefillModel(prior.c0 * 3, prior.a * 3, prior.b * 3), spare: prior})
+    assert policy.costs[slow.id].prefill.a > 2 * policy.costs[fast.id].prefill.a
+    now = time.monotonic()
+    loads = [WorkerLoad(max_total_num_tokens=24576, polled_at=now) for _ in range(3)]
+    candidates = _candidates([fast, slow, spare], [0, 0, 0], loads)
+    candidates[0].cached_blocks = candidates[1].cached_blocks = 24576 * 8 // 10 // 16
+    decision = _select(policy, _request(4096, keys=[3]), candidates)
+    assert decision.scores[fast.id]["eviction_s"] == pytest.approx(decision.scores[slow.id]["eviction_s"])
+    assert decision.scores[fast.id]["eviction_s"] > 0 == decision.scores[spare.id]["eviction_s"]
+    for worker in (fast, slow, spare):
+        f = decision.scores[worker.id]
+        gpu_time = f["work_price"] * (f["prefill_s"] + f["eviction_s"]) + f["memory_price"] * f["memory_work_s"]
+        assert f["score"] == pytest.approx(f["ttft_s"] + gpu_time + f["eviction_s"])
+
+
 def test_bad_options_are_reported() -> None:
     with pytest.raises(PolicyError, match="prefix-aware"):
         create_policy("prefix-aware", {"prefill_per_token_s": -1})

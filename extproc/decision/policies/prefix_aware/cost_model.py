@@ -15,9 +15,17 @@ from two sources every time its load report changes:
 
 A least-squares fit of ``busy = c0*batches + a*tokens + b*attention`` over those windows, in
 relative errors, forgotten over ``memory_s`` (a worker that gets slower or faster is tracked within
-tens of seconds), regularized toward the priors (a direction the traffic does not excite keeps the
-prior's value) and kept non-negative, gives the constants. It works in units of the prior (each
-constant is the prior times a learned scale), so the three features are of one magnitude.
+tens of seconds), regularized toward the worker's common scale (a direction the traffic does not
+excite follows how fast the worker is overall) and kept non-negative, gives the constants. It works
+in units of the prior (each constant is the prior times a learned scale), so the three features are
+of one magnitude.
+
+Why the common scale and not the priors: a worker that mostly sees hits (128 new tokens after 2,048
+cached) measures its floor well and its per-token and attention constants hardly at all. Ridged toward
+the priors those kept the priors' values, and on a GPU seven times slower than the priors a cold
+2k-token prompt was priced at half its 1.36 s all run long: cold prompts queued on the slow workers of a
+mixed fleet and made its TTFT p99 (virtual fleet, 4 x H100 + 4 x A100 at 7.31x, gsp at half the knee:
+p99 1,651 ms, 1,440 with the common scale; docs/benchmarks-log.md, 2026-12-08).
 
 The floor ``c0`` is paid once per prefill batch (one forward pass, however many requests it holds:
 eight 64-token requests in one batch take 18 ms on an H200, one alone 7 ms; docs/sim-worker.md). A
@@ -427,8 +435,9 @@ class WorkerCostModel:
         Least squares of relative errors (a window of 5 ms counts as much as one of 5 s, so a fast
         worker is fitted as well as a slow one), forgotten with time constant ``memory_s`` (whatever
         the traffic, the fit reflects the last tens of seconds), with a ridge pulling the
-        scales toward 1 (the priors) so directions the traffic never excites keep the prior's value,
-        and non-negative (a constant never goes below zero).
+        scales toward the worker's common scale (1, the priors, before any window) so directions the
+        traffic never excites follow the worker's overall pace, and non-negative (a constant never goes
+        below zero).
         """
         if busy <= 0:
             return
@@ -491,9 +500,15 @@ def _solve3(m: list[list[float]], v: list[float], free: list[int]) -> dict[int, 
 
 
 def _ridge_nonnegative(gram: list[list[float]], rhs: list[float], ridge: float) -> list[float]:
-    """``argmin |Xs - 1|^2 + ridge |s - 1|^2`` over ``s >= _MIN_SCALE`` (active set on three variables)."""
+    """``argmin |Xs - 1|^2 + ridge |s - t|^2`` over ``s >= _MIN_SCALE`` (active set on three variables).
+
+    ``t`` is the common scale: the one factor ``k`` that fits ``|X(k, k, k) - 1|^2`` best, with the ridge's
+    own pull toward 1 (so it is 1 before any window).
+    """
+    # The common scale: the one factor that fits all three constants best (1 before any window).
+    target = (sum(rhs) + ridge) / (sum(sum(row) for row in gram) + ridge)
     m = [[gram[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
-    v = [rhs[i] + ridge for i in range(3)]
+    v = [rhs[i] + ridge * target for i in range(3)]
     fixed: dict[int, float] = {}
     for _ in range(3):
         free = [i for i in range(3) if i not in fixed]

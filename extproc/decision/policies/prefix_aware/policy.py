@@ -44,9 +44,10 @@ A fleet whose pools are full with requests waiting is saturated whatever its pre
 until the fleet is judged past its knee, the least price is ``max_work_price`` (``memory_bound``).
 Where a new prefix is placed (no worker holds any of the prompt), evictions are priced too
 (``eviction_weight``): the new tokens a full cache must push out, times the fleet's mean reuse of a cached
-token, beyond the least any candidate would push out. Without that a new prefix lands wherever its first
-prefill is shortest, and on a fleet of fast and slow GPUs every new system prompt went to the fast workers
-until their caches thrashed.
+token, at the fleet's mean pace of a token, beyond the least any candidate would push out; priced as GPU time
+and once more as the wait of the request that finds its prefix gone. Without that a new prefix lands
+wherever its first prefill is shortest, and on a fleet of fast and slow GPUs every new system prompt went to
+the fast workers until their caches thrashed.
 
 Where the request would wait for KV room (the pool, not prefill time, bounds the worker: long prompts past
 the knee), or wherever the fleet is not lightly loaded (``idle_fleet_busy_share`` of the candidates have a
@@ -212,7 +213,8 @@ class PrefixAwareOptions(PolicyOptions):
         ge=0,
         description="Weight of the future recomputation a full cache's avoidable evictions cause (beyond the "
         "least any candidate causes) where a new prefix is placed, priced at the fleet's mean reuse of cached "
-        "tokens (0: ignore evictions; a new prefix then lands wherever its first prefill is shortest, which on "
+        "tokens and mean pace of a token, as GPU time and as the wait of the request that recomputes them (0: "
+        "ignore evictions; a new prefix then lands wherever its first prefill is shortest, which on "
         "a mixed fleet fills the fast workers' caches and evicts).",
     )
     cache_full_fraction: float = Field(
@@ -411,7 +413,10 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         # Storing the new tokens in a full cache evicts as many cached ones (least recently used). A
         # cached token is reused about reuse / (1 - reuse) times (hits per miss), so an evicted one costs
         # that many recomputations later. The reuse is the fleet's mean, not this worker's: a worker that
-        # drew cold prompts would otherwise look cheap to evict on and draw more of them.
+        # drew cold prompts would otherwise look cheap to evict on and draw more of them. So is the pace of a
+        # token: the evicted prefix is recomputed wherever its next request goes, and priced at a fast GPU's
+        # own pace, new prefixes evicted on the fast workers of a mixed fleet while slow ones had room (virtual
+        # fleet, 4 x H100 + 4 x A100 at 7.31x, gsp past the knee: 39 prefixes recomputed on seed 0, 22 with this).
         capacity = load.max_total_num_tokens if load and load.max_total_num_tokens else None
         evicted = 0.0
         if capacity:
@@ -444,7 +449,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             # knee)).
             price = min(price + cost.forming_requests, opts.max_work_price)
         reuse = min(self.fleet_reuse(), 0.95)
-        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * model.a * evicted if new_prefix else 0.0
+        pace = self.fleet.model.a if self.fleet.model is not None else model.a  # the measured workers' mean
+        eviction = opts.eviction_weight * reuse / (1.0 - reuse) * pace * evicted if new_prefix else 0.0
         output = _output_of(request)
         # The share of running requests' remaining outputs the worker reserves (its last report; the floor without one).
         ratio = load.new_token_ratio if load and load.new_token_ratio is not None else FLOOR_RESERVE_RATIO
@@ -485,7 +491,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
             "eviction_s": eviction,
             "memory_work_s": memory_work,
             "memory_price": memory_price,
-            "score": ttft + price * (prefill + eviction) + memory_price * memory_work,
+            "score": ttft + price * (prefill + eviction) + eviction + memory_price * memory_work,
         }
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
@@ -510,7 +516,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareOptions]):
         if unavoidable > 0:
             for f in figures.values():
                 f["eviction_s"] -= unavoidable
-                f["score"] -= f["work_price"] * unavoidable
+                f["score"] -= (f["work_price"] + 1.0) * unavoidable
         # Likewise the room new tokens hold: what the candidate that needs the fewest would hold is held wherever
         # the request goes; only the copy of a prefix another candidate already holds is the choice's cost.
         least_new = min(f["new_tokens"] for f in figures.values())
