@@ -10,6 +10,7 @@ ones, track a worker that slows down, and that its queue estimate follows the re
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -71,8 +72,11 @@ def _drive(
     rng: random.Random,
     start: float = 0.0,
     poll_s: float = 0.5,
+    prompt: Callable[[random.Random], tuple[int, int]] | None = None,
 ) -> float:
-    """Poisson arrivals of varied prompts for ``seconds``; the model gets every send and every poll."""
+    """Poisson arrivals of varied prompts for ``seconds``; the model gets every send and every poll.
+
+    ``prompt`` draws a request's (new, cached) tokens; by default a wide mix of both."""
     now, next_poll = start, start + poll_s
     end = start + seconds
     while now < end:
@@ -80,8 +84,11 @@ def _drive(
         while next_poll <= now:
             model.observe(worker.report(next_poll))
             next_poll += poll_s
-        new = rng.choice([64, 256, 1024, 2048, 4096])
-        cached = rng.choice([0, 0, 1024, 4096, 8192])
+        if prompt is None:
+            new = rng.choice([64, 256, 1024, 2048, 4096])
+            cached = rng.choice([0, 0, 1024, 4096, 8192])
+        else:
+            new, cached = prompt(rng)
         model.sent(new, cached, now)
         worker.submit(now, new, cached)
     return now
@@ -134,16 +141,11 @@ def test_a_slow_worker_that_mostly_sees_hits_learns_its_cold_prefill_from_its_pa
     truth = PrefillModel(0.015 * 7, 23e-6 * 7, 0.52e-9 * 7)
     model = WorkerCostModel(PRIOR, DECODE_PRIOR)
     worker = FifoWorker(truth)
-    rng = random.Random(5)
-    now, next_poll = 0.0, 0.5
-    while now < 90.0:
-        now += rng.expovariate(0.3 / truth.seconds(400, 1800))
-        while next_poll <= now:
-            model.observe(worker.report(next_poll))
-            next_poll += 0.5
-        new, cached = (2048, 0) if rng.random() < 0.1 else (128, 2048)
-        model.sent(new, cached, now)
-        worker.submit(now, new, cached)
+
+    def mostly_hits(rng: random.Random) -> tuple[int, int]:
+        return (2048, 0) if rng.random() < 0.1 else (128, 2048)
+
+    _drive(model, worker, 90.0, 0.3 / truth.seconds(400, 1800), random.Random(5), prompt=mostly_hits)
     assert model.windows > 20
     assert model.prefill.seconds(2048, 0) == pytest.approx(truth.seconds(2048, 0), rel=0.15)
     assert model.prefill.seconds(128, 2048) == pytest.approx(truth.seconds(128, 2048), rel=0.15)

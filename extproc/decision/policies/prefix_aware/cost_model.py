@@ -505,7 +505,6 @@ def _ridge_nonnegative(gram: list[list[float]], rhs: list[float], ridge: float) 
     ``t`` is the common scale: the one factor ``k`` that fits ``|X(k, k, k) - 1|^2`` best, with the ridge's
     own pull toward 1 (so it is 1 before any window).
     """
-    # The common scale: the one factor that fits all three constants best (1 before any window).
     target = (sum(rhs) + ridge) / (sum(sum(row) for row in gram) + ridge)
     m = [[gram[i][j] + (ridge if i == j else 0.0) for j in range(3)] for i in range(3)]
     v = [rhs[i] + ridge * target for i in range(3)]
